@@ -1,0 +1,311 @@
+"""Configuration: YAML -> frozen dataclasses, fully validated at start.
+
+Every key has a default, so the daemon runs with no file at all. Each
+field's `metadata["help"]` is the one-line why that `config default`
+prints; `metadata["min"]`/`["max"]` bound numbers; `metadata["choices"]`
+bounds strings. Validation errors name the file, the key path and the
+problem (see errors.ConfigError).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar, Union
+
+import yaml
+
+from gpuwatchd.errors import ConfigError
+
+__all__ = [
+    "AlertmanagerConfig",
+    "Config",
+    "DEFAULT_PORT",
+    "load",
+    "load_text",
+    "render_default",
+]
+
+DEFAULT_PORT = 9863
+T = TypeVar("T")
+
+
+def opt(default: Any, help: str, **meta: Any) -> Any:
+    """A config field with a default and a one-line help text."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **meta})
+    return field(default=default, metadata={"help": help, **meta})
+
+
+def section(cls: type[T], help: str) -> Any:
+    return field(default_factory=cls, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    listen: str = opt(
+        f"0.0.0.0:{DEFAULT_PORT}",
+        "address:port for /metrics, /status, /healthz, /events, /alerts",
+    )
+    web_config_file: str = opt(
+        "", "exporter-toolkit web-config.yml (TLS, basic auth); empty = plain HTTP"
+    )
+    textfile: str = opt(
+        "", "also write the exposition atomically to this file (node_exporter textfile)"
+    )
+    healthz_stale_seconds: float = opt(
+        120.0, "/healthz answers 503 when no source loop made progress for this long", min=1
+    )
+
+
+@dataclass(frozen=True)
+class PathsConfig:
+    sysfs: str = opt("/sys", "root of sysfs (tests and containers point it elsewhere)")
+    procfs: str = opt("/proc", "root of procfs")
+    dev_shm: str = opt("/dev/shm", "the host's /dev/shm")
+    kmsg: str = opt("/dev/kmsg", "kernel log device")
+    boot_id: str = opt(
+        "/proc/sys/kernel/random/boot_id", "file holding this boot's id (kmsg cursor)"
+    )
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    state_dir: str = opt("/var/lib/gpuwatchd", "event store and cursors live here")
+    log_level: str = opt(
+        "info", "stderr log level", choices=("debug", "info", "warning", "error")
+    )
+    node_name: str = opt("", "node label on alerts; empty = the host name")
+
+
+@dataclass(frozen=True)
+class NvmlConfig:
+    enabled: bool = opt(True, "poll GPUs through NVML")
+    interval: float = opt(10.0, "seconds between polls", min=0.1, max=3600)
+    call_timeout: float = opt(
+        5.0, "an NVML call slower than this marks the GPU unresponsive", min=0.05, max=600
+    )
+    replay: str = opt("", "serve NVML from this recorded capture instead of the driver")
+    processes: bool = opt(True, "list compute processes per GPU (pid, memory)")
+    init_retry_max: float = opt(
+        300.0, "longest wait between NVML initialisation retries (exponential backoff)", min=1
+    )
+
+
+@dataclass(frozen=True)
+class KmsgConfig:
+    enabled: bool = opt(True, "follow the kernel log for Xid/SXid reports")
+    backend: str = opt(
+        "auto",
+        "where kernel log lines come from",
+        choices=("auto", "kmsg", "journald", "file"),
+    )
+    file: str = opt("", "log file or pipe to follow when backend is file")
+    accept_userspace: bool = opt(
+        False, "treat Xid lines written from user space as real (drills and tests only)"
+    )
+
+
+@dataclass(frozen=True)
+class ShmConfig:
+    enabled: bool = opt(True, "watch /dev/shm capacity and stale NCCL segments")
+    interval: float = opt(30.0, "seconds between polls", min=0.1, max=3600)
+
+
+@dataclass(frozen=True)
+class InfinibandConfig:
+    enabled: bool = opt(True, "watch InfiniBand/RoCE ports in sysfs")
+    interval: float = opt(15.0, "seconds between polls", min=0.1, max=3600)
+
+
+@dataclass(frozen=True)
+class UdevConfig:
+    enabled: bool = opt(True, "re-poll a source at once on udev add/remove/change events")
+
+
+@dataclass(frozen=True)
+class SourcesConfig:
+    nvml: NvmlConfig = section(NvmlConfig, "NVIDIA Management Library")
+    kmsg: KmsgConfig = section(KmsgConfig, "kernel log (Xid, SXid)")
+    shm: ShmConfig = section(ShmConfig, "/dev/shm")
+    infiniband: InfinibandConfig = section(InfinibandConfig, "InfiniBand ports")
+    udev: UdevConfig = section(UdevConfig, "hotplug events")
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    expected_gpus: int = opt(
+        0, "GPUs this node should have; 0 = the count seen at first start", min=0, max=1024
+    )
+
+
+@dataclass(frozen=True)
+class AlertmanagerConfig:
+    urls: list[str] = opt([], "Alertmanager base URLs (each one, not a load balancer)")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    max_events: int = opt(100000, "events kept in the SQLite store", min=100)
+    max_age_days: float = opt(90.0, "events older than this are pruned", min=1)
+
+
+@dataclass(frozen=True)
+class Config:
+    http: HttpConfig = section(HttpConfig, "HTTP endpoints")
+    paths: PathsConfig = section(PathsConfig, "filesystem roots")
+    daemon: DaemonConfig = section(DaemonConfig, "process-wide settings")
+    sources: SourcesConfig = section(SourcesConfig, "data sources")
+    health: HealthConfig = section(HealthConfig, "health rules")
+    alertmanager: AlertmanagerConfig = section(AlertmanagerConfig, "alert delivery")
+    store: StoreConfig = section(StoreConfig, "event store")
+
+
+# --- loading -----------------------------------------------------------------
+
+
+def load(path: str | os.PathLike[str] | None) -> Config:
+    """Read and validate a config file; None means all defaults."""
+    if path is None:
+        return Config()
+    name = str(path)
+    try:
+        text = Path(name).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(name, "", f"cannot read: {exc.strerror or exc}") from None
+    return load_text(text, name)
+
+
+def load_text(text: str, name: str = "<config>") -> Config:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise ConfigError(name, where, f"invalid YAML: {problem}") from None
+    if data is None:
+        data = {}
+    cfg = _build(Config, data, name, "")
+    _check_paths(cfg, name)
+    return cfg
+
+
+def _build(cls: type[T], data: object, file: str, prefix: str) -> T:
+    if not isinstance(data, dict):
+        raise ConfigError(file, prefix or "(top level)", f"must be a mapping, got {_tname(data)}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            raise ConfigError(file, path, f"unknown key (known here: {known})")
+        kwargs[key] = _convert(hints[key], value, file, path, fields[key].metadata)
+    return cls(**kwargs)
+
+
+def _convert(tp: Any, value: object, file: str, path: str, meta: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, file, path)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(args[0], value, file, path, meta)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(file, path, f"must be a list, got {_tname(value)}")
+        return [_convert(item, v, file, f"{path}[{i}]", {}) for i, v in enumerate(value)]
+    if origin is dict:
+        _k, item = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(file, path, f"must be a mapping, got {_tname(value)}")
+        return {str(k): _convert(item, v, file, f"{path}.{k}", {}) for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(file, path, f"must be true or false, got {_tname(value)}")
+        return value
+    if tp in (int, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(file, path, f"must be a number, got {_tname(value)}")
+        if tp is int and not float(value).is_integer():
+            raise ConfigError(file, path, "must be a whole number")
+        num = tp(value)
+        lo, hi = meta.get("min"), meta.get("max")
+        if lo is not None and num < lo:
+            raise ConfigError(file, path, f"must be >= {lo}, got {num}")
+        if hi is not None and num > hi:
+            raise ConfigError(file, path, f"must be <= {hi}, got {num}")
+        return num
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(file, path, f"must be a string, got {_tname(value)}")
+        choices = meta.get("choices")
+        if choices and value not in choices:
+            raise ConfigError(file, path, f"must be one of {', '.join(choices)}, got {value!r}")
+        return value
+    raise ConfigError(file, path, f"unsupported type {tp!r}")  # a bug in this module
+
+
+def _tname(value: object) -> str:
+    if value is None:
+        return "null"
+    return {dict: "mapping", list: "list", str: "string", bool: "boolean"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _check_paths(cfg: Config, file: str) -> None:
+    """Files the config names must exist and be readable (directories: exist)."""
+    named = {
+        "sources.nvml.replay": cfg.sources.nvml.replay,
+        "http.web_config_file": cfg.http.web_config_file,
+    }
+    for key, value in named.items():
+        if value and not os.access(value, os.R_OK):
+            raise ConfigError(file, key, f"cannot read {value}")
+    host, sep, port = cfg.http.listen.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(file, "http.listen", f"must be host:port, got {cfg.http.listen!r}")
+
+
+# --- rendering ---------------------------------------------------------------
+
+
+def render_default() -> str:
+    """The full default configuration as commented YAML (config.example.yaml)."""
+    lines = [
+        "# gpuwatchd configuration. Every key is shown with its default;",
+        "# delete what you do not change. Validate with: gpuwatchd config check FILE",
+        "",
+    ]
+    _render(Config(), 0, lines)
+    return "\n".join(lines) + "\n"
+
+
+def _render(obj: object, depth: int, lines: list[str]) -> None:
+    pad = "  " * depth
+    for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+        value = getattr(obj, f.name)
+        help_text = f.metadata.get("help", "")
+        if dataclasses.is_dataclass(value):
+            if depth == 0 and lines and lines[-1] != "":
+                lines.append("")
+            lines.append(f"{pad}# {help_text}")
+            lines.append(f"{pad}{f.name}:")
+            _render(value, depth + 1, lines)
+            continue
+        extra = ""
+        if "choices" in f.metadata:
+            extra = f" ({' | '.join(f.metadata['choices'])})"
+        lines.append(f"{pad}# {help_text}{extra}")
+        dumped = yaml.safe_dump({f.name: value}, default_flow_style=True, width=1000).strip()
+        lines.append(f"{pad}{dumped[1:-1] if dumped.startswith('{') else dumped}")

@@ -1,0 +1,162 @@
+"""Value types passed between layers: sources -> state -> health -> sinks.
+
+Everything here is immutable so a snapshot can be handed to any thread
+without copying or locking.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = [
+    "Action",
+    "Event",
+    "Finding",
+    "Health",
+    "MetricSpec",
+    "MetricType",
+    "Sample",
+    "Severity",
+    "SourceSnapshot",
+    "labels_of",
+]
+
+MetricType = Literal["gauge", "counter", "info"]
+Labels = tuple[tuple[str, str], ...]
+
+
+def labels_of(mapping: Mapping[str, object] | Iterable[tuple[str, object]]) -> Labels:
+    """Freeze a label mapping into the sorted tuple form samples carry."""
+    items = mapping.items() if isinstance(mapping, Mapping) else mapping
+    return tuple(sorted((str(k), str(v)) for k, v in items))
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    """Name, type, help and label names of one exported metric family.
+
+    Sources declare the families they produce; the Prometheus sink turns
+    them into exposition. Counters carry the full name including `_total`.
+    """
+
+    name: str
+    type: MetricType
+    help: str
+    labels: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One reading: a metric family name, a value and its labels."""
+
+    name: str
+    value: float
+    labels: Labels = ()
+
+    @classmethod
+    def of(cls, name: str, value: float, **labels: object) -> Sample:
+        return cls(name, float(value), labels_of(labels))
+
+    def label(self, key: str, default: str = "") -> str:
+        for k, v in self.labels:
+            if k == key:
+                return v
+        return default
+
+
+class Severity(enum.IntEnum):
+    """Ordered so max() picks the worst."""
+
+    OK = 0
+    INFO = 1
+    WARNING = 2
+    CRITICAL = 3
+
+    @classmethod
+    def parse(cls, text: str) -> Severity:
+        return cls[text.strip().upper()]
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class Action(enum.Enum):
+    """What an operator should do; values match the Xid catalog's `action` field."""
+
+    NONE = "none"
+    RESTART_APP = "restart_app"
+    RESET_GPU = "reset_gpu"
+    REBOOT_NODE = "reboot_node"
+    DRAIN_AND_INSPECT = "drain_and_inspect"
+    CONTACT_SUPPORT = "contact_support"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Health(enum.IntEnum):
+    HEALTHY = 0
+    DEGRADED = 1
+    UNHEALTHY = 2
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """Something that happened once (an Xid, a GPU lost), as opposed to a state.
+
+    `key` identifies the thing the event is about for de-duplication
+    (for an Xid: kind, GPU bus id and code). `attrs` carries extra detail
+    (pid, process, attribution, raw line) as strings.
+    """
+
+    kind: str
+    source: str
+    time: float
+    code: int | None = None
+    pci_bus_id: str = ""
+    message: str = ""
+    severity: Severity = Severity.INFO
+    attrs: Labels = ()
+    count: int = 1
+
+    def attr(self, key: str, default: str = "") -> str:
+        for k, v in self.attrs:
+            if k == key:
+                return v
+        return default
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """A rule's verdict about one subject (a GPU, a port, the daemon)."""
+
+    rule: str
+    alertname: str
+    scope: str
+    subject: Labels
+    severity: Severity
+    reason: str
+    action: Action = Action.NONE
+    remediation: str = ""
+    labels: Labels = ()
+    since: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SourceSnapshot:
+    """The outcome of one poll of one source, as the state keeps it."""
+
+    source: str
+    samples: tuple[Sample, ...]
+    ok: bool
+    error: str = ""
+    timestamp: float = 0.0
+    duration_seconds: float = 0.0
+    last_success: float = 0.0
+    status: Mapping[str, object] = field(default_factory=dict)

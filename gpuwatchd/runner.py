@@ -1,0 +1,159 @@
+"""One thread per source: poll, publish, wait; heartbeats for the watchdog."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gpuwatchd.clock import Clock
+from gpuwatchd.errors import SourceError
+from gpuwatchd.model import Event, Sample, SourceSnapshot
+from gpuwatchd.sources import Source
+from gpuwatchd.state import State
+
+__all__ = ["Runner"]
+
+log = logging.getLogger("gpuwatchd.runner")
+
+
+@dataclass
+class _Slot:
+    source: Source
+    wake: threading.Event
+    thread: threading.Thread | None = None
+    heartbeat: float = 0.0  # monotonic time the loop last made progress
+    polls: int = 0
+    last_success: float = 0.0
+    errors: dict[str, int] | None = None
+
+
+class Runner:
+    """Drives every source on its own daemon thread.
+
+    A source that raises is recorded as failed for that poll and polled
+    again next interval; nothing a source does can stop another source.
+    """
+
+    def __init__(self, sources: Sequence[Source], state: State, clock: Clock) -> None:
+        self._state = state
+        self._clock = clock
+        self._stop = threading.Event()
+        self._slots = {s.name: _Slot(s, threading.Event(), errors={}) for s in sources}
+        self._first = threading.Condition()
+
+    @property
+    def sources(self) -> list[Source]:
+        return [slot.source for slot in self._slots.values()]
+
+    def start(self) -> None:
+        now = self._clock.monotonic()
+        for name, slot in self._slots.items():
+            slot.heartbeat = now
+            slot.thread = threading.Thread(
+                target=self._loop, args=(slot,), name=f"source-{name}", daemon=True
+            )
+            slot.thread.start()
+
+    def poll_once(self, name: str) -> SourceSnapshot:
+        """Poll one source in the caller's thread (used by --once and `check`)."""
+        return self._poll(self._slots[name])
+
+    def nudge(self, name: str) -> None:
+        """Poll `name` now instead of at its next interval (udev events)."""
+        slot = self._slots.get(name)
+        if slot is not None:
+            slot.wake.set()
+
+    def wait_first_polls(self, timeout: float) -> bool:
+        """Wait until each source has polled once; False if some did not in time."""
+        deadline = self._clock.monotonic() + timeout
+        with self._first:
+            while any(s.polls == 0 for s in self._slots.values()):
+                left = deadline - self._clock.monotonic()
+                if left <= 0:
+                    return False
+                self._first.wait(min(left, 0.5))
+        return True
+
+    def stale(self, max_age: float) -> list[str]:
+        """Sources whose loop made no progress for longer than their interval + max_age."""
+        now = self._clock.monotonic()
+        return [
+            name
+            for name, slot in self._slots.items()
+            if now - slot.heartbeat > slot.source.interval + max_age
+        ]
+
+    def last_progress(self) -> float:
+        """Monotonic time of the most recent progress of any source loop."""
+        return max((s.heartbeat for s in self._slots.values()), default=self._clock.monotonic())
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        for slot in self._slots.values():
+            slot.wake.set()
+        for slot in self._slots.values():
+            if slot.thread is not None:
+                slot.thread.join(timeout)
+        for slot in self._slots.values():
+            try:
+                slot.source.close()
+            except Exception:
+                log.exception("closing source %s", slot.source.name)
+
+    def _loop(self, slot: _Slot) -> None:
+        while not self._stop.is_set():
+            started = self._clock.monotonic()
+            self._poll(slot)
+            elapsed = self._clock.monotonic() - started
+            slot.wake.wait(max(0.0, slot.source.interval - elapsed))
+            slot.wake.clear()
+
+    def _poll(self, slot: _Slot) -> SourceSnapshot:
+        source = slot.source
+        t0 = self._clock.monotonic()
+        now = self._clock.time()
+        ok, error = True, ""
+        items: Sequence[Sample | Event] = ()
+        try:
+            items = source.poll(now)
+        except SourceError as exc:
+            ok, error = False, exc.reason
+            log.warning("source %s failed: %s", source.name, exc)
+        except Exception as exc:  # a bug in a source must not kill its thread
+            ok, error = False, "exception"
+            log.exception("source %s raised %s", source.name, type(exc).__name__)
+        duration = self._clock.monotonic() - t0
+        if ok:
+            slot.last_success = now
+        else:
+            assert slot.errors is not None
+            slot.errors[error] = slot.errors.get(error, 0) + 1
+        try:
+            status = dict(source.status())
+        except Exception:
+            log.exception("source %s status()", source.name)
+            status = {}
+        status["errors_by_reason"] = dict(slot.errors or {})
+        snap = SourceSnapshot(
+            source=source.name,
+            samples=tuple(i for i in items if isinstance(i, Sample)),
+            ok=ok,
+            error=error,
+            timestamp=now,
+            duration_seconds=duration,
+            last_success=slot.last_success,
+            status=status,
+        )
+        events = tuple(i for i in items if isinstance(i, Event))
+        try:
+            self._state.publish(snap, events)
+        except Exception:
+            log.exception("publishing %s", source.name)
+        slot.heartbeat = self._clock.monotonic()
+        with self._first:
+            slot.polls += 1
+            self._first.notify_all()
+        return snap

@@ -1,0 +1,98 @@
+"""Sources: the only code that touches hardware, the kernel or the filesystem.
+
+A source knows nothing of Prometheus, Alertmanager or SQLite
+(tests/test_layering.py enforces it). It returns samples and events from
+`poll()`; the runner calls it on its own thread and publishes the result.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from gpuwatchd.clock import Clock, SystemClock
+from gpuwatchd.model import Event, MetricSpec, Sample
+
+if TYPE_CHECKING:
+    from gpuwatchd.config import Config
+
+__all__ = ["SOURCES", "Source", "SourceContext", "SourceSpec", "build_sources", "all_metrics"]
+
+
+@runtime_checkable
+class Source(Protocol):
+    """One kind of input.
+
+    `interval` is the pause between polls in seconds; a source whose poll()
+    waits for input itself (the kernel log) uses a small interval and
+    returns when its own wait times out. `poll()` raises SourceError when
+    it could read nothing at all; partial failures are reported as
+    samples (errors counters) and the poll still succeeds.
+    """
+
+    name: str
+    interval: float
+
+    def poll(self, now: float) -> Sequence[Sample | Event]: ...
+
+    def status(self) -> Mapping[str, object]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class SourceContext:
+    """What a source factory may use besides the config."""
+
+    clock: Clock = field(default_factory=SystemClock)
+    log: logging.Logger = field(default_factory=lambda: logging.getLogger("gpuwatchd"))
+    nudge: Callable[[str], None] = lambda name: None
+    # Shared, read-only lookups between sources (e.g. the NVML bus-id -> GPU map)
+    gpu_index: Callable[[], Mapping[str, Mapping[str, str]]] = lambda: {}
+    # The last cursor the event store committed for a source (kmsg), or None
+    load_cursor: Callable[[str], str | None] = lambda name: None
+
+
+Factory = Callable[["Config", SourceContext], Source]
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    factory: Factory
+    default_enabled: bool
+    metrics: tuple[MetricSpec, ...]
+
+
+def _registry() -> dict[str, SourceSpec]:
+    # Imported here, not at module top, so importing one source never
+    # imports the others (and none of them imports pynvml or pyudev eagerly).
+    from gpuwatchd.sources import nvml
+
+    return {
+        "nvml": SourceSpec(nvml.NvmlSource.from_config, True, nvml.METRICS),
+    }
+
+
+SOURCES: dict[str, SourceSpec] = {}
+
+
+def registry() -> dict[str, SourceSpec]:
+    if not SOURCES:
+        SOURCES.update(_registry())
+    return SOURCES
+
+
+def enabled(cfg: Config, name: str) -> bool:
+    section = getattr(cfg.sources, name, None)
+    return bool(getattr(section, "enabled", registry()[name].default_enabled))
+
+
+def build_sources(cfg: Config, ctx: SourceContext) -> list[Source]:
+    """Instantiate every enabled source, in registry order."""
+    return [spec.factory(cfg, ctx) for name, spec in registry().items() if enabled(cfg, name)]
+
+
+def all_metrics() -> tuple[MetricSpec, ...]:
+    return tuple(m for spec in registry().values() for m in spec.metrics)
