@@ -191,7 +191,7 @@ def load_text(text: str, name: str = "<config>") -> Config:
     if data is None:
         data = {}
     cfg = _build(Config, data, name, "")
-    _check_paths(cfg, name)
+    check_paths(cfg, name)
     return cfg
 
 
@@ -263,7 +263,7 @@ def _tname(value: object) -> str:
     )
 
 
-def _check_paths(cfg: Config, file: str) -> None:
+def check_paths(cfg: Config, file: str) -> None:
     """Files the config names must exist and be readable (directories: exist)."""
     named = {
         "sources.nvml.replay": cfg.sources.nvml.replay,
@@ -272,6 +272,10 @@ def _check_paths(cfg: Config, file: str) -> None:
     for key, value in named.items():
         if value and not os.access(value, os.R_OK):
             raise ConfigError(file, key, f"cannot read {value}")
+    validate_listen(cfg, file)
+
+
+def validate_listen(cfg: Config, file: str) -> None:
     host, sep, port = cfg.http.listen.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ConfigError(file, "http.listen", f"must be host:port, got {cfg.http.listen!r}")

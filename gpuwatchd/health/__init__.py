@@ -1,0 +1,1 @@
+"""Health: the Xid catalog, rules and the engine that turns samples into verdicts."""

@@ -1,0 +1,1 @@
+"""Sinks: consumers of the state (Prometheus, Alertmanager, event store, status API)."""

@@ -1,0 +1,212 @@
+"""Prometheus exposition built fresh from the latest snapshot on every scrape.
+
+The collector never calls a source: it reads `State.snapshot()`, one
+reference, so a hung NVML call cannot slow a scrape. Families come from
+the MetricSpec tables each producer declares.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import tempfile
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+from urllib.parse import parse_qs
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gpuwatchd import __version__
+from gpuwatchd.model import MetricSpec, Sample
+from gpuwatchd.state import NodeSnapshot, State
+
+__all__ = ["DAEMON_METRICS", "Route", "SnapshotCollector", "make_app", "write_textfile"]
+
+log = logging.getLogger("gpuwatchd.prometheus")
+
+_CACHED = " Collected on the source's own timer and served from cache."
+
+DAEMON_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        "gpuwatchd_collector_success",
+        "gauge",
+        "1 if the collector's last poll succeeded, else 0." + _CACHED,
+        ("collector",),
+    ),
+    MetricSpec(
+        "gpuwatchd_collector_duration_seconds",
+        "gauge",
+        "How long the collector's last poll took." + _CACHED,
+        ("collector",),
+    ),
+    MetricSpec(
+        "gpuwatchd_collector_last_success_timestamp_seconds",
+        "gauge",
+        "Unix time of the collector's last successful poll." + _CACHED,
+        ("collector",),
+    ),
+    MetricSpec(
+        "gpuwatchd_collector_errors_total",
+        "counter",
+        "Polls of the collector that failed, by reason.",
+        ("collector", "reason"),
+    ),
+    MetricSpec(
+        "gpuwatchd_build_info",
+        "gauge",
+        "Build information; always 1.",
+        ("version", "python_version"),
+    ),
+)
+
+
+class SnapshotCollector(Collector):
+    """Yields metric families from the current snapshot; never blocks."""
+
+    def __init__(self, state: State, specs: Iterable[MetricSpec]) -> None:
+        self._state = state
+        self._specs = {s.name: s for s in (*DAEMON_METRICS, *specs)}
+        self._unknown_logged: set[str] = set()
+
+    def describe(self) -> Iterator[Metric]:
+        for spec in self._specs.values():
+            yield _family(spec)
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._state.snapshot()
+        grouped: dict[str, list[Sample]] = defaultdict(list)
+        for sample in _self_samples(snap):
+            grouped[sample.name].append(sample)
+        for sample in snap.samples():
+            grouped[sample.name].append(sample)
+        for name, samples in grouped.items():
+            spec = self._specs.get(name)
+            if spec is None:
+                if name not in self._unknown_logged:
+                    self._unknown_logged.add(name)
+                    log.error("sample %s has no MetricSpec; not exported", name)
+                continue
+            fam = _family(spec)
+            seen: set[tuple[str, ...]] = set()
+            for s in samples:
+                values = _label_values(spec, s)
+                if values is None or values in seen:
+                    continue  # malformed or duplicate series: drop, never fail the scrape
+                seen.add(values)
+                fam.add_metric(list(values), s.value)
+            yield fam
+
+
+def _family(spec: MetricSpec) -> Metric:
+    if spec.type == "counter":
+        return CounterMetricFamily(spec.name.removesuffix("_total"), spec.help, labels=spec.labels)
+    return GaugeMetricFamily(spec.name, spec.help, labels=spec.labels)
+
+
+def _label_values(spec: MetricSpec, sample: Sample) -> tuple[str, ...] | None:
+    have = dict(sample.labels)
+    if set(have) != set(spec.labels):
+        return None
+    return tuple(have[k] for k in spec.labels)
+
+
+def _self_samples(snap: NodeSnapshot) -> Iterator[Sample]:
+    yield Sample.of(
+        "gpuwatchd_build_info", 1, version=__version__, python_version=platform.python_version()
+    )
+    for name, src in snap.sources.items():
+        yield Sample.of("gpuwatchd_collector_success", 1 if src.ok else 0, collector=name)
+        yield Sample.of("gpuwatchd_collector_duration_seconds", src.duration_seconds, collector=name)
+        if src.last_success:
+            yield Sample.of(
+                "gpuwatchd_collector_last_success_timestamp_seconds",
+                src.last_success,
+                collector=name,
+            )
+        errors = src.status.get("errors_by_reason", {})
+        if isinstance(errors, Mapping):
+            for reason, count in errors.items():
+                yield Sample.of(
+                    "gpuwatchd_collector_errors_total", count, collector=name, reason=reason
+                )
+
+
+# --- HTTP ----------------------------------------------------------------------
+
+Route = Callable[[Mapping[str, list[str]]], tuple[int, str, bytes]]
+StartResponse = Callable[..., Any]
+
+_REASONS = {200: "OK", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
+            500: "Internal Server Error", 503: "Service Unavailable"}
+
+
+def make_app(
+    registry: CollectorRegistry,
+    routes: Mapping[str, Route],
+) -> Callable[[dict[str, Any], StartResponse], Sequence[bytes]]:
+    """A WSGI app: /metrics plus the given JSON routes; anything else is 404."""
+
+    def app(environ: dict[str, Any], start_response: StartResponse) -> Sequence[bytes]:
+        path = environ.get("PATH_INFO", "/") or "/"
+        method = environ.get("REQUEST_METHOD", "GET")
+        if method not in ("GET", "HEAD"):
+            return _reply(start_response, 405, "text/plain", b"method not allowed\n")
+        query = parse_qs(environ.get("QUERY_STRING", ""))
+        if path == "/metrics":
+            body = generate_latest(registry)
+            status, ctype = 200, "text/plain; version=0.0.4; charset=utf-8"
+        elif path in routes:
+            try:
+                status, ctype, body = routes[path](query)
+            except Exception:
+                log.exception("handler for %s", path)
+                status, ctype, body = 500, "text/plain", b"internal error\n"
+        elif path == "/":
+            links = "".join(f'<li><a href="{p}">{p}</a></li>' for p in ["/metrics", *routes])
+            body = f"<html><body><h1>gpuwatchd</h1><ul>{links}</ul></body></html>".encode()
+            status, ctype = 200, "text/html; charset=utf-8"
+        else:
+            status, ctype, body = 404, "text/plain", b"not found\n"
+        return _reply(start_response, status, ctype, b"" if method == "HEAD" else body)
+
+    return app
+
+
+def _reply(start: StartResponse, status: int, ctype: str, body: bytes) -> list[bytes]:
+    start(
+        f"{status} {_REASONS.get(status, 'Unknown')}",
+        [("Content-Type", ctype), ("Content-Length", str(len(body)))],
+    )
+    return [body]
+
+
+def json_route(producer: Callable[[Mapping[str, list[str]]], object]) -> Route:
+    """Wrap a function returning JSON-able data as a 200 application/json route."""
+
+    def route(query: Mapping[str, list[str]]) -> tuple[int, str, bytes]:
+        data = producer(query)
+        return 200, "application/json", json.dumps(data, indent=1, default=str).encode() + b"\n"
+
+    return route
+
+
+def write_textfile(registry: CollectorRegistry, path: str) -> None:
+    """Write the exposition atomically (tmp file + rename) for node_exporter's textfile."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".gpuwatchd-", suffix=".prom.tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(generate_latest(registry))
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
