@@ -35,15 +35,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         if getattr(args, "debug", False):
             raise
-        logging.getLogger("gpuwatchd").error("%s: %s (use --debug for a traceback)",
-                                             type(exc).__name__, exc)
+        logging.getLogger("gpuwatchd").error(
+            "%s: %s (use --debug for a traceback)", type(exc).__name__, exc
+        )
         return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="gpuwatchd", description="Node-level GPU health daemon."
-    )
+    parser = argparse.ArgumentParser(prog="gpuwatchd", description="Node-level GPU health daemon.")
     parser.add_argument("--version", action="version", version=f"gpuwatchd {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(metavar="COMMAND")

@@ -37,7 +37,9 @@ T = TypeVar("T")
 def opt(default: Any, help: str, **meta: Any) -> Any:
     """A config field with a default and a one-line help text."""
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **meta})
+        return field(
+            default_factory=lambda: type(default)(default), metadata={"help": help, **meta}
+        )
     return field(default=default, metadata={"help": help, **meta})
 
 
@@ -76,9 +78,7 @@ class PathsConfig:
 @dataclass(frozen=True)
 class DaemonConfig:
     state_dir: str = opt("/var/lib/gpuwatchd", "event store and cursors live here")
-    log_level: str = opt(
-        "info", "stderr log level", choices=("debug", "info", "warning", "error")
-    )
+    log_level: str = opt("info", "stderr log level", choices=("debug", "info", "warning", "error"))
     node_name: str = opt("", "node label on alerts; empty = the host name")
 
 
@@ -212,7 +212,7 @@ def _build(cls: type[T], data: object, file: str, prefix: str) -> T:
 
 def _convert(tp: Any, value: object, file: str, path: str, meta: Any) -> Any:
     origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _build(tp, value, file, path)
     if origin in (Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]

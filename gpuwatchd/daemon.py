@@ -39,7 +39,13 @@ from gpuwatchd.sources import SourceContext, all_metrics, build_sources
 from gpuwatchd.state import State
 from gpuwatchd.systemd import Notifier
 
-__all__ = ["EX_CONFIG", "Daemon", "Overrides", "apply_overrides", "split_listen"]
+__all__ = [
+    "Daemon",
+    "EX_CONFIG",
+    "Overrides",
+    "apply_overrides",
+    "split_listen",
+]
 
 log = logging.getLogger("gpuwatchd")
 
@@ -85,7 +91,9 @@ def check_state_dir(cfg: Config, source: str) -> None:
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
-        raise ConfigError(source, "daemon.state_dir", f"cannot create {path}: {exc.strerror}")
+        raise ConfigError(
+            source, "daemon.state_dir", f"cannot create {path}: {exc.strerror}"
+        ) from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(source, "daemon.state_dir", f"{path} is not writable")
 

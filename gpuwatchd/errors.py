@@ -1,11 +1,11 @@
 """Exceptions raised by gpuwatchd.
 
-    GpuwatchdError
-    ├── ConfigError        bad configuration: file, key path, problem (exit 78)
-    ├── CatalogError       the Xid catalog does not validate
-    ├── SourceError        a source could not poll at all
-    │   └── NvmlError      an NVML call failed; keeps NVML's error name and code
-    └── StoreError         the SQLite event store is unusable
+GpuwatchdError
+├── ConfigError        bad configuration: file, key path, problem (exit 78)
+├── CatalogError       the Xid catalog does not validate
+├── SourceError        a source could not poll at all
+│   └── NvmlError      an NVML call failed; keeps NVML's error name and code
+└── StoreError         the SQLite event store is unusable
 """
 
 from __future__ import annotations

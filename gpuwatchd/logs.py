@@ -13,10 +13,8 @@ _FMT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 class _UTCFormatter(logging.Formatter):
-    converter = time.gmtime
-
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
-        t = self.converter(record.created)
+        t = time.gmtime(record.created)
         return time.strftime("%Y-%m-%dT%H:%M:%S", t) + f".{int(record.msecs):03d}Z"
 
 

@@ -84,6 +84,4 @@ class State:
     def set_findings(self, findings: Iterable[Finding]) -> None:
         frozen = tuple(findings)
         with self._lock:
-            self._snap = replace(
-                self._snap, findings=frozen, generation=self._snap.generation + 1
-            )
+            self._snap = replace(self._snap, findings=frozen, generation=self._snap.generation + 1)

@@ -25,6 +25,8 @@ from gpuwatchd import __version__
 from gpuwatchd.model import MetricSpec, Sample
 from gpuwatchd.state import NodeSnapshot, State
 
+Family = CounterMetricFamily | GaugeMetricFamily
+
 __all__ = ["DAEMON_METRICS", "Route", "SnapshotCollector", "make_app", "write_textfile"]
 
 log = logging.getLogger("gpuwatchd.prometheus")
@@ -102,7 +104,7 @@ class SnapshotCollector(Collector):
             yield fam
 
 
-def _family(spec: MetricSpec) -> Metric:
+def _family(spec: MetricSpec) -> Family:
     if spec.type == "counter":
         return CounterMetricFamily(spec.name.removesuffix("_total"), spec.help, labels=spec.labels)
     return GaugeMetricFamily(spec.name, spec.help, labels=spec.labels)
@@ -121,7 +123,9 @@ def _self_samples(snap: NodeSnapshot) -> Iterator[Sample]:
     )
     for name, src in snap.sources.items():
         yield Sample.of("gpuwatchd_collector_success", 1 if src.ok else 0, collector=name)
-        yield Sample.of("gpuwatchd_collector_duration_seconds", src.duration_seconds, collector=name)
+        yield Sample.of(
+            "gpuwatchd_collector_duration_seconds", src.duration_seconds, collector=name
+        )
         if src.last_success:
             yield Sample.of(
                 "gpuwatchd_collector_last_success_timestamp_seconds",
@@ -141,8 +145,14 @@ def _self_samples(snap: NodeSnapshot) -> Iterator[Sample]:
 Route = Callable[[Mapping[str, list[str]]], tuple[int, str, bytes]]
 StartResponse = Callable[..., Any]
 
-_REASONS = {200: "OK", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
-            500: "Internal Server Error", 503: "Service Unavailable"}
+_REASONS = {
+    200: "OK",
+    401: "Unauthorized",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
 
 
 def make_app(

@@ -18,7 +18,14 @@ from gpuwatchd.model import Event, MetricSpec, Sample
 if TYPE_CHECKING:
     from gpuwatchd.config import Config
 
-__all__ = ["SOURCES", "Source", "SourceContext", "SourceSpec", "build_sources", "all_metrics"]
+__all__ = [
+    "SOURCES",
+    "Source",
+    "SourceContext",
+    "SourceSpec",
+    "all_metrics",
+    "build_sources",
+]
 
 
 @runtime_checkable
@@ -50,7 +57,7 @@ class SourceContext:
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("gpuwatchd"))
     nudge: Callable[[str], None] = lambda name: None
     # Shared, read-only lookups between sources (e.g. the NVML bus-id -> GPU map)
-    gpu_index: Callable[[], Mapping[str, Mapping[str, str]]] = lambda: {}
+    gpu_index: Callable[[], Mapping[str, Mapping[str, str]]] = dict
     # The last cursor the event store committed for a source (kmsg), or None
     load_cursor: Callable[[str], str | None] = lambda name: None
 
