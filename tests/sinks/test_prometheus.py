@@ -1,0 +1,113 @@
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from gpuwatchd.model import MetricSpec, Sample, SourceSnapshot
+from gpuwatchd.sinks.prometheus import SnapshotCollector, make_app, write_textfile
+from gpuwatchd.state import State
+
+SPECS = (
+    MetricSpec("gpuwatchd_gpu_power_watts", "gauge", "Power draw.", ("gpu", "uuid", "pci_bus_id")),
+    MetricSpec("gpuwatchd_gpu_energy_joules_total", "counter", "Energy.", ("gpu",)),
+)
+
+
+def _registry(state: State) -> CollectorRegistry:
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(SnapshotCollector(state, SPECS))
+    return reg
+
+
+def _publish(state: State, samples: list[Sample], ok: bool = True) -> None:
+    state.publish(
+        SourceSnapshot(
+            "nvml",
+            tuple(samples),
+            ok,
+            "" if ok else "nvml_init_failed",
+            1.0,
+            0.002,
+            1.0 if ok else 0.0,
+            {"errors_by_reason": {} if ok else {"nvml_init": 2}},
+        )
+    )
+
+
+def test_exposition_from_snapshot() -> None:
+    state = State()
+    _publish(
+        state,
+        [
+            Sample.of(
+                "gpuwatchd_gpu_power_watts", 121.753, gpu=0, uuid="GPU-a", pci_bus_id="0000:00:06.0"
+            ),
+            Sample.of("gpuwatchd_gpu_energy_joules_total", 2172.869, gpu=0),
+        ],
+    )
+    text = generate_latest(_registry(state)).decode()
+    assert (
+        'gpuwatchd_gpu_power_watts{gpu="0",pci_bus_id="0000:00:06.0",uuid="GPU-a"} 121.753' in text
+    )
+    assert "# TYPE gpuwatchd_gpu_energy_joules_total counter" in text
+    assert 'gpuwatchd_gpu_energy_joules_total{gpu="0"} 2172.869' in text
+    assert 'gpuwatchd_collector_success{collector="nvml"} 1.0' in text
+    assert "gpuwatchd_build_info{" in text
+
+
+def test_malformed_and_unknown_samples_are_dropped_not_fatal() -> None:
+    state = State()
+    _publish(
+        state,
+        [
+            Sample.of("gpuwatchd_gpu_power_watts", 1, gpu=0),  # missing labels
+            Sample.of("gpuwatchd_not_declared", 1),
+            Sample.of("gpuwatchd_gpu_energy_joules_total", 5, gpu=1),
+            Sample.of("gpuwatchd_gpu_energy_joules_total", 6, gpu=1),  # duplicate series
+        ],
+        ok=False,
+    )
+    text = generate_latest(_registry(state)).decode()
+    assert "gpuwatchd_not_declared" not in text
+    assert "gpuwatchd_gpu_power_watts{" not in text
+    assert text.count('gpuwatchd_gpu_energy_joules_total{gpu="1"}') == 1
+    assert 'gpuwatchd_collector_success{collector="nvml"} 0.0' in text
+    assert 'gpuwatchd_collector_errors_total{collector="nvml",reason="nvml_init"} 2.0' in text
+
+
+def test_wsgi_routes() -> None:
+    state = State()
+    app = make_app(_registry(state), {"/healthz": lambda q: (503, "text/plain", b"stale\n")})
+    seen: list[str] = []
+
+    def call(path: str, method: str = "GET") -> bytes:
+        body = app({"PATH_INFO": path, "REQUEST_METHOD": method}, lambda s, h: seen.append(s))
+        return b"".join(body)
+
+    assert b"gpuwatchd_build_info" in call("/metrics")
+    assert call("/healthz") == b"stale\n" and seen[-1].startswith("503")
+    call("/nope")
+    assert seen[-1].startswith("404")
+    call("/metrics", "POST")
+    assert seen[-1].startswith("405")
+
+
+def test_textfile_written_atomically(tmp_path: Path) -> None:
+    state = State()
+    target = tmp_path / "gpuwatchd.prom"
+    write_textfile(_registry(state), str(target))
+    assert "gpuwatchd_build_info" in target.read_text()
+    assert [p.name for p in tmp_path.iterdir()] == ["gpuwatchd.prom"]
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_promtool_accepts_exposition() -> None:
+    state = State()
+    _publish(state, [Sample.of("gpuwatchd_gpu_energy_joules_total", 1, gpu=0)])
+    text = generate_latest(_registry(state))
+    res = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True)
+    assert res.returncode == 0 and not res.stdout.strip() and not res.stderr.strip(), res
