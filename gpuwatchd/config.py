@@ -141,11 +141,86 @@ class HealthConfig:
     expected_gpus: int = opt(
         0, "GPUs this node should have; 0 = the count seen at first start", min=0, max=1024
     )
+    disabled_rules: list[str] = opt([], "alert names to switch off, e.g. [GpuPcieDegraded]")
+    for_seconds: dict[str, float] = opt(
+        {
+            "GpuTemperatureHigh": 120.0,
+            "GpuThermalSlowdown": 60.0,
+            "GpuPcieDegraded": 300.0,
+            "InfinibandPortDegraded": 60.0,
+        },
+        "how long a condition must last before it counts, per alert name (Prometheus `for:`)",
+    )
+    temperature_margin_celsius: float = opt(
+        5.0, "warn when a GPU is this close to its slowdown temperature", min=0, max=50
+    )
+    slowdown_reasons: list[str] = opt(
+        ["hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown", "sw_thermal_slowdown"],
+        "clock-event reasons that raise GpuThermalSlowdown while active",
+    )
+    ecc_hold_seconds: float = opt(
+        3600.0, "an uncorrectable ECC error keeps GpuEccUncorrectable active this long", min=0
+    )
+    rate_window_seconds: float = opt(
+        300.0, "window over which error-counter rates (NVLink, PCIe, InfiniBand) are taken",
+        min=10, max=86400,
+    )
+    nvlink_error_rate: float = opt(
+        0.1, "NVLink errors per second on one link (any counter) that raise GpuNvlinkErrors",
+        min=0,
+    )
+    pcie_replay_rate: float = opt(
+        0.1, "PCIe replays per second that raise GpuPcieDegraded", min=0
+    )
+    pcie_gen_min_utilization: float = opt(
+        0.5,
+        "PCIe generation below max counts only while the GPU is at least this busy"
+        " (idle GPUs downshift); above 1 disables the generation check",
+        min=0, max=2,
+    )
+    collector_failure_seconds: float = opt(
+        120.0, "a collector failing for this long raises GpuwatchdCollectorFailed", min=0
+    )
+    infiniband_error_rate: float = opt(
+        0.1, "InfiniBand port error counters per second that raise InfinibandPortErrors", min=0
+    )
+    shm_min_free_ratio: float = opt(
+        0.1, "warn when less than this share of /dev/shm is free", min=0, max=1
+    )
+    startup_grace_seconds: float = opt(
+        60.0, "after a start, wait this long for every source before resolving old alerts",
+        min=0, max=3600,
+    )
 
 
 @dataclass(frozen=True)
 class AlertmanagerConfig:
     urls: list[str] = opt([], "Alertmanager base URLs (each one, not a load balancer)")
+    resend_interval: float = opt(
+        60.0, "re-send firing alerts this often (endsAt = now + 4 x this)", min=1, max=3600
+    )
+    timeout: float = opt(10.0, "HTTP timeout of one POST", min=0.1, max=300)
+    external_url: str = opt(
+        "", "base URL of this daemon for generatorURL; empty = http://<node>:<port>"
+    )
+    runbook_base_url: str = opt(
+        "", "runbook_url = this + /<alertname>.md (e.g. your copy of docs/runbooks); empty = none"
+    )
+    static_labels: dict[str, str] = opt({}, "labels added to every alert, e.g. cluster, rack")
+    tls_ca_file: str = opt("", "CA bundle to verify Alertmanager's certificate")
+    tls_cert_file: str = opt("", "client certificate (mutual TLS)")
+    tls_key_file: str = opt("", "client key (mutual TLS)")
+    tls_insecure_skip_verify: bool = opt(False, "do not verify Alertmanager's certificate")
+    basic_auth_user: str = opt("", "HTTP basic auth user")
+    basic_auth_password_file: str = opt("", "file holding the basic auth password")
+    bearer_token_file: str = opt("", "file holding a bearer token (re-read on every send)")
+    max_alerts: int = opt(
+        10000, "bound of the durable alert queue; beyond it new alerts are dropped and counted",
+        min=10, max=10_000_000,
+    )
+    retry_max_seconds: float = opt(
+        60.0, "longest wait between retries to an unreachable Alertmanager", min=1, max=3600
+    )
 
 
 @dataclass(frozen=True)
