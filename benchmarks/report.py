@@ -1,0 +1,52 @@
+"""Write one benchmark's section of docs/benchmarks.md, leaving the others alone."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import re
+import sys
+from pathlib import Path
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+HEADER = """# Benchmarks
+
+Figures measured by the scripts in `benchmarks/`; each section says when, on
+what machine and with which command it was produced. Re-run a script to
+refresh its section. Speed is measured here, never asserted in tests.
+"""
+
+
+def machine() -> str:
+    """A one-line description of this machine (CPU model, cores, Python)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def update_section(name: str, body: str, doc: Path = DOC) -> None:
+    """Replace (or add) the section `name` of the benchmarks document."""
+    today = datetime.date.today().isoformat()
+    command = "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    block = (
+        f"<!-- bench:{name} -->\n{body.rstrip()}\n\n"
+        f"_Measured {today} on {machine()}; command: `{command}`._\n"
+        f"<!-- /bench:{name} -->"
+    )
+    text = doc.read_text() if doc.exists() else HEADER
+    pattern = re.compile(
+        rf"<!-- bench:{re.escape(name)} -->.*?<!-- /bench:{re.escape(name)} -->", re.S
+    )
+    if pattern.search(text):
+        text = pattern.sub(lambda _m: block, text)
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text)
