@@ -106,9 +106,7 @@ def test_sysusers_declares_the_unit_user() -> None:
 
 def analyze(*args: str) -> subprocess.CompletedProcess[str]:
     assert ANALYZE is not None
-    return subprocess.run(
-        [ANALYZE, *args], capture_output=True, text=True, timeout=60, check=False
-    )
+    return subprocess.run([ANALYZE, *args], capture_output=True, text=True, timeout=60, check=False)
 
 
 @needs_analyze
@@ -141,16 +139,40 @@ def make_install(tmp: Path) -> Path:
     wheels = tmp / "wheels"
     # Build the wheel here (no network: no build isolation), install it without deps.
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-         "--no-index", "-w", str(wheels), str(src)],
-        check=True, capture_output=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            str(wheels),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
     )
     (wheel,) = wheels.glob("gpuwatchd-*.whl")
     dest = tmp / "dest"
     res = subprocess.run(
-        ["make", "-C", str(src), "install", f"DESTDIR={dest}", f"PYTHON={sys.executable}",
-         f"SRC={wheel}", "PIP_INSTALL_ARGS=--no-deps --no-index"],
-        capture_output=True, text=True, timeout=180, check=False,
+        [
+            "make",
+            "-C",
+            str(src),
+            "install",
+            f"DESTDIR={dest}",
+            f"PYTHON={sys.executable}",
+            f"SRC={wheel}",
+            "PIP_INSTALL_ARGS=--no-deps --no-index",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
     )
     assert res.returncode == 0, res.stdout + res.stderr
     return dest
@@ -193,7 +215,11 @@ def test_installed_package_imports(installed: Path) -> None:
     py = installed / "opt/gpuwatchd/bin/python"
     res = subprocess.run(
         [str(py), "-c", "import gpuwatchd; print(gpuwatchd.__file__, gpuwatchd.__version__)"],
-        capture_output=True, text=True, timeout=30, check=False, cwd=installed,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        cwd=installed,
     )
     assert res.returncode == 0, res.stderr
     where, version = res.stdout.split()
@@ -209,7 +235,10 @@ def test_reinstall_keeps_edited_config(tmp_path: Path, installed: Path) -> None:
     cfg.write_text("daemon:\n  log_level: debug\n")
     res = subprocess.run(
         ["make", "-C", str(ROOT), "install-files", f"DESTDIR={dest}"],
-        capture_output=True, text=True, timeout=60, check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert res.returncode == 0, res.stderr
     assert cfg.read_text() == "daemon:\n  log_level: debug\n"
