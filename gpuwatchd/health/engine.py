@@ -1,0 +1,389 @@
+"""Health engine: runs the rules after each poll and event, keeps open conditions.
+
+The engine subscribes to the State, so it runs in whichever source thread
+just published; one lock serialises evaluations. Each evaluation:
+observe the snapshot into History, run the rules, apply `for_seconds`
+(a condition must last that long before it opens), track open/resolved
+transitions with their `since`, roll health up per GPU, per component and
+for the node, then publish: `state.set_findings`, `gpuwatchd_health`
+samples via `state.publish_extra`, and the open findings to listeners
+(the Alertmanager sink) when they changed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from gpuwatchd.clock import Clock
+from gpuwatchd.config import Config, HealthConfig
+from gpuwatchd.health import rules
+from gpuwatchd.health.history import History, View
+from gpuwatchd.health.rules import Inputs, XidCondition
+from gpuwatchd.model import (
+    Event,
+    Finding,
+    Health,
+    Labels,
+    MetricSpec,
+    Sample,
+    Severity,
+    SourceSnapshot,
+)
+from gpuwatchd.state import NodeSnapshot, State
+
+__all__ = [
+    "COMPONENTS",
+    "METRICS",
+    "Clear",
+    "HealthEngine",
+    "Rollup",
+    "component_of",
+    "finding_json",
+    "health_of",
+]
+
+log = logging.getLogger("gpuwatchd.health")
+
+COMPONENTS = ("nvml", "kmsg", "shm", "infiniband", "daemon")
+_HEALTH_LABELS = ("scope", "component", "gpu", "uuid", "pci_bus_id")
+
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        "gpuwatchd_health",
+        "gauge",
+        "Health verdict: 0 healthy, 1 degraded (a warning condition), 2 unhealthy (a critical"
+        " one). scope is node, gpu or component; the other labels are empty where they do"
+        " not apply.",
+        _HEALTH_LABELS,
+    ),
+    MetricSpec(
+        "gpuwatchd_health_conditions",
+        "gauge",
+        "Open health conditions (findings) by severity.",
+        ("severity",),
+    ),
+    MetricSpec(
+        "gpuwatchd_health_rule_errors_total",
+        "counter",
+        "Rule evaluations that raised (a bug; the log has the traceback).",
+        ("rule",),
+    ),
+)
+
+Listener = Callable[[Sequence[Finding], float], None]
+Key = tuple[str, Labels, Labels]
+
+
+@dataclass(frozen=True)
+class Clear:
+    """An operator's `gpuwatchd clear`: a GPU (index/uuid/bus id) or everything."""
+
+    id: int
+    time: float
+    target: str  # "" = all
+    who: str = ""
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Rollup:
+    """Health of the node, of each component and of each GPU (by uuid)."""
+
+    node: Health
+    components: Mapping[str, Health]
+    gpus: Mapping[str, Health]
+
+
+def health_of(severity: Severity) -> Health:
+    """critical -> unhealthy, warning -> degraded, else healthy."""
+    if severity >= Severity.CRITICAL:
+        return Health.UNHEALTHY
+    if severity >= Severity.WARNING:
+        return Health.DEGRADED
+    return Health.HEALTHY
+
+
+def component_of(f: Finding) -> str:
+    """Which component a finding counts against (a failing collector: its own)."""
+    collector = dict(f.subject).get("collector")
+    if collector in COMPONENTS:
+        return collector
+    info = rules.ALERTS.get(f.alertname)
+    return info.component if info is not None else "daemon"
+
+
+def _key(f: Finding) -> Key:
+    return (f.alertname, f.subject, f.labels)
+
+
+class HealthEngine:
+    """Thread-safe evaluator; subscribe `on_publish` to the State."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        clock: Clock,
+        state: State | None = None,
+        xids: Callable[[float], Sequence[XidCondition]] | None = None,
+        expected_sources: Iterable[str] = (),
+    ) -> None:
+        self._lock = threading.RLock()
+        self._clock = clock
+        self._state = state
+        self._xids = xids
+        self._listeners: list[Listener] = []
+        self._clear_hooks: list[Callable[[Clear], None]] = []
+        self.history = History(cfg.health.rate_window_seconds)
+        self._pending: dict[Key, float] = {}
+        self._open: dict[Key, Finding] = {}
+        self._rule_errors: dict[str, int] = {}
+        self._started = clock.time()
+        self._expected = set(expected_sources)
+        self._ready = not self._expected
+        self._last_sent: tuple[Finding, ...] | None = None
+        self._last_view: View | None = None
+        self.reconfigure(cfg)
+
+    def reconfigure(self, cfg: Config) -> None:
+        """Take a new config (SIGHUP); memory and open conditions are kept."""
+        with self._lock:
+            self.cfg = cfg
+            self.history.window = cfg.health.rate_window_seconds
+            self._for = {**HealthConfig().for_seconds, **cfg.health.for_seconds}
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call `listener(open_findings, now)` whenever the open set or its text changes."""
+        self._listeners.append(listener)
+
+    def on_clear(self, hook: Callable[[Clear], None]) -> None:
+        """Also tell `hook` about operator clears (e.g. the Xid tracker)."""
+        self._clear_hooks.append(hook)
+
+    # --- input -----------------------------------------------------------------
+
+    def on_publish(
+        self, snap: NodeSnapshot, _source: SourceSnapshot | None, _events: tuple[Event, ...]
+    ) -> None:
+        """State listener: evaluate with the snapshot just published."""
+        self.evaluate(snap)
+
+    def evaluate(self, snap: NodeSnapshot | None = None, now: float | None = None) -> list[Finding]:
+        """Run every rule now; returns the open findings (also on a periodic tick)."""
+        with self._lock:
+            now = self._clock.time() if now is None else now
+            if snap is None:
+                snap = self._state.snapshot() if self._state is not None else NodeSnapshot()
+            view = View(snap)
+            self._last_view = view
+            self.history.observe(view, now)
+            xids = self._active_xids(now)
+            raw = self._run_rules(Inputs(view, self.history, self.cfg, now, xids))
+            current = self._transition(raw, now)
+            if not self._ready:
+                seen = set(snap.sources)
+                waited = now - self._started >= self.cfg.health.startup_grace_seconds
+                self._ready = self._expected <= seen or waited
+            self._publish(current, view, now)
+            return list(current)
+
+    def _active_xids(self, now: float) -> Sequence[XidCondition]:
+        if self._xids is None:
+            return ()
+        try:
+            return self._xids(now)
+        except Exception:
+            log.exception("reading the active Xids")
+            self._rule_errors["xid_tracker"] = self._rule_errors.get("xid_tracker", 0) + 1
+            return ()
+
+    def _run_rules(self, inp: Inputs) -> list[Finding]:
+        out: list[Finding] = []
+        disabled = set(self.cfg.health.disabled_rules)
+        for rule in list(rules.RULES):
+            try:
+                found = rule(inp)
+            except Exception:
+                name = getattr(rule, "__name__", "rule")
+                self._rule_errors[name] = self._rule_errors.get(name, 0) + 1
+                log.exception("health rule %s raised", name)
+                continue
+            out.extend(f for f in found if f.alertname not in disabled)
+        return out
+
+    def _transition(self, raw: Sequence[Finding], now: float) -> tuple[Finding, ...]:
+        worst: dict[Key, Finding] = {}
+        for f in raw:
+            k = _key(f)
+            if k not in worst or f.severity > worst[k].severity:
+                worst[k] = f
+        for k in list(self._pending):
+            if k not in worst:
+                del self._pending[k]
+        for k, old in list(self._open.items()):
+            if k not in worst:
+                del self._open[k]
+                log.info("resolved: %s %s", old.alertname, _fmt(old.subject + old.labels))
+        for k, f in worst.items():
+            first = self._pending.setdefault(k, now)
+            if now - first < self._for.get(f.alertname, 0.0):
+                continue
+            prev = self._open.get(k)
+            if prev is None:
+                since = min(f.since, first) if f.since else first
+                log.log(logging.ERROR if f.severity >= Severity.CRITICAL else logging.WARNING,
+                        "%s: %s %s: %s", f.severity, f.alertname,
+                        _fmt(f.subject + f.labels), f.reason)
+            else:
+                since = prev.since
+            self._open[k] = _with_since(f, since)
+        return tuple(sorted(self._open.values(), key=lambda f: (-f.severity, _key(f))))
+
+    # --- operator clears -------------------------------------------------------
+
+    def apply_clear(self, clear: Clear) -> None:
+        """Forget the memory behind sticky conditions of the target (or all GPUs)."""
+        with self._lock:
+            h = self.history
+            view = self._last_view
+            uuids = set(h.gpus_seen) | (set(view.gpus) if view else set())
+            if clear.target:
+                uuids = {u for u in uuids if clear.target in _ids(h, view, u)}
+            for key in [k for k in h.last_rise if dict(k[1]).get("uuid") in uuids]:
+                del h.last_rise[key]
+            h.links_up = {(u, link) for u, link in h.links_up if u not in uuids}
+            for u in uuids:
+                h.gpus_seen.pop(u, None)
+            if not clear.target and view is not None:
+                h.max_gpus = len(view.gpus)  # a GPU removed on purpose: new baseline
+            for k in [k for k in self._open if dict(k[1]).get("uuid") in uuids or
+                      not clear.target]:
+                self._open.pop(k, None)
+                self._pending.pop(k, None)
+            log.warning("clear %s by %s: %s", clear.target or "all", clear.who or "?",
+                        clear.reason or "(no reason)")
+        for hook in self._clear_hooks:
+            hook(clear)
+        self.evaluate()
+
+    # --- output ----------------------------------------------------------------
+
+    def _publish(self, current: tuple[Finding, ...], view: View, now: float) -> None:
+        if self._state is not None:
+            self._state.set_findings(current)
+            self._state.publish_extra("health", self.samples(current, view))
+        if self._ready and current != self._last_sent:
+            self._last_sent = current
+            for listener in self._listeners:
+                try:
+                    listener(current, now)
+                except Exception:
+                    log.exception("health listener %r", listener)
+
+    def open_findings(self) -> tuple[Finding, ...]:
+        with self._lock:
+            return tuple(sorted(self._open.values(), key=lambda f: (-f.severity, _key(f))))
+
+    def rollup(self) -> Rollup:
+        """Health per node, component and GPU."""
+        with self._lock:
+            view = self._last_view
+            open_ = list(self._open.values())
+        gpus = {u: Health.HEALTHY for u in (view.gpus if view else {})}
+        comps = {c: Health.HEALTHY for c in self._components(view)}
+        for f in open_:
+            h = health_of(f.severity)
+            uuid = dict(f.subject).get("uuid")
+            if uuid:
+                gpus[uuid] = max(gpus.get(uuid, Health.HEALTHY), h)
+            c = component_of(f)
+            comps[c] = max(comps.get(c, Health.HEALTHY), h)
+        node = max([*gpus.values(), *comps.values()], default=Health.HEALTHY)
+        return Rollup(node, comps, gpus)
+
+    def _components(self, view: View | None) -> list[str]:
+        present = set(view.snapshot.sources) if view else set()
+        return [c for c in COMPONENTS if c in present or c in self._expected or c == "daemon"]
+
+    def samples(self, current: Sequence[Finding] | None = None,
+                view: View | None = None) -> list[Sample]:
+        """gpuwatchd_health and friends (see METRICS)."""
+        roll = self.rollup()
+        view = view or self._last_view
+        out = [_health("node", "", None, roll.node)]
+        for comp, h in roll.components.items():
+            out.append(_health("component", comp, None, h))
+        gpus = view.gpus if view else {}
+        for uuid, h in roll.gpus.items():
+            gpu = gpus.get(uuid) or self.history.gpus_seen.get(uuid)
+            if gpu is not None:
+                out.append(_health("gpu", "", gpu.subject, h))
+        counts = {"warning": 0, "critical": 0}
+        for f in current if current is not None else self.open_findings():
+            if f.severity >= Severity.WARNING:
+                counts[str(f.severity)] += 1
+        out.extend(Sample.of("gpuwatchd_health_conditions", n, severity=s)
+                   for s, n in counts.items())
+        with self._lock:
+            out.extend(Sample.of("gpuwatchd_health_rule_errors_total", n, rule=r)
+                       for r, n in self._rule_errors.items())
+        return out
+
+    def status(self) -> dict[str, object]:
+        """JSON-able health for /status."""
+        roll = self.rollup()
+        view = self._last_view
+        gpus = view.gpus if view else {}
+        return {
+            "health": str(roll.node),
+            "components": {c: str(h) for c, h in roll.components.items()},
+            "gpus": {
+                (gpus[u].index if u in gpus else u): {"uuid": u, "health": str(h)}
+                for u, h in roll.gpus.items()
+            },
+            "conditions": [finding_json(f) for f in self.open_findings()],
+        }
+
+
+def finding_json(f: Finding) -> dict[str, object]:
+    """A finding as JSON-able data (status, check --json)."""
+    return {
+        "alertname": f.alertname,
+        "severity": str(f.severity),
+        "scope": f.scope,
+        "component": component_of(f),
+        "subject": dict(f.subject),
+        "labels": dict(f.labels),
+        "summary": rules.summary(f),
+        "reason": f.reason,
+        "action": str(f.action),
+        "remediation": f.remediation,
+        "since": f.since,
+    }
+
+
+def _health(scope: str, component: str, subject: Labels | None, h: Health) -> Sample:
+    labels: Mapping[str, str] = dict(subject or ())
+    return Sample.of("gpuwatchd_health", int(h), scope=scope, component=component,
+                     gpu=labels.get("gpu", ""), uuid=labels.get("uuid", ""),
+                     pci_bus_id=labels.get("pci_bus_id", ""))
+
+
+def _with_since(f: Finding, since: float) -> Finding:
+    if f.since == since:
+        return f
+    return Finding(f.rule, f.alertname, f.scope, f.subject, f.severity, f.reason, f.action,
+                   f.remediation, f.labels, since)
+
+
+def _ids(h: History, view: View | None, uuid: str) -> set[str]:
+    gpu = (view.gpus.get(uuid) if view else None) or h.gpus_seen.get(uuid)
+    if gpu is None:
+        return {uuid}
+    return {gpu.index, gpu.uuid, gpu.pci_bus_id}
+
+
+def _fmt(labels: Labels) -> str:
+    return "{" + ",".join(f"{k}={v}" for k, v in labels) + "}"

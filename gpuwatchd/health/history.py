@@ -1,0 +1,185 @@
+"""What the rules need besides the current snapshot: a read view and a short memory.
+
+`View` indexes one NodeSnapshot for lookups by metric name and GPU.
+`History` remembers what a single snapshot cannot say: counter values
+over the rate window (and when a counter last rose), which NVLinks were
+ever up, which GPUs were seen, since when a
+collector has been failing. The engine calls `History.observe()` before
+each evaluation; the rules only read it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from gpuwatchd.model import Labels, Sample, SourceSnapshot, labels_of
+from gpuwatchd.state import NodeSnapshot
+
+__all__ = ["Gpu", "History", "View", "norm_bus_id"]
+
+SeriesKey = tuple[str, Labels]
+
+# Counters whose rise or rate a rule looks at (prefix match).
+TRACKED_COUNTERS = (
+    "gpuwatchd_gpu_ecc_errors_total",
+    "gpuwatchd_nvlink_errors_total",
+    "gpuwatchd_gpu_pcie_replays_total",
+    "gpuwatchd_infiniband_",
+)
+NVLINK_UP = "gpuwatchd_nvlink_up"
+
+
+def norm_bus_id(bus_id: str) -> str:
+    """`00000000:0A:00.0` and `0000:0a:00.0` both become `0000:0a:00.0`."""
+    text = bus_id.strip().lower()
+    domain, sep, rest = text.partition(":")
+    if sep and len(domain) > 4:
+        text = f"{domain[-4:]}:{rest}"
+    return text
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """A GPU's identity, as its per-GPU series label it."""
+
+    index: str
+    uuid: str
+    pci_bus_id: str
+
+    @property
+    def subject(self) -> Labels:
+        return labels_of({"gpu": self.index, "uuid": self.uuid, "pci_bus_id": self.pci_bus_id})
+
+
+class View:
+    """Read-only lookups over one snapshot."""
+
+    def __init__(self, snapshot: NodeSnapshot) -> None:
+        self.snapshot = snapshot
+        self._by_name: dict[str, list[Sample]] = defaultdict(list)
+        for s in snapshot.samples():
+            self._by_name[s.name].append(s)
+        self.gpus: dict[str, Gpu] = {}
+        for name in ("gpuwatchd_gpu_info", *self._by_name):
+            for s in self._by_name.get(name, ()):
+                uuid = s.label("uuid")
+                if uuid and uuid not in self.gpus and s.label("gpu"):
+                    self.gpus[uuid] = Gpu(s.label("gpu"), uuid, s.label("pci_bus_id"))
+        self._by_bus = {norm_bus_id(g.pci_bus_id): g for g in self.gpus.values()}
+
+    def source(self, name: str) -> SourceSnapshot | None:
+        return self.snapshot.sources.get(name)
+
+    def series(self, name: str, **match: str) -> list[Sample]:
+        """Samples of `name` whose labels include every `match` pair."""
+        return [
+            s for s in self._by_name.get(name, ())
+            if all(s.label(k) == v for k, v in match.items())
+        ]
+
+    def names(self, prefix: str) -> list[str]:
+        return [n for n in self._by_name if n.startswith(prefix)]
+
+    def gpu_of(self, sample: Sample) -> Gpu | None:
+        return self.gpus.get(sample.label("uuid"))
+
+    def gpu_by_bus(self, bus_id: str) -> Gpu | None:
+        return self._by_bus.get(norm_bus_id(bus_id))
+
+    def gpu_value(self, name: str, gpu: Gpu, **match: str) -> float | None:
+        for s in self.series(name, uuid=gpu.uuid, **match):
+            return s.value
+        return None
+
+
+class History:
+    """Memory across evaluations; mutated only by `observe()` (engine thread, under its lock)."""
+
+    def __init__(self, window: float = 300.0) -> None:
+        self.window = window
+        self.points: dict[SeriesKey, deque[tuple[float, float]]] = {}
+        self.last_rise: dict[SeriesKey, tuple[float, float, float]] = {}  # time, before, after
+        self.links_up: set[tuple[str, str]] = set()  # (uuid, link)
+        self.gpus_seen: dict[str, Gpu] = {}
+        self.max_gpus = 0
+        self.fail_since: dict[str, float] = {}
+        self._seen_at: dict[str, float] = {}
+
+    def observe(self, view: View, now: float) -> None:
+        """Fold every source snapshot not seen before into the memory."""
+        for name, snap in view.snapshot.sources.items():
+            if self._seen_at.get(name) == snap.timestamp:
+                continue
+            self._seen_at[name] = snap.timestamp
+            if snap.ok:
+                self.fail_since.pop(name, None)
+            else:
+                self.fail_since.setdefault(name, snap.timestamp or now)
+            self._observe_samples(snap.samples, snap.timestamp or now)
+            if name == "nvml" and snap.ok:
+                self.gpus_seen.update(view.gpus)
+                self.max_gpus = max(self.max_gpus, len(view.gpus))
+        for group in view.snapshot.extra.values():
+            self._observe_samples(group, now)
+
+    def _observe_samples(self, samples: Iterable[Sample], t: float) -> None:
+        for s in samples:
+            if s.name == NVLINK_UP and s.value >= 1:
+                self.links_up.add((s.label("uuid"), s.label("link")))
+            elif s.name.startswith(TRACKED_COUNTERS) and s.name.endswith("_total"):
+                self._add_point((s.name, s.labels), t, s.value)
+
+    def _add_point(self, key: SeriesKey, t: float, value: float) -> None:
+        pts = self.points.get(key)
+        if pts is None:
+            pts = self.points[key] = deque()
+        elif pts and t <= pts[-1][0]:
+            return
+        if pts:
+            before = pts[-1][1]
+            if value > before:
+                self.last_rise[key] = (t, before, value)
+            elif value < before and value > 0:  # reset, then new errors
+                self.last_rise[key] = (t, 0.0, value)
+        pts.append((t, value))
+        # Keep one point older than the window as the baseline of the increase.
+        while len(pts) > 2 and pts[1][0] < t - self.window:
+            pts.popleft()
+
+    def increase(self, name: str, labels: Labels, now: float) -> float:
+        """Counter increase over the window ending at `now`, counting resets as restarts."""
+        pts = self.points.get((name, labels))
+        if not pts:
+            return 0.0
+        total = 0.0
+        prev: tuple[float, float] | None = None
+        for t, v in pts:
+            if prev is not None and t >= now - self.window:
+                total += v - prev[1] if v >= prev[1] else v
+            prev = (t, v)
+        return total
+
+    def rate(self, name: str, labels: Labels, now: float) -> float:
+        """Average per-second increase over the window (increase / window)."""
+        return self.increase(name, labels, now) / self.window
+
+    def rose_within(self, name: str, labels: Labels, now: float, hold: float) -> tuple[
+        float, float, float
+    ] | None:
+        """(time, before, after) of the counter's last rise if it was within `hold`."""
+        rise = self.last_rise.get((name, labels))
+        if rise is not None and now - rise[0] <= hold:
+            return rise
+        return None
+
+    def failing_for(self, source: str, now: float) -> float:
+        since = self.fail_since.get(source)
+        return 0.0 if since is None else now - since
+
+    def restore(self, max_gpus: int, links_up: Mapping[str, Iterable[str]] | None = None) -> None:
+        """Seed memory kept outside the process (the GPU count baseline)."""
+        self.max_gpus = max(self.max_gpus, max_gpus)
+        for uuid, links in (links_up or {}).items():
+            self.links_up.update((uuid, link) for link in links)

@@ -1,0 +1,526 @@
+"""Health rules: pure functions from what we know now to findings.
+
+Each rule is `(view, history, cfg, now) -> list[Finding]`: `view` is the
+current NodeSnapshot indexed (history.View), `history` the memory the
+engine keeps across evaluations (counters over the rate window, links
+that were up, GPUs seen), `cfg` the whole Config (thresholds live in its
+`health` section). Rules do no I/O and keep no state. Active Xids come
+from the Xid tracker through `XidCondition`s in `Inputs`.
+
+Alert names are stable CamelCase; each has one severity (the Xid rule
+picks GpuXidCritical or GpuXidWarning from the catalog) and a runbook in
+docs/runbooks/<AlertName>.md. deploy/prometheus/gpuwatchd-rules.yaml
+holds the same conditions in PromQL with the same label sets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from gpuwatchd.config import Config
+from gpuwatchd.health.history import Gpu, History, View
+from gpuwatchd.model import Action, Finding, Labels, Severity, labels_of
+from gpuwatchd.sources.infiniband import ERROR_COUNTERS
+
+__all__ = [
+    "ALERTS",
+    "RULES",
+    "AlertInfo",
+    "Inputs",
+    "Rule",
+    "XidCondition",
+    "evaluate",
+    "register",
+    "summary",
+]
+
+NVML_OK, NVML_UNRESPONSIVE, NVML_LOST = 0, 1, 2  # gpuwatchd_gpu_nvml_state
+IB_ACTIVE, IB_PHYS_LINKUP = 4, 5  # port state ACTIVE, phys_state LinkUp
+IB_ERROR_COUNTERS = sorted(ERROR_COUNTERS)
+
+
+@dataclass(frozen=True)
+class AlertInfo:
+    """Fixed facts of one alert name."""
+
+    severity: Severity
+    component: str
+    action: Action
+    summary: str  # str.format over the subject's labels
+    remediation: str
+
+
+_W, _C = Severity.WARNING, Severity.CRITICAL
+ALERTS: dict[str, AlertInfo] = {
+    "GpuXidCritical": AlertInfo(_C, "kmsg", Action.RESET_GPU, "Critical Xid {xid} on GPU {gpu}",
+                                ""),
+    "GpuXidWarning": AlertInfo(_W, "kmsg", Action.RESTART_APP, "Xid {xid} on GPU {gpu}", ""),
+    "NvswitchSxidCritical": AlertInfo(_C, "kmsg", Action.REBOOT_NODE,
+                                      "Critical SXid {sxid} on NVSwitch {pci_bus_id}", ""),
+    "NvswitchSxidWarning": AlertInfo(_W, "kmsg", Action.NONE, "SXid {sxid} on NVSwitch"
+                                     " {pci_bus_id}", ""),
+    "GpuEccUncorrectable": AlertInfo(
+        _C, "nvml", Action.RESET_GPU, "Uncorrectable ECC errors on GPU {gpu}",
+        "Drain the GPU; after the jobs on it ended, reset it so the bad rows are remapped. "
+        "Check row-remap status afterwards; if errors keep coming, run DCGM diagnostics.",
+    ),
+    "GpuRowRemapFailure": AlertInfo(
+        _C, "nvml", Action.CONTACT_SUPPORT, "Row remapping failed on GPU {gpu}",
+        "The GPU has no spare rows left for a bad memory row. Drain it, keep it out of "
+        "service and open an RMA case with nvidia-bug-report output.",
+    ),
+    "GpuRowRemapPending": AlertInfo(
+        _W, "nvml", Action.RESET_GPU, "Memory repair pending on GPU {gpu}",
+        "A row remap or page retirement waits for a GPU reset. Drain the GPU and reset it "
+        "(nvidia-smi -r) or reboot the node at the next opportunity.",
+    ),
+    "GpuNvlinkDown": AlertInfo(
+        _C, "nvml", Action.DRAIN_AND_INSPECT, "NVLink down on GPU {gpu}",
+        "A link that was up is down; NCCL falls back to slower paths or fails. Drain the "
+        "node, check nvidia-smi nvlink -s and Fabric Manager, reset the GPUs or reboot.",
+    ),
+    "GpuNvlinkErrors": AlertInfo(
+        _W, "nvml", Action.DRAIN_AND_INSPECT, "NVLink errors rising on GPU {gpu}",
+        "Watch the link: rising CRC/replay/recovery counts point at a marginal link. If it "
+        "keeps rising, drain the node and run DCGM NVLink diagnostics.",
+    ),
+    "GpuTemperatureHigh": AlertInfo(
+        _W, "nvml", Action.NONE, "GPU {gpu} close to its slowdown temperature",
+        "Check airflow, fans and inlet temperature of the node before the GPU slows down.",
+    ),
+    "GpuThermalSlowdown": AlertInfo(
+        _W, "nvml", Action.DRAIN_AND_INSPECT, "GPU {gpu} clocks slowed down by hardware",
+        "The GPU is throttled for temperature or power. Check cooling, power supplies and "
+        "power-brake signals; a single slow GPU slows the whole job.",
+    ),
+    "GpuPcieDegraded": AlertInfo(
+        _W, "nvml", Action.DRAIN_AND_INSPECT, "PCIe link of GPU {gpu} degraded",
+        "The link trained below its width/generation or replays packets. Drain the node, "
+        "reseat the GPU or riser, and check the slot's link status with lspci -vv.",
+    ),
+    "GpuRecoveryActionRequired": AlertInfo(
+        _C, "nvml", Action.RESET_GPU, "Driver asks for recovery of GPU {gpu}",
+        "The driver set a recovery action for this GPU. Drain it and do what it asks "
+        "(GPU reset, node reboot, or drain peer-to-peer traffic).",
+    ),
+    "GpuLost": AlertInfo(
+        _C, "nvml", Action.REBOOT_NODE, "GPU {gpu} is lost",
+        "The GPU no longer answers (fallen off the bus). Drain the node and reboot it; if "
+        "it happens again, inspect seating, power and the PCIe slot.",
+    ),
+    "NvmlUnresponsive": AlertInfo(
+        _C, "nvml", Action.REBOOT_NODE, "NVML not answering{for_gpu}",
+        "NVML calls hang or fail, so the GPUs cannot be monitored or managed. Check "
+        "nvidia-smi and the kernel log; drain and reboot the node if it does not recover.",
+    ),
+    "GpuCountLow": AlertInfo(
+        _C, "nvml", Action.REBOOT_NODE, "Fewer GPUs visible than expected",
+        "A GPU is missing from NVML. Check lspci and the kernel log for Xid 79; drain the "
+        "node and reboot. If a GPU was removed on purpose, set health.expected_gpus.",
+    ),
+    "GpuwatchdCollectorFailed": AlertInfo(
+        _W, "daemon", Action.NONE, "gpuwatchd collector {collector} failing",
+        "Part of the node is not monitored. Read the daemon log (journalctl -u gpuwatchd) "
+        "for the collector's error.",
+    ),
+    "InfinibandPortDown": AlertInfo(
+        _C, "infiniband", Action.DRAIN_AND_INSPECT, "InfiniBand port {device}/{port} down",
+        "A port that was ACTIVE is not. Check the cable, the switch port and ibstat; "
+        "multi-node jobs using this NIC fail or slow down.",
+    ),
+    "InfinibandPortDegraded": AlertInfo(
+        _W, "infiniband", Action.DRAIN_AND_INSPECT,
+        "InfiniBand port {device}/{port} degraded",
+        "The physical link is not LinkUp or runs below its rate. Reseat or replace the "
+        "cable/transceiver and check the switch port.",
+    ),
+    "InfinibandPortErrors": AlertInfo(
+        _W, "infiniband", Action.DRAIN_AND_INSPECT,
+        "InfiniBand port {device}/{port} errors rising",
+        "Link errors are rising; check the cable and transceiver (mlxlink) before jobs slow.",
+    ),
+    "ShmLow": AlertInfo(
+        _W, "shm", Action.NONE, "/dev/shm nearly full",
+        "NCCL needs /dev/shm for intra-node transport. Remove stale NCCL segments (see "
+        "gpuwatchd_shm_segments{state=\"stale\"}) or enlarge /dev/shm.",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class XidCondition:
+    """An Xid/SXid the tracker holds active, as the Xid rule needs it."""
+
+    code: int
+    pci_bus_id: str
+    severity: Severity
+    action: Action
+    name: str
+    remediation: str
+    since: float
+    kind: str = "xid"
+    count: int = 1
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Everything one evaluation reads."""
+
+    view: View
+    history: History
+    cfg: Config
+    now: float
+    xids: Sequence[XidCondition] = field(default_factory=tuple)
+
+
+Rule = Callable[[Inputs], list[Finding]]
+
+
+def finding(
+    alertname: str,
+    subject: Labels,
+    reason: str,
+    rule: str,
+    *,
+    scope: str = "gpu",
+    labels: Labels = (),
+    severity: Severity | None = None,
+    action: Action | None = None,
+    remediation: str = "",
+    since: float = 0.0,
+) -> Finding:
+    """A Finding with the alert's fixed facts filled in."""
+    info = ALERTS[alertname]
+    return Finding(
+        rule=rule,
+        alertname=alertname,
+        scope=scope,
+        subject=subject,
+        severity=info.severity if severity is None else severity,
+        reason=reason,
+        action=info.action if action is None else action,
+        remediation=remediation or info.remediation,
+        labels=labels,
+        since=since,
+    )
+
+
+def summary(f: Finding) -> str:
+    """One line for the alert's `summary` annotation."""
+    info = ALERTS.get(f.alertname)
+    if info is None:
+        return f.reason
+    values = {"gpu": "?", "xid": "?", "sxid": "?", "pci_bus_id": "?", "collector": "?",
+              "device": "?", "port": "?", **dict(f.subject), **dict(f.labels)}
+    values["for_gpu"] = f" for GPU {values['gpu']}" if "gpu" in dict(f.subject) else ""
+    return info.summary.format(**values)
+
+
+def _gpus_with(inp: Inputs, name: str, **match: str) -> Iterable[tuple[Gpu, float]]:
+    for s in inp.view.series(name, **match):
+        gpu = inp.view.gpu_of(s)
+        if gpu is not None:
+            yield gpu, s.value
+
+
+# --- the rules ---------------------------------------------------------------
+
+
+def xid(inp: Inputs) -> list[Finding]:
+    """Active Xids (catalog severity, held by the tracker) and SXids."""
+    out = []
+    for x in inp.xids:
+        if x.severity < Severity.WARNING:
+            continue
+        critical = x.severity >= Severity.CRITICAL
+        if x.kind == "sxid":
+            name = "NvswitchSxidCritical" if critical else "NvswitchSxidWarning"
+            subject, scope, labels = labels_of({"pci_bus_id": x.pci_bus_id}), "node", (
+                ("sxid", str(x.code)),)
+        else:
+            name = "GpuXidCritical" if critical else "GpuXidWarning"
+            gpu = inp.view.gpu_by_bus(x.pci_bus_id)
+            subject = gpu.subject if gpu else labels_of({"pci_bus_id": x.pci_bus_id})
+            scope, labels = "gpu", (("xid", str(x.code)),)
+        times = f" ({x.count} times)" if x.count > 1 else ""
+        detail = f": {x.detail}" if x.detail else ""
+        reason = f"{x.kind.capitalize()} {x.code} ({x.name}){times}{detail}"
+        out.append(finding(name, subject, reason, "xid", scope=scope, labels=labels,
+                           severity=x.severity, action=x.action, remediation=x.remediation,
+                           since=x.since))
+    return out
+
+
+def ecc_uncorrectable(inp: Inputs) -> list[Finding]:
+    """An uncorrectable ECC counter rose within health.ecc_hold_seconds."""
+    out: dict[Gpu, Finding] = {}
+    hold = inp.cfg.health.ecc_hold_seconds
+    for s in inp.view.series("gpuwatchd_gpu_ecc_errors_total", error="uncorrected"):
+        gpu = inp.view.gpu_of(s)
+        rise = inp.history.rose_within(s.name, s.labels, inp.now, hold)
+        if gpu is None or rise is None or gpu in out:
+            continue
+        t, before, after = rise
+        reason = (f"{s.label('scope')} uncorrected ECC errors rose from {before:g} to "
+                  f"{after:g} {inp.now - t:.0f}s ago")
+        out[gpu] = finding("GpuEccUncorrectable", gpu.subject, reason, "ecc_uncorrectable")
+    return list(out.values())
+
+
+def row_remap(inp: Inputs) -> list[Finding]:
+    """Row remapping failed, or a remap / page retirement waits for a reset."""
+    out = []
+    for gpu, v in _gpus_with(inp, "gpuwatchd_gpu_row_remap_failure"):
+        if v >= 1:
+            out.append(finding("GpuRowRemapFailure", gpu.subject,
+                               "row remapping failure reported by NVML", "row_remap"))
+    pending: dict[Gpu, list[str]] = {}
+    for name, what in (("gpuwatchd_gpu_row_remap_pending", "row remap pending"),
+                       ("gpuwatchd_gpu_retired_pages_pending", "retired pages pending")):
+        for gpu, v in _gpus_with(inp, name):
+            if v >= 1:
+                pending.setdefault(gpu, []).append(what)
+    out.extend(finding("GpuRowRemapPending", gpu.subject, f"{' and '.join(w)}: reset needed",
+                       "row_remap") for gpu, w in pending.items())
+    return out
+
+
+def nvlink(inp: Inputs) -> list[Finding]:
+    """A link that was up is down; error counters rising faster than the threshold."""
+    down: dict[Gpu, list[str]] = {}
+    for s in inp.view.series("gpuwatchd_nvlink_up"):
+        gpu = inp.view.gpu_of(s)
+        if gpu and s.value < 1 and (gpu.uuid, s.label("link")) in inp.history.links_up:
+            down.setdefault(gpu, []).append(s.label("link"))
+    out = [
+        finding("GpuNvlinkDown", gpu.subject,
+                f"NVLink {', '.join(sorted(links, key=_num_key))} down (was up)", "nvlink")
+        for gpu, links in down.items()
+    ]
+    limit = inp.cfg.health.nvlink_error_rate
+    worst: dict[Gpu, tuple[float, str]] = {}
+    for s in inp.view.series("gpuwatchd_nvlink_errors_total"):
+        gpu = inp.view.gpu_of(s)
+        rate = inp.history.rate(s.name, s.labels, inp.now)
+        if gpu and rate > limit and rate > worst.get(gpu, (0.0, ""))[0]:
+            worst[gpu] = (rate, f"link {s.label('link')} {s.label('error')}")
+    window = inp.cfg.health.rate_window_seconds
+    out.extend(
+        finding("GpuNvlinkErrors", gpu.subject,
+                f"{what} errors at {rate:.3g}/s over {window:.0f}s (threshold {limit:g}/s)",
+                "nvlink")
+        for gpu, (rate, what) in worst.items()
+    )
+    return out
+
+
+def thermal(inp: Inputs) -> list[Finding]:
+    """Near the slowdown temperature; hardware/thermal slowdown or power brake active."""
+    out = []
+    margin = inp.cfg.health.temperature_margin_celsius
+    for gpu in inp.view.gpus.values():
+        for sensor, threshold in (("gpu", "slowdown"), ("memory", "memory_max")):
+            temp = inp.view.gpu_value("gpuwatchd_gpu_temperature_celsius", gpu, sensor=sensor)
+            limit = inp.view.gpu_value("gpuwatchd_gpu_temperature_threshold_celsius", gpu,
+                                       threshold=threshold)
+            if temp is not None and limit is not None and temp >= limit - margin:
+                out.append(finding("GpuTemperatureHigh", gpu.subject,
+                                   f"{sensor} temperature {temp:g} C, {threshold} threshold "
+                                   f"{limit:g} C (margin {margin:g} C)", "thermal"))
+                break
+    active: dict[Gpu, list[str]] = {}
+    wanted = set(inp.cfg.health.slowdown_reasons)
+    for s in inp.view.series("gpuwatchd_gpu_clock_event_active"):
+        owner = inp.view.gpu_of(s)
+        if owner and s.value >= 1 and s.label("reason") in wanted:
+            active.setdefault(owner, []).append(s.label("reason"))
+    out.extend(finding("GpuThermalSlowdown", g.subject, f"clock events active: "
+                       f"{', '.join(sorted(r))}", "thermal") for g, r in active.items())
+    return out
+
+
+def pcie(inp: Inputs) -> list[Finding]:
+    """Link below max width (or generation while busy); replays rising."""
+    out = []
+    h = inp.cfg.health
+    for gpu in inp.view.gpus.values():
+        problems = []
+        v = inp.view.gpu_value
+        width = v("gpuwatchd_gpu_pcie_link_width", gpu, which="current")
+        max_width = v("gpuwatchd_gpu_pcie_link_width", gpu, which="max")
+        if width is not None and max_width is not None and 0 < width < max_width:
+            problems.append(f"width x{width:g} of x{max_width:g}")
+        gen = v("gpuwatchd_gpu_pcie_link_generation", gpu, which="current")
+        max_gen = v("gpuwatchd_gpu_pcie_link_generation", gpu, which="max")
+        util = v("gpuwatchd_gpu_utilization_ratio", gpu, engine="gpu")
+        busy = util is not None and util >= h.pcie_gen_min_utilization
+        if gen is not None and max_gen is not None and 0 < gen < max_gen and busy:
+            problems.append(f"generation {gen:g} of {max_gen:g} while {util:.0%} busy")
+        for s in inp.view.series("gpuwatchd_gpu_pcie_replays_total", uuid=gpu.uuid):
+            rate = inp.history.rate(s.name, s.labels, inp.now)
+            if rate > h.pcie_replay_rate:
+                problems.append(f"replays at {rate:.3g}/s (threshold {h.pcie_replay_rate:g}/s)")
+        if problems:
+            out.append(finding("GpuPcieDegraded", gpu.subject, "; ".join(problems), "pcie"))
+    return out
+
+
+def recovery_action(inp: Inputs) -> list[Finding]:
+    """The driver's own verdict (NVML GPU recovery action) is not `none`."""
+    actions = {1: ("GPU reset", Action.RESET_GPU), 2: ("node reboot", Action.REBOOT_NODE),
+               3: ("drain peer-to-peer", Action.DRAIN_AND_INSPECT),
+               4: ("drain and reset", Action.RESET_GPU)}
+    out = []
+    for gpu, v in _gpus_with(inp, "gpuwatchd_gpu_recovery_action"):
+        if v >= 1:
+            what, action = actions.get(int(v), (f"action {v:g}", Action.REBOOT_NODE))
+            out.append(finding("GpuRecoveryActionRequired", gpu.subject,
+                               f"NVML recovery action: {what}", "recovery_action",
+                               action=action))
+    return out
+
+
+def gpu_presence(inp: Inputs) -> list[Finding]:
+    """GPU lost / NVML unresponsive per GPU; fewer GPUs than expected; NVML down."""
+    out = []
+    view, hist, h = inp.view, inp.history, inp.cfg.health
+    for gpu, v in _gpus_with(inp, "gpuwatchd_gpu_nvml_state"):
+        if v == NVML_LOST:
+            out.append(finding("GpuLost", gpu.subject, "NVML reports GPU_IS_LOST",
+                               "gpu_presence"))
+        elif v == NVML_UNRESPONSIVE:
+            out.append(finding("NvmlUnresponsive", gpu.subject,
+                               "an NVML call for this GPU did not return in time",
+                               "gpu_presence"))
+    nvml = view.source("nvml")
+    expected = h.expected_gpus or hist.max_gpus
+    if nvml is None:
+        return out
+    if not nvml.ok:
+        failing = hist.failing_for("nvml", inp.now)
+        if expected and failing >= h.collector_failure_seconds:
+            out.append(finding("NvmlUnresponsive", (), f"NVML collector failing for "
+                               f"{failing:.0f}s: {nvml.error}", "gpu_presence", scope="node"))
+        return out
+    for uuid, gpu in hist.gpus_seen.items():
+        if uuid not in view.gpus:
+            out.append(finding("GpuLost", gpu.subject, "GPU no longer listed by NVML",
+                               "gpu_presence"))
+    visible = [s.value for s in view.series("gpuwatchd_gpus_visible")]
+    count = int(visible[0]) if visible else len(view.gpus)
+    if expected and count < expected:
+        basis = "health.expected_gpus" if h.expected_gpus else "GPUs seen at first start"
+        out.append(finding("GpuCountLow", (), f"{count} GPU(s) visible, {expected} expected "
+                           f"({basis})", "gpu_presence", scope="node"))
+    return out
+
+
+def collectors(inp: Inputs) -> list[Finding]:
+    """A collector failing for longer than health.collector_failure_seconds."""
+    out = []
+    h = inp.cfg.health
+    gpus_expected = bool(h.expected_gpus or inp.history.max_gpus)
+    for name, snap in inp.view.snapshot.sources.items():
+        if name == "nvml" and gpus_expected:
+            continue  # NvmlUnresponsive covers it
+        failing = inp.history.failing_for(name, inp.now)
+        stale = inp.now - snap.timestamp if snap.timestamp else 0.0
+        if not snap.ok and failing >= h.collector_failure_seconds:
+            why = f"failing for {failing:.0f}s: {snap.error or 'error'}"
+        elif stale > max(h.collector_failure_seconds, 3 * _interval(inp.cfg, name)):
+            why = f"no poll finished for {stale:.0f}s"
+        else:
+            continue
+        out.append(finding("GpuwatchdCollectorFailed", labels_of({"collector": name}),
+                           f"collector {name} {why}", "collectors", scope="component"))
+    return out
+
+
+def infiniband(inp: Inputs) -> list[Finding]:
+    """A port expected up is not ACTIVE; not LinkUp or below its rate; errors rising."""
+    out = []
+    view, h = inp.view, inp.cfg.health
+
+    def by_port(name: str) -> dict[tuple[str, str], float]:
+        return {(s.label("device"), s.label("port")): s.value for s in view.series(name)}
+
+    state = by_port("gpuwatchd_infiniband_state_id")
+    phys = by_port("gpuwatchd_infiniband_physical_state_id")
+    rate = by_port("gpuwatchd_infiniband_rate_bytes_per_second")
+    expected_rate = by_port("gpuwatchd_infiniband_expected_rate_bytes_per_second")
+    for key, up in by_port("gpuwatchd_infiniband_port_expected_up").items():
+        subject = labels_of({"device": key[0], "port": key[1]})
+        if up < 1:
+            continue
+        if key in state and state[key] != IB_ACTIVE:
+            out.append(finding("InfinibandPortDown", subject, f"port state {state[key]:g}, "
+                               "expected ACTIVE (4)", "infiniband", scope="port"))
+            continue
+        problems = []
+        if key in phys and phys[key] != IB_PHYS_LINKUP:
+            problems.append(f"physical state {phys[key]:g}, not LinkUp (5)")
+        want = expected_rate.get(key, 0.0)
+        if key in rate and rate[key] < want:
+            problems.append(f"rate {rate[key] * 8 / 1e9:g} Gb/s, expected {want * 8 / 1e9:g} Gb/s")
+        if problems:
+            out.append(finding("InfinibandPortDegraded", subject, "; ".join(problems),
+                               "infiniband", scope="port"))
+    worst: dict[tuple[str, str], tuple[float, str]] = {}
+    for name in IB_ERROR_COUNTERS:
+        for s in view.series(name):
+            key = (s.label("device"), s.label("port"))
+            r = inp.history.rate(name, s.labels, inp.now)
+            if r > h.infiniband_error_rate and r > worst.get(key, (0.0, ""))[0]:
+                worst[key] = (r, name.removeprefix("gpuwatchd_infiniband_"))
+    out.extend(
+        finding("InfinibandPortErrors", labels_of({"device": d, "port": p}),
+                f"{what} at {r:.3g}/s (threshold {h.infiniband_error_rate:g}/s)",
+                "infiniband", scope="port")
+        for (d, p), (r, what) in worst.items()
+    )
+    return out
+
+
+def shm(inp: Inputs) -> list[Finding]:
+    """/dev/shm nearly full."""
+    size = inp.view.series("gpuwatchd_shm_size_bytes")
+    avail = inp.view.series("gpuwatchd_shm_available_bytes")
+    if not size or not avail or size[0].value <= 0:
+        return []
+    ratio = avail[0].value / size[0].value
+    if ratio >= inp.cfg.health.shm_min_free_ratio:
+        return []
+    stale = sum(s.value for s in inp.view.series("gpuwatchd_shm_segment_bytes", state="stale"))
+    return [finding("ShmLow", (), f"{ratio:.1%} of {size[0].value / 2**30:.1f} GiB free; "
+                    f"{stale / 2**20:.0f} MiB in stale NCCL segments", "shm", scope="node")]
+
+
+def _interval(cfg: Config, source: str) -> float:
+    section = getattr(cfg.sources, source, None)
+    return float(getattr(section, "interval", 0.0) or 0.0)
+
+
+def _num_key(text: str) -> tuple[int, str]:
+    return (int(text), "") if text.isdigit() else (1 << 30, text)
+
+
+RULES: list[Rule] = [xid, ecc_uncorrectable, row_remap, nvlink, thermal, pcie, recovery_action,
+                     gpu_presence, collectors, infiniband, shm]
+
+
+def register(rule: Rule, alerts: dict[str, AlertInfo] | None = None) -> None:
+    """Add a rule (and its alert names) from another module, e.g. a new source's."""
+    ALERTS.update(alerts or {})
+    if rule not in RULES:
+        RULES.append(rule)
+
+
+def evaluate(inp: Inputs, rules: Sequence[Rule] | None = None) -> list[Finding]:
+    """Run every rule; findings of disabled alert names are dropped."""
+    disabled = set(inp.cfg.health.disabled_rules)
+    out: list[Finding] = []
+    for rule in RULES if rules is None else rules:
+        out.extend(f for f in rule(inp) if f.alertname not in disabled)
+    return out

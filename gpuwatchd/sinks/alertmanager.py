@@ -1,0 +1,439 @@
+"""Alertmanager API v2 sink with Prometheus' delivery semantics.
+
+Findings become alerts (labels: alertname, severity, node, the subject's
+gpu/uuid/pci_bus_id, xid, static labels; annotations: summary,
+description, remediation, action, runbook_url). Their state lives in the
+durable outbox, and one sender thread per Alertmanager POSTs what is due:
+changes at once, and every firing or recently resolved alert again each
+resend interval, with endsAt = now + 4 x max(poll, resend interval) so
+the alerts of a dead daemon expire on their own.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import random
+import re
+import ssl
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import UTC, datetime
+
+from gpuwatchd.clock import Clock
+from gpuwatchd.config import Config
+from gpuwatchd.errors import ConfigError
+from gpuwatchd.health.rules import summary
+from gpuwatchd.model import Finding, MetricSpec, Sample, Severity
+from gpuwatchd.sinks.outbox import RESOLVED_RETENTION, Outbox, StoredAlert
+from gpuwatchd.state import State
+
+__all__ = ["METRICS", "AlertSink", "alert_labels", "validate_config"]
+
+log = logging.getLogger("gpuwatchd.alertmanager")
+
+MAX_BATCH = 256
+_LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+_CORE = ("alertname", "severity", "node")
+
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        "gpuwatchd_alerts_firing", "gauge", "Alerts firing now, by severity.", ("severity",)
+    ),
+    MetricSpec(
+        "gpuwatchd_alertmanager_notifications_total",
+        "counter",
+        "POSTs of alert batches to each Alertmanager, by result (success, failure).",
+        ("alertmanager", "result"),
+    ),
+    MetricSpec(
+        "gpuwatchd_alertmanager_queue_length",
+        "gauge",
+        "Alerts some configured Alertmanager has not yet acknowledged in their latest state.",
+    ),
+    MetricSpec(
+        "gpuwatchd_alertmanager_dropped_alerts_total",
+        "counter",
+        "Alerts given up on: queue_full (over alertmanager.max_alerts), invalid labels,"
+        " rejected by Alertmanager (HTTP 4xx).",
+        ("reason",),
+    ),
+    MetricSpec(
+        "gpuwatchd_alertmanager_last_success_timestamp_seconds",
+        "gauge",
+        "Unix time of the last POST that Alertmanager accepted.",
+        ("alertmanager",),
+    ),
+)
+
+
+def validate_config(cfg: Config, file: str = "") -> None:
+    """Raise ConfigError for URLs, labels or credential files that cannot work."""
+    am = cfg.alertmanager
+    for i, url in enumerate(am.urls):
+        if not re.match(r"^https?://[^/\s]+", url):
+            raise ConfigError(
+                file, f"alertmanager.urls[{i}]", f"must be http(s)://host, got {url!r}"
+            )
+    for name, value in am.static_labels.items():
+        if not _LABEL_NAME.match(name) or name.startswith("__"):
+            raise ConfigError(file, f"alertmanager.static_labels.{name}", "invalid label name")
+        if name in (*_CORE, "gpu", "uuid", "pci_bus_id", "xid"):
+            raise ConfigError(file, f"alertmanager.static_labels.{name}", "reserved label name")
+        if not value:
+            raise ConfigError(file, f"alertmanager.static_labels.{name}", "empty value")
+    for key in ("tls_ca_file", "tls_cert_file", "tls_key_file", "basic_auth_password_file",
+                "bearer_token_file"):
+        path = getattr(am, key)
+        if path:
+            try:
+                open(path, "rb").close()
+            except OSError as exc:
+                raise ConfigError(file, f"alertmanager.{key}", f"cannot read {path}: "
+                                  f"{exc.strerror or exc}") from None
+    if am.basic_auth_user and am.bearer_token_file:
+        raise ConfigError(file, "alertmanager.bearer_token_file", "use basic auth or a token")
+
+
+def alert_labels(finding: Finding, node: str, static: Mapping[str, str]) -> dict[str, str]:
+    """The label set of a finding's alert; the same set the Prometheus rules produce."""
+    labels = {k: v for k, v in static.items() if v}
+    labels.update((k, v) for k, v in finding.subject if v)
+    labels.update((k, v) for k, v in finding.labels if v)
+    labels.update(alertname=finding.alertname, severity=str(finding.severity), node=node)
+    return labels
+
+
+def _valid(mapping: Mapping[str, str]) -> bool:
+    for key, value in mapping.items():
+        if not _LABEL_NAME.match(key) or key.startswith("__") or not isinstance(value, str):
+            return False
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+    return bool(mapping.get("alertname"))
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+class _Receiver:
+    """One Alertmanager: its sender thread, backoff and counters."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+        self.wake = threading.Event()
+        self.lock = threading.Lock()  # one delivery at a time (thread or flush)
+        self.thread: threading.Thread | None = None
+        self.failures = 0
+        self.retry_at = 0.0
+        self.results = {"success": 0, "failure": 0}
+        self.last_success = 0.0
+        self.last_error = ""
+
+
+class AlertSink:
+    """Turns findings into durable alerts and delivers them to every Alertmanager."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        db_path: str,
+        clock: Clock,
+        node: str,
+        state: State | None = None,
+        listen_port: int = 0,
+    ) -> None:
+        validate_config(cfg)
+        self.cfg = cfg
+        self._am = cfg.alertmanager
+        self._clock = clock
+        self._node = node
+        self._state = state
+        self._outbox = Outbox(db_path, self._am.max_alerts)
+        self._receivers = [_Receiver(u) for u in dict.fromkeys(self._am.urls)]
+        self._stop = threading.Event()
+        self._dropped = {"queue_full": 0, "invalid": 0, "rejected": 0}
+        self._lock = threading.Lock()
+        base = self._am.external_url.rstrip("/") or f"http://{node}:{listen_port}"
+        self.generator_url = f"{base}/alerts"
+        poll = cfg.sources.nvml.interval
+        self._ttl = 4 * max(poll, self._am.resend_interval)
+        self._opener = self._build_opener()
+
+    # --- input ---------------------------------------------------------------
+
+    def update(self, findings: Iterable[Finding], now: float | None = None) -> None:
+        """Make the firing alerts those of `findings` (INFO findings never alert)."""
+        now = self._clock.time() if now is None else now
+        current = []
+        for f in findings:
+            if f.severity < Severity.WARNING:
+                continue
+            labels = alert_labels(f, self._node, self._am.static_labels)
+            ann = self._annotations(f)
+            if not (_valid(labels) and _valid({"alertname": "x", **ann})):
+                with self._lock:
+                    self._dropped["invalid"] += 1
+                log.error("alert with invalid labels not sent: %s %s", labels, sorted(ann))
+                continue
+            current.append((labels, ann, f.since or now))
+        result = self._outbox.sync(current, now)
+        for a in result.fired:
+            log.warning("alert firing: %s: %s", _name(a), a.annotations.get("description", ""))
+        for a in result.resolved:
+            log.info("alert resolved: %s", _name(a))
+        if result.dropped:
+            with self._lock:
+                self._dropped["queue_full"] += result.dropped
+            log.error("alert queue full (%d): %d new alert(s) dropped", self._am.max_alerts,
+                      result.dropped)
+        self._outbox.prune([r.url for r in self._receivers], now)
+        if result.fired or result.resolved:
+            for r in self._receivers:
+                r.wake.set()
+        self.publish()
+
+    def _annotations(self, f: Finding) -> dict[str, str]:
+        ann = {
+            "summary": summary(f),
+            "description": f.reason,
+            "remediation": f.remediation,
+            "action": str(f.action),
+        }
+        if self._am.runbook_base_url:
+            ann["runbook_url"] = f"{self._am.runbook_base_url.rstrip('/')}/{f.alertname}.md"
+        return {k: v for k, v in ann.items() if v}
+
+    # --- delivery ------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start one sender thread per configured Alertmanager."""
+        for i, r in enumerate(self._receivers):
+            r.thread = threading.Thread(
+                target=self._loop, args=(r,), name=f"alertmanager-{i}", daemon=True
+            )
+            r.thread.start()
+
+    def stop(self, flush_timeout: float = 5.0) -> None:
+        """Stop the senders after one last delivery attempt (SIGTERM path)."""
+        self._stop.set()
+        for r in self._receivers:
+            r.wake.set()
+        for r in self._receivers:
+            if r.thread is not None:
+                r.thread.join(flush_timeout)
+        self.flush(flush_timeout)
+        self._outbox.close()
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Deliver everything due now, ignoring backoff; True if nothing is left."""
+        ok = True
+        for r in self._receivers:
+            if r.lock.acquire(timeout=timeout):
+                try:
+                    r.retry_at = 0.0
+                    self._deliver(r, self._clock.time())
+                finally:
+                    r.lock.release()
+            ok = ok and r.failures == 0
+        self.publish()
+        return ok and self._outbox.undelivered([r.url for r in self._receivers]) == 0
+
+    def _loop(self, r: _Receiver) -> None:
+        while not self._stop.is_set():
+            with r.lock:
+                wait = self._deliver(r, self._clock.time())
+            self.publish()
+            r.wake.wait(wait)
+            r.wake.clear()
+
+    def _deliver(self, r: _Receiver, now: float) -> float:
+        """Send every due batch to `r`; return seconds until the next attempt."""
+        if now < r.retry_at:
+            return r.retry_at - now
+        resend = self._am.resend_interval
+        for _ in range(1000):  # a bound, not a limit reached in practice
+            batch = self._outbox.due(r.url, now, resend, MAX_BATCH)
+            if not batch:
+                break
+            accepted = self._post_batch(r, batch, now)
+            if accepted is None:
+                r.failures += 1
+                delay = min(self._am.retry_max_seconds, 2.0 ** min(r.failures - 1, 16))
+                delay = delay / 2 + random.uniform(0, delay / 2)  # equal jitter
+                r.retry_at = now + delay
+                return delay
+            self._outbox.mark_sent(r.url, accepted, now)
+            r.failures = 0
+        return max(0.05, self._outbox.next_due(r.url, now, resend))
+
+    def _post_batch(
+        self, r: _Receiver, batch: Sequence[StoredAlert], now: float
+    ) -> Sequence[StoredAlert] | None:
+        """POST a batch; the alerts to mark sent, or None to retry later."""
+        status = self._post(r, [self._payload(a, now) for a in batch])
+        if status is None or status >= 500 or status in (408, 429):
+            return None
+        if status < 300:
+            return batch
+        # A 4xx rejects the whole batch; send one by one to drop only the bad alert.
+        good: list[StoredAlert] = []
+        for a in batch:
+            one = self._post(r, [self._payload(a, now)]) if len(batch) > 1 else status
+            if one is None or one >= 500 or one in (408, 429):
+                return good or None
+            if one >= 300:
+                with self._lock:
+                    self._dropped["rejected"] += 1
+                log.error("Alertmanager %s rejected alert %s; dropped", r.url, _name(a))
+            good.append(a)
+        return good
+
+    def _payload(self, a: StoredAlert, now: float) -> dict[str, object]:
+        ends = a.resolved_at if a.resolved_at is not None else now + self._ttl
+        return {
+            "labels": dict(a.labels),
+            "annotations": dict(a.annotations),
+            "startsAt": _iso(a.starts_at),
+            "endsAt": _iso(ends),
+            "generatorURL": self.generator_url,
+        }
+
+    def _post(self, r: _Receiver, payload: list[dict[str, object]]) -> int | None:
+        """POST to /api/v2/alerts; the HTTP status, or None if no answer came."""
+        body = json.dumps(payload).encode()
+        req = urllib.request.Request(
+            f"{r.url}/api/v2/alerts", data=body, method="POST",
+            headers={"Content-Type": "application/json", "User-Agent": "gpuwatchd"},
+        )
+        try:
+            auth = self._auth_header()
+            if auth:
+                req.add_header("Authorization", auth)
+            with self._opener.open(req, timeout=self._am.timeout) as resp:
+                status = int(resp.status)
+        except urllib.error.HTTPError as exc:
+            status = exc.code
+            text = exc.read(2048).decode("utf-8", "replace").strip()
+            log.error("Alertmanager %s answered %d: %s", r.url, status, text)
+            r.last_error = f"HTTP {status}: {text[:200]}"
+        except (OSError, ValueError) as exc:
+            reason = getattr(exc, "reason", exc)
+            if r.failures == 0:
+                log.warning("Alertmanager %s unreachable: %s (will retry)", r.url, reason)
+            r.last_error = str(reason)
+            r.results["failure"] += 1
+            return None
+        ok = 200 <= status < 300
+        r.results["success" if ok else "failure"] += 1
+        if ok:
+            if r.failures:
+                log.info("Alertmanager %s reachable again", r.url)
+            r.last_success = self._clock.time()
+            r.last_error = ""
+        return status
+
+    def _auth_header(self) -> str:
+        am = self._am
+        if am.bearer_token_file:
+            with open(am.bearer_token_file, encoding="utf-8") as f:
+                return f"Bearer {f.read().strip()}"
+        if am.basic_auth_user:
+            password = ""
+            if am.basic_auth_password_file:
+                with open(am.basic_auth_password_file, encoding="utf-8") as f:
+                    password = f.read().rstrip("\n")
+            token = base64.b64encode(f"{am.basic_auth_user}:{password}".encode()).decode()
+            return f"Basic {token}"
+        return ""
+
+    def _build_opener(self) -> urllib.request.OpenerDirector:
+        am = self._am
+        ctx = ssl.create_default_context(cafile=am.tls_ca_file or None)
+        if am.tls_cert_file:
+            ctx.load_cert_chain(am.tls_cert_file, am.tls_key_file or None)
+        if am.tls_insecure_skip_verify:
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        # No proxy from the environment: each Alertmanager is addressed directly.
+        return urllib.request.build_opener(
+            urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=ctx)
+        )
+
+    # --- output --------------------------------------------------------------
+
+    def samples(self) -> list[Sample]:
+        """The sink's metrics (see METRICS)."""
+        alerts = self._outbox.alerts()
+        firing: dict[str, int] = {"warning": 0, "critical": 0}
+        for a in alerts:
+            if a.firing:
+                sev = a.labels.get("severity", "")
+                firing[sev] = firing.get(sev, 0) + 1
+        out = [Sample.of("gpuwatchd_alerts_firing", n, severity=s) for s, n in firing.items()]
+        for r in self._receivers:
+            for result, n in r.results.items():
+                out.append(Sample.of("gpuwatchd_alertmanager_notifications_total", n,
+                                     alertmanager=r.url, result=result))
+            if r.last_success:
+                out.append(Sample.of("gpuwatchd_alertmanager_last_success_timestamp_seconds",
+                                     r.last_success, alertmanager=r.url))
+        out.append(Sample.of("gpuwatchd_alertmanager_queue_length",
+                             self._outbox.undelivered([r.url for r in self._receivers])))
+        with self._lock:
+            out.extend(Sample.of("gpuwatchd_alertmanager_dropped_alerts_total", n, reason=k)
+                       for k, n in self._dropped.items())
+        return out
+
+    def publish(self) -> None:
+        if self._state is not None:
+            self._state.publish_extra("alertmanager", self.samples())
+
+    def status(self) -> dict[str, object]:
+        """JSON-able view for /status and /alerts."""
+        now = self._clock.time()
+        deliveries = self._outbox.deliveries()
+        alerts = []
+        for a in self._outbox.alerts():
+            marks = deliveries.get(a.fingerprint, {})
+            alerts.append({
+                "fingerprint": a.fingerprint,
+                "status": "firing" if a.firing else "resolved",
+                "labels": dict(a.labels),
+                "annotations": dict(a.annotations),
+                "startsAt": _iso(a.starts_at),
+                "endsAt": _iso(a.resolved_at) if a.resolved_at is not None else None,
+                "delivered": {r.url: marks.get(r.url, (0, 0.0))[0] >= a.version
+                              for r in self._receivers},
+            })
+        return {
+            "node": self._node,
+            "generated_at": _iso(now),
+            "resolved_kept_seconds": RESOLVED_RETENTION,
+            "alertmanagers": [
+                {"url": r.url, "consecutive_failures": r.failures, "last_error": r.last_error,
+                 "last_success": _iso(r.last_success) if r.last_success else None}
+                for r in self._receivers
+            ],
+            "alerts": alerts,
+        }
+
+    def route_alerts(self, query: Mapping[str, list[str]]) -> tuple[int, str, bytes]:
+        """HTTP route for /alerts (?state=firing|resolved filters)."""
+        data = self.status()
+        want = (query.get("state") or [""])[0]
+        if want in ("firing", "resolved"):
+            data["alerts"] = [a for a in data["alerts"]  # type: ignore[attr-defined]
+                              if a["status"] == want]
+        return 200, "application/json", json.dumps(data, indent=1).encode() + b"\n"
+
+
+def _name(a: StoredAlert) -> str:
+    inner = ",".join(f"{k}={v}" for k, v in sorted(a.labels.items()) if k != "alertname")
+    return f"{a.labels.get('alertname', '?')}{{{inner}}}"

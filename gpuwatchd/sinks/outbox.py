@@ -1,0 +1,279 @@
+"""Durable alert state for the Alertmanager sink, in the event store's SQLite file.
+
+This is not a queue of messages but the set of alerts with a delivery
+mark per Alertmanager: an alert's `version` goes up whenever something
+Alertmanager must hear about changes (it fired, it resolved, its text
+changed), and each receiver records the version it last acknowledged.
+What is due for a receiver is then one query, a restart changes nothing
+(startsAt and versions are on disk), and an Alertmanager that was away
+gets everything it missed, however long the outage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from gpuwatchd.errors import StoreError
+
+__all__ = ["Outbox", "StoredAlert", "fingerprint"]
+
+# Alertmanager keeps a resolved alert for this long; so do we, re-sending it.
+RESOLVED_RETENTION = 15 * 60.0
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS alert_outbox (
+    fingerprint TEXT PRIMARY KEY,
+    labels TEXT NOT NULL,
+    annotations TEXT NOT NULL,
+    starts_at REAL NOT NULL,
+    resolved_at REAL,
+    version INTEGER NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS alert_delivery (
+    fingerprint TEXT NOT NULL,
+    receiver TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    sent_at REAL NOT NULL,
+    PRIMARY KEY (fingerprint, receiver)
+);
+"""
+
+
+def fingerprint(labels: Mapping[str, str]) -> str:
+    """A stable id for a label set (what Alertmanager dedups on)."""
+    text = json.dumps(sorted(labels.items()), separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class StoredAlert:
+    """One alert as the outbox keeps it; `resolved_at` is None while firing."""
+
+    fingerprint: str
+    labels: Mapping[str, str]
+    annotations: Mapping[str, str]
+    starts_at: float
+    resolved_at: float | None
+    version: int
+    updated_at: float
+
+    @property
+    def firing(self) -> bool:
+        return self.resolved_at is None
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """What one sync changed, for logging; `dropped` counts alerts refused by the bound."""
+
+    fired: tuple[StoredAlert, ...] = ()
+    resolved: tuple[StoredAlert, ...] = ()
+    dropped: int = 0
+
+
+class Outbox:
+    """Alert rows plus per-receiver delivery marks; every method is thread-safe."""
+
+    def __init__(self, path: str, max_alerts: int = 10000) -> None:
+        self.max_alerts = max_alerts
+        self._lock = threading.Lock()
+        try:
+            # One connection shared under our own lock; the store module
+            # opens its own connection to the same file.
+            self._db = sqlite3.connect(path, timeout=10.0, check_same_thread=False)
+            self._db.execute("PRAGMA busy_timeout = 10000")
+            self._db.execute("PRAGMA journal_mode = WAL")
+            self._db.executescript(_SCHEMA)
+            self._db.commit()
+        except sqlite3.Error as exc:
+            raise StoreError(f"alert outbox {path}: {exc}") from exc
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def sync(
+        self,
+        current: Iterable[tuple[Mapping[str, str], Mapping[str, str], float]],
+        now: float,
+    ) -> SyncResult:
+        """Make the firing set equal `current` (labels, annotations, starts_at).
+
+        New label sets fire with their starts_at; firing ones keep the
+        starts_at on disk (stable across restarts); firing ones missing
+        from `current` resolve at `now`.
+        """
+        wanted = {fingerprint(lab): (lab, ann, start) for lab, ann, start in current}
+        fired: list[StoredAlert] = []
+        resolved: list[StoredAlert] = []
+        dropped = 0
+        with self._lock, self._db:
+            rows = {a.fingerprint: a for a in self._select("", ())}
+            count = len(rows)
+            for fp, (labels, ann, start) in wanted.items():
+                old = rows.get(fp)
+                if old is None:
+                    if count >= self.max_alerts:
+                        count -= self._evict_one()
+                    if count >= self.max_alerts:
+                        dropped += 1
+                        continue
+                    self._db.execute(
+                        "INSERT INTO alert_outbox VALUES (?, ?, ?, ?, NULL, 1, ?)",
+                        (fp, _dump(labels), _dump(ann), start, now),
+                    )
+                    count += 1
+                    fired.append(StoredAlert(fp, labels, ann, start, None, 1, now))
+                elif old.resolved_at is not None:
+                    # Fired again after it resolved: a new alert with a new startsAt.
+                    self._db.execute(
+                        "UPDATE alert_outbox SET annotations=?, starts_at=?, resolved_at=NULL,"
+                        " version=version+1, updated_at=? WHERE fingerprint=?",
+                        (_dump(ann), start, now, fp),
+                    )
+                    fired.append(StoredAlert(fp, labels, ann, start, None, old.version + 1, now))
+                elif dict(old.annotations) != dict(ann):
+                    self._db.execute(
+                        "UPDATE alert_outbox SET annotations=?, version=version+1, updated_at=?"
+                        " WHERE fingerprint=?",
+                        (_dump(ann), now, fp),
+                    )
+            for fp, old in rows.items():
+                if old.firing and fp not in wanted:
+                    self._db.execute(
+                        "UPDATE alert_outbox SET resolved_at=?, version=version+1, updated_at=?"
+                        " WHERE fingerprint=?",
+                        (now, now, fp),
+                    )
+                    resolved.append(
+                        StoredAlert(fp, old.labels, old.annotations, old.starts_at, now,
+                                    old.version + 1, now)
+                    )
+        return SyncResult(tuple(fired), tuple(resolved), dropped)
+
+    def _evict_one(self) -> int:
+        """Free one row for a new alert: the oldest resolved one (caller holds the lock)."""
+        row = self._db.execute(
+            "SELECT fingerprint FROM alert_outbox WHERE resolved_at IS NOT NULL"
+            " ORDER BY resolved_at LIMIT 1"
+        ).fetchone()
+        if row is None:
+            return 0
+        self._delete([row[0]])
+        return 1
+
+    def due(
+        self, receiver: str, now: float, resend_interval: float, limit: int = 256
+    ) -> list[StoredAlert]:
+        """Alerts `receiver` has not acknowledged at their version, or whose resend is due."""
+        return self._locked_select(
+            "LEFT JOIN alert_delivery d ON d.fingerprint = a.fingerprint AND d.receiver = ?"
+            " WHERE d.version IS NULL OR d.version < a.version"
+            " OR (d.sent_at <= ? AND (a.resolved_at IS NULL OR a.resolved_at >= ?))"
+            " ORDER BY a.updated_at, a.fingerprint LIMIT ?",
+            (receiver, now - resend_interval, now - RESOLVED_RETENTION, limit),
+        )
+
+    def next_due(self, receiver: str, now: float, resend_interval: float) -> float:
+        """Seconds until something is due for `receiver` (0 if something is due now)."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT MIN(CASE WHEN d.version IS NULL OR d.version < a.version THEN 0"
+                " ELSE d.sent_at + ? - ? END) FROM alert_outbox a LEFT JOIN alert_delivery d"
+                " ON d.fingerprint = a.fingerprint AND d.receiver = ?"
+                " WHERE a.resolved_at IS NULL OR a.resolved_at >= ?",
+                (resend_interval, now, receiver, now - RESOLVED_RETENTION),
+            ).fetchone()
+        value = row[0] if row else None
+        return max(0.0, float(value)) if value is not None else resend_interval
+
+    def mark_sent(self, receiver: str, sent: Sequence[StoredAlert], now: float) -> None:
+        """Record that `receiver` acknowledged these alerts at the versions given."""
+        with self._lock, self._db:
+            self._db.executemany(
+                "INSERT INTO alert_delivery VALUES (?, ?, ?, ?) ON CONFLICT"
+                " (fingerprint, receiver) DO UPDATE SET version=excluded.version,"
+                " sent_at=excluded.sent_at",
+                [(a.fingerprint, receiver, a.version, now) for a in sent],
+            )
+
+    def undelivered(self, receivers: Sequence[str]) -> int:
+        """Alerts some receiver has not acknowledged at their current version."""
+        if not receivers:
+            return 0
+        marks = ",".join("?" * len(receivers))
+        with self._lock:
+            row = self._db.execute(
+                "SELECT COUNT(*) FROM alert_outbox a WHERE (SELECT COUNT(*) FROM alert_delivery d"
+                f" WHERE d.fingerprint = a.fingerprint AND d.receiver IN ({marks})"
+                " AND d.version >= a.version) < ?",
+                (*receivers, len(receivers)),
+            ).fetchone()
+        return int(row[0])
+
+    def prune(self, receivers: Sequence[str], now: float) -> int:
+        """Delete resolved alerts older than the retention that every receiver has seen."""
+        with self._lock, self._db:
+            old = [
+                a
+                for a in self._select(
+                    "WHERE a.resolved_at IS NOT NULL AND a.resolved_at < ?",
+                    (now - RESOLVED_RETENTION,),
+                )
+            ]
+            done = [a.fingerprint for a in old if self._acked(a, receivers)]
+            self._delete(done)
+        return len(done)
+
+    def _acked(self, alert: StoredAlert, receivers: Sequence[str]) -> bool:
+        for receiver in receivers:
+            row = self._db.execute(
+                "SELECT version FROM alert_delivery WHERE fingerprint=? AND receiver=?",
+                (alert.fingerprint, receiver),
+            ).fetchone()
+            if row is None or row[0] < alert.version:
+                return False
+        return True
+
+    def _delete(self, fps: Sequence[str]) -> None:
+        for fp in fps:
+            self._db.execute("DELETE FROM alert_outbox WHERE fingerprint=?", (fp,))
+            self._db.execute("DELETE FROM alert_delivery WHERE fingerprint=?", (fp,))
+
+    def alerts(self) -> list[StoredAlert]:
+        """Every alert kept: firing ones and recently resolved ones."""
+        return self._locked_select("ORDER BY a.resolved_at IS NOT NULL, a.starts_at", ())
+
+    def deliveries(self) -> dict[str, dict[str, tuple[int, float]]]:
+        """fingerprint -> receiver -> (acknowledged version, sent_at)."""
+        out: dict[str, dict[str, tuple[int, float]]] = {}
+        with self._lock:
+            for fp, receiver, version, sent_at in self._db.execute(
+                "SELECT fingerprint, receiver, version, sent_at FROM alert_delivery"
+            ):
+                out.setdefault(fp, {})[receiver] = (int(version), float(sent_at))
+        return out
+
+    def _locked_select(self, tail: str, params: tuple[object, ...]) -> list[StoredAlert]:
+        with self._lock:
+            return self._select(tail, params)
+
+    def _select(self, tail: str, params: tuple[object, ...]) -> list[StoredAlert]:
+        sql = (
+            "SELECT a.fingerprint, a.labels, a.annotations, a.starts_at, a.resolved_at,"
+            f" a.version, a.updated_at FROM alert_outbox a {tail}"
+        )
+        return [
+            StoredAlert(fp, json.loads(lab), json.loads(ann), start, res, ver, upd)
+            for fp, lab, ann, start, res, ver, upd in self._db.execute(sql, params)
+        ]
+
+
+def _dump(mapping: Mapping[str, str]) -> str:
+    return json.dumps(dict(sorted(mapping.items())), separators=(",", ":"))
