@@ -114,17 +114,72 @@ class KmsgConfig:
 class ShmConfig:
     enabled: bool = opt(True, "watch /dev/shm capacity and stale NCCL segments")
     interval: float = opt(30.0, "seconds between polls", min=0.1, max=3600)
+    patterns: list[str] = opt(
+        ["nccl-*"],
+        "file name globs of NCCL segments in /dev/shm (NCCL names them nccl-XXXXXX)",
+    )
+    grace_seconds: float = opt(
+        300.0, "a segment nobody holds is stale only once older than this", min=0
+    )
+    cleanup_stale: bool = opt(
+        False, "delete stale segments (never one a live process holds); off by default"
+    )
+    scan_fds: bool = opt(
+        True, "also look at open file descriptors, not only memory maps, to find holders"
+    )
+    full_warn_ratio: float = opt(
+        0.9, "warn when this fraction of /dev/shm bytes or inodes is used", min=0, max=1
+    )
+    status_segments: int = opt(50, "at most this many segments listed in /status", min=0)
 
 
 @dataclass(frozen=True)
 class InfinibandConfig:
     enabled: bool = opt(True, "watch InfiniBand/RoCE ports in sysfs")
     interval: float = opt(15.0, "seconds between polls", min=0.1, max=3600)
+    device_include: str = opt("", "regex: watch only devices whose name matches; empty = all")
+    device_exclude: str = opt("", "regex: skip devices whose name matches; empty = none")
+    hw_counters: bool = opt(True, "export the driver's hw_counters/ (RDMA retransmits, CNPs...)")
+    expected_rate_gbps: dict[str, float] = opt(
+        {},
+        "expected port rate in Gb/s by device or device/port (mlx5_0: 400); "
+        "unlisted ports expect the highest rate seen since start",
+    )
+    expected_up: str = opt(
+        "",
+        "regex on device/port: ports that must be up even if never seen ACTIVE since start",
+    )
 
 
 @dataclass(frozen=True)
 class UdevConfig:
     enabled: bool = opt(True, "re-poll a source at once on udev add/remove/change events")
+    fallback_interval: float = opt(
+        60.0, "without udev, how often the udev source checks whether it has appeared", min=1
+    )
+    debounce_seconds: float = opt(
+        1.0, "nudge one source at most this often, however many events arrive", min=0
+    )
+
+
+@dataclass(frozen=True)
+class StuckConfig:
+    """Thresholds of the stuck-GPU (suspected NCCL hang) detector, health/stuck.py."""
+
+    enabled: bool = opt(True, "flag a GPU busy at idle power with no memory traffic")
+    min_utilization: float = opt(0.95, "GPU utilisation at or above this (ratio)", min=0, max=1)
+    max_memory_utilization: float = opt(
+        0.02, "memory-controller utilisation at or below this (ratio)", min=0, max=1
+    )
+    max_power_ratio: float = opt(
+        0.3, "power draw at or below this fraction of the power limit", min=0, max=1
+    )
+    min_duration_seconds: float = opt(
+        300.0, "the pattern must hold this long before the warning", min=0
+    )
+    max_gap_seconds: float = opt(
+        120.0, "a gap between readings longer than this restarts the clock", min=1
+    )
 
 
 @dataclass(frozen=True)

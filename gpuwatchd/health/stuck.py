@@ -1,0 +1,302 @@
+"""Stuck GPU, a suspected NCCL hang: busy at idle power with no memory traffic, for minutes.
+
+NCCL's collective kernels wait for their peers by spinning on flags in
+memory. When a peer never arrives (its rank died, hangs, or skipped the
+collective) the kernel keeps running: NVML's utilisation, "a kernel was
+executing during the sample period", reads ~100 %, but the kernel does
+no arithmetic and moves no data, so the power draw stays near idle and
+the memory-controller utilisation near 0. Real work at 100 %
+utilisation draws much more power or moves memory. The pattern has to
+hold for `min_duration_seconds` (default 5 min) before it is reported,
+which rules out the short waits of a healthy job.
+
+`step()` is the pure core over successive readings; `StuckDetector`
+keeps its state between calls for the health engine;
+`readings_from_snapshot()` adapts the NVML source's samples and status.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+from gpuwatchd.clock import Clock
+from gpuwatchd.model import Action, Finding, Labels, Sample, Severity
+
+if TYPE_CHECKING:
+    from gpuwatchd.config import Config
+    from gpuwatchd.state import NodeSnapshot
+
+__all__ = [
+    "ALERTNAME",
+    "GpuReading",
+    "StuckDetector",
+    "StuckState",
+    "StuckThresholds",
+    "matches",
+    "proc_describer",
+    "readings_from_samples",
+    "readings_from_snapshot",
+    "step",
+]
+
+ALERTNAME = "GpuStuckSuspected"
+RULE = "gpu_stuck"
+REMEDIATION = (
+    "The GPU itself is usually fine: a kernel is waiting for a peer. Check the job's other "
+    "ranks (a dead or stuck rank, a node that left), take Python stacks of the processes "
+    "listed (py-spy dump --pid PID) and rerun with NCCL_DEBUG=INFO; set a collective timeout "
+    "(TORCH_NCCL_ASYNC_ERROR_HANDLING=1, init_process_group(timeout=...)) so hangs end on "
+    "their own. If confirmed, kill and restart the job."
+)
+UTIL = "gpuwatchd_gpu_utilization_ratio"
+POWER = "gpuwatchd_gpu_power_watts"
+POWER_LIMIT = "gpuwatchd_gpu_power_limit_watts"
+SUBJECT_LABELS = ("gpu", "uuid", "pci_bus_id")
+
+
+@dataclass(frozen=True)
+class StuckThresholds:
+    """When a GPU counts as stuck; defaults match config.StuckConfig."""
+
+    min_utilization: float = 0.95
+    max_memory_utilization: float = 0.02
+    max_power_ratio: float = 0.3
+    min_duration_seconds: float = 300.0
+    max_gap_seconds: float = 120.0
+    # used only when NVML reports no power limit
+    fallback_max_power_watts: float = 150.0
+    enabled: bool = True
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> StuckThresholds:
+        """Read health.stuck if the config has that section, else the defaults."""
+        section = getattr(cfg.health, "stuck", None)
+        if section is None:
+            return cls()
+        return cls(
+            min_utilization=section.min_utilization,
+            max_memory_utilization=section.max_memory_utilization,
+            max_power_ratio=section.max_power_ratio,
+            min_duration_seconds=section.min_duration_seconds,
+            max_gap_seconds=section.max_gap_seconds,
+            enabled=section.enabled,
+        )
+
+
+@dataclass(frozen=True)
+class GpuReading:
+    """What the detector needs from one NVML poll of one GPU; None = not read."""
+
+    gpu: str
+    utilization: float | None
+    memory_utilization: float | None
+    power_watts: float | None
+    power_limit_watts: float | None = None
+    subject: Labels = ()
+    processes: tuple[str, ...] = ()  # "1234 python train.py"
+
+
+def matches(r: GpuReading, t: StuckThresholds) -> bool:
+    """True if this one reading shows the stuck pattern."""
+    if r.utilization is None or r.memory_utilization is None or r.power_watts is None:
+        return False
+    if r.power_limit_watts:
+        low_power = r.power_watts <= t.max_power_ratio * r.power_limit_watts
+    else:
+        low_power = r.power_watts <= t.fallback_max_power_watts
+    return (
+        r.utilization >= t.min_utilization
+        and r.memory_utilization <= t.max_memory_utilization
+        and low_power
+    )
+
+
+@dataclass(frozen=True)
+class StuckState:
+    """Per GPU: when the pattern started and when it was last seen."""
+
+    since: Mapping[str, float] = field(default_factory=dict)
+    last: Mapping[str, float] = field(default_factory=dict)
+
+
+def step(
+    state: StuckState, readings: Iterable[GpuReading], now: float, t: StuckThresholds
+) -> tuple[StuckState, list[Finding]]:
+    """Fold one set of readings taken at `now` into the state; return the findings."""
+    since: dict[str, float] = {}
+    last: dict[str, float] = {}
+    findings: list[Finding] = []
+    if not t.enabled:
+        return StuckState(), findings
+    for r in readings:
+        if not matches(r, t):
+            continue  # the pattern broke (or was not readable): its clock restarts
+        start = state.since.get(r.gpu)
+        seen = state.last.get(r.gpu)
+        if start is None or seen is None or now - seen > t.max_gap_seconds:
+            start = now
+        since[r.gpu], last[r.gpu] = start, now
+        if now - start >= t.min_duration_seconds:
+            findings.append(_finding(r, start, now, t))
+    return StuckState(MappingProxyType(since), MappingProxyType(last)), findings
+
+
+def _finding(r: GpuReading, start: float, now: float, t: StuckThresholds) -> Finding:
+    power = f"{r.power_watts:.0f} W"
+    if r.power_limit_watts:
+        power += f" ({100 * (r.power_watts or 0) / r.power_limit_watts:.0f}% of its limit)"
+    procs = ", ".join(r.processes) if r.processes else "none reported by NVML"
+    reason = (
+        f"GPU {r.gpu} has been {100 * (r.utilization or 0):.0f}% busy at {power} with "
+        f"{100 * (r.memory_utilization or 0):.0f}% memory utilisation for "
+        f"{_duration(now - start)}: a kernel is spinning without doing work, as a NCCL "
+        f"collective waiting for a missing peer does. Processes: {procs}."
+    )
+    return Finding(
+        rule=RULE,
+        alertname=ALERTNAME,
+        scope="gpu",
+        subject=r.subject or (("gpu", r.gpu),),
+        severity=Severity.WARNING,
+        reason=reason,
+        action=Action.RESTART_APP,
+        remediation=REMEDIATION,
+        since=start,
+    )
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+# --- adapters -------------------------------------------------------------------------
+
+
+def readings_from_samples(
+    samples: Iterable[Sample],
+    gpus_status: Mapping[str, object] | None = None,
+    describe: Callable[[int], str] | None = None,
+) -> list[GpuReading]:
+    """Build readings from the NVML source's samples (and its status()['gpus'] for pids)."""
+    per: dict[str, dict[str, float]] = {}
+    subjects: dict[str, Labels] = {}
+    for s in samples:
+        gpu = s.label("gpu")
+        if not gpu:
+            continue
+        if s.name == UTIL:
+            key = "mem" if s.label("engine") == "memory" else "util"
+        elif s.name == POWER:
+            key = "power"
+        elif s.name == POWER_LIMIT:
+            key = "limit"
+        else:
+            continue
+        per.setdefault(gpu, {})[key] = s.value
+        subjects.setdefault(gpu, tuple((k, s.label(k)) for k in SUBJECT_LABELS if s.label(k)))
+    pids = _pids_by_gpu(gpus_status or {})
+    out = []
+    for gpu, v in sorted(per.items()):
+        procs = tuple(describe(p) if describe else str(p) for p in pids.get(gpu, ()))
+        out.append(
+            GpuReading(
+                gpu,
+                v.get("util"),
+                v.get("mem"),
+                v.get("power"),
+                v.get("limit"),
+                subjects.get(gpu, ()),
+                procs,
+            )
+        )
+    return out
+
+
+def _pids_by_gpu(gpus: Mapping[str, object]) -> dict[str, list[int]]:
+    found: dict[str, list[int]] = {}
+    for info in gpus.values():
+        if not isinstance(info, Mapping):
+            continue
+        for proc in info.get("processes") or ():
+            pid = proc.get("pid") if isinstance(proc, Mapping) else None
+            if isinstance(pid, int):
+                found.setdefault(str(info.get("gpu")), []).append(pid)
+    return found
+
+
+def readings_from_snapshot(
+    snapshot: NodeSnapshot, describe: Callable[[int], str] | None = None
+) -> tuple[float | None, list[GpuReading]]:
+    """(the NVML poll's timestamp, its readings); (None, []) without NVML data."""
+    nvml = snapshot.sources.get("nvml")
+    if nvml is None or not nvml.ok:
+        return None, []
+    gpus = nvml.status.get("gpus")
+    status = gpus if isinstance(gpus, Mapping) else None
+    return nvml.timestamp, readings_from_samples(nvml.samples, status, describe)
+
+
+class StuckDetector:
+    """Keeps the StuckState between health-engine evaluations.
+
+    Call `evaluate(snapshot)` after every state change; a snapshot whose
+    NVML poll was already seen changes nothing, so calling it often is
+    harmless. Findings keep being returned while the GPU stays stuck.
+    """
+
+    def __init__(
+        self,
+        thresholds: StuckThresholds,
+        clock: Clock,
+        describe: Callable[[int], str] | None = None,
+    ) -> None:
+        self.thresholds = thresholds
+        self._clock = clock
+        self._describe = describe
+        self._state = StuckState()
+        self._seen: float | None = None
+        self._findings: list[Finding] = []
+
+    def evaluate(self, snapshot: NodeSnapshot) -> list[Finding]:
+        """Findings for the GPUs stuck as of the latest NVML poll."""
+        stamp, readings = readings_from_snapshot(snapshot, self._describe)
+        if stamp is None:
+            return []
+        if stamp == self._seen:
+            return list(self._findings)
+        now = stamp or self._clock.time()
+        self._state, self._findings = step(self._state, readings, now, self.thresholds)
+        self._seen = stamp
+        return list(self._findings)
+
+    def observe(self, readings: Sequence[GpuReading], now: float | None = None) -> list[Finding]:
+        """Feed readings directly (scripts, tests); `now` defaults to the clock."""
+        at = self._clock.time() if now is None else now
+        self._state, self._findings = step(self._state, readings, at, self.thresholds)
+        return list(self._findings)
+
+    def stuck_since(self) -> Mapping[str, float]:
+        """GPU -> wall time the pattern started, for GPUs currently showing it."""
+        return dict(self._state.since)
+
+
+def proc_describer(procfs: str = "/proc") -> Callable[[int], str]:
+    """A `describe(pid)` that names a process from procfs: `1234 python train.py`."""
+
+    def describe(pid: int) -> str:
+        try:
+            with open(f"{procfs}/{pid}/cmdline", "rb") as f:
+                argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+        except OSError:
+            return str(pid)  # another PID namespace, or gone
+        if not argv:
+            return str(pid)
+        text = " ".join([os.path.basename(argv[0]), *argv[1:]])
+        return f"{pid} {text[:120]}"
+
+    return describe
