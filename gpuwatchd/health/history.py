@@ -61,12 +61,14 @@ class View:
         self._by_name: dict[str, list[Sample]] = defaultdict(list)
         for s in snapshot.samples():
             self._by_name[s.name].append(s)
+        # GPUs are what NVML lists now; other producers (health, kmsg) label
+        # series with GPUs too, but a lost GPU must not stay listed through them.
         self.gpus: dict[str, Gpu] = {}
-        for name in ("gpuwatchd_gpu_info", *self._by_name):
-            for s in self._by_name.get(name, ()):
-                uuid = s.label("uuid")
-                if uuid and uuid not in self.gpus and s.label("gpu"):
-                    self.gpus[uuid] = Gpu(s.label("gpu"), uuid, s.label("pci_bus_id"))
+        nvml = snapshot.sources.get("nvml")
+        for s in nvml.samples if nvml is not None else ():
+            uuid = s.label("uuid")
+            if uuid and uuid not in self.gpus and s.label("gpu"):
+                self.gpus[uuid] = Gpu(s.label("gpu"), uuid, s.label("pci_bus_id"))
         self._by_bus = {norm_bus_id(g.pci_bus_id): g for g in self.gpus.values()}
 
     def source(self, name: str) -> SourceSnapshot | None:

@@ -38,6 +38,7 @@ log = logging.getLogger("gpuwatchd.alertmanager")
 MAX_BATCH = 256
 _LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 _CORE = ("alertname", "severity", "node")
+_REJECTED = (400, 422)  # the alert itself is bad; anything else is worth a retry
 
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
@@ -278,15 +279,16 @@ class AlertSink:
     ) -> Sequence[StoredAlert] | None:
         """POST a batch; the alerts to mark sent, or None to retry later."""
         status = self._post(r, [self._payload(a, now) for a in batch])
-        if status is None or status >= 500 or status in (408, 429):
-            return None
+        if status is None or status not in _REJECTED and status >= 300:
+            return None  # unreachable, overloaded, or our auth/URL is wrong: keep, retry
         if status < 300:
             return batch
-        # A 4xx rejects the whole batch; send one by one to drop only the bad alert.
+        # 400 means some alert is invalid (Alertmanager still stores the valid ones);
+        # send one by one so that only the bad alert is dropped.
         good: list[StoredAlert] = []
         for a in batch:
             one = self._post(r, [self._payload(a, now)]) if len(batch) > 1 else status
-            if one is None or one >= 500 or one in (408, 429):
+            if one is None or one not in _REJECTED and one >= 300:
                 return good or None
             if one >= 300:
                 with self._lock:

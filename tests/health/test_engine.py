@@ -1,0 +1,195 @@
+"""The health engine: for-durations, transitions, roll-up, publishing, threads, clears."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import pytest
+
+from gpuwatchd.clock import FakeClock
+from gpuwatchd.config import Config
+from gpuwatchd.health import rules
+from gpuwatchd.health.engine import Clear, HealthEngine
+from gpuwatchd.health.rules import Inputs, XidCondition
+from gpuwatchd.model import Action, Finding, Health, Severity
+from gpuwatchd.state import State
+from tests.health.snapshots import GPU0, GPU1, T0, Node, source
+from tests.health.test_rules import cfg_with
+
+U0, U1 = GPU0["uuid"], GPU1["uuid"]
+
+
+def publish(state: State, node: Node, clock: FakeClock) -> None:
+    snap = node.snapshot(clock.time())
+    for src in snap.sources.values():
+        state.publish(src)
+
+
+def make(cfg: Config | None = None, **kw: object) -> tuple[HealthEngine, State, FakeClock]:
+    clock = FakeClock(T0)
+    state = State()
+    engine = HealthEngine(cfg or Config(), clock, state, **kw)  # type: ignore[arg-type]
+    state.subscribe(engine.on_publish)
+    return engine, state, clock
+
+
+def health_samples(state: State) -> dict[tuple[str, str, str], float]:
+    return {(s.label("scope"), s.label("component"), s.label("gpu")): s.value
+            for s in state.snapshot().extra["health"] if s.name == "gpuwatchd_health"}
+
+
+def test_healthy_node_publishes_health() -> None:
+    engine, state, clock = make()
+    publish(state, Node(), clock)
+    assert state.snapshot().findings == ()
+    h = health_samples(state)
+    assert h[("node", "", "")] == 0 and h[("gpu", "", "0")] == 0 and h[("gpu", "", "1")] == 0
+    assert h[("component", "nvml", "")] == 0 and h[("component", "daemon", "")] == 0
+    assert engine.status()["health"] == "healthy"
+
+
+def test_for_seconds_delays_opening_and_since_is_first_seen() -> None:
+    engine, state, clock = make()
+    hot = Node(gpus={U0: {"hw_slowdown": 1}, U1: {}})
+    publish(state, hot, clock)
+    assert state.snapshot().findings == ()  # GpuThermalSlowdown needs 60 s
+    clock.advance(30)
+    publish(state, hot, clock)
+    assert state.snapshot().findings == ()
+    clock.advance(30)
+    publish(state, hot, clock)
+    [f] = state.snapshot().findings
+    assert f.alertname == "GpuThermalSlowdown" and f.since == T0
+    h = health_samples(state)
+    assert h[("gpu", "", "0")] == int(Health.DEGRADED) and h[("node", "", "")] == 1
+    assert engine.rollup().components["nvml"] is Health.DEGRADED
+    clock.advance(10)
+    publish(state, Node(), clock)
+    assert state.snapshot().findings == ()
+
+
+def test_critical_rolls_up_and_sorts_first() -> None:
+    engine, state, clock = make()
+    publish(state, Node(), clock)
+    clock.advance(10)
+    publish(state, Node(gpus={U0: {"remap_pending": 1}, U1: {"ecc_unc_vol": 1}}), clock)
+    names = [f.alertname for f in state.snapshot().findings]
+    assert names == ["GpuEccUncorrectable", "GpuRowRemapPending"]
+    roll = engine.rollup()
+    assert roll.node is Health.UNHEALTHY
+    assert roll.gpus == {U0: Health.DEGRADED, U1: Health.UNHEALTHY}
+    status = engine.status()
+    assert status["gpus"]["1"] == {"uuid": U1, "health": "unhealthy"}  # type: ignore[index]
+    conds = status["conditions"]
+    assert conds[0]["summary"] == "Uncorrectable ECC errors on GPU 1"  # type: ignore[index]
+
+
+def test_listener_sees_changes_only_and_waits_for_sources() -> None:
+    calls: list[tuple[str, ...]] = []
+    engine, state, clock = make(expected_sources=["nvml", "kmsg"])
+    engine.add_listener(lambda found, now: calls.append(tuple(f.alertname for f in found)))
+    pending = Node(gpus={U0: {"remap_pending": 1}, U1: {}})
+    publish(state, pending, clock)
+    assert calls == []  # kmsg has not reported yet: do not resolve last run's alerts
+    state.publish(source("kmsg", [], clock.time()))
+    assert calls == [("GpuRowRemapPending",)]
+    clock.advance(10)
+    publish(state, pending, clock)
+    assert len(calls) == 1  # nothing changed
+    clock.advance(10)
+    publish(state, Node(), clock)
+    assert calls[-1] == ()
+
+
+def test_startup_grace_releases_listener() -> None:
+    calls: list[int] = []
+    engine, state, clock = make(expected_sources=["nvml", "infiniband"])
+    engine.add_listener(lambda found, now: calls.append(len(found)))
+    publish(state, Node(gpus={U0: {"remap_pending": 1}, U1: {}}), clock)
+    clock.advance(61)
+    engine.evaluate()
+    assert calls == [1]
+
+
+def test_xids_from_tracker_and_clear_hooks() -> None:
+    active = [XidCondition(79, "0000:00:07.0", Severity.CRITICAL, Action.REBOOT_NODE,
+                           "GPU has fallen off the bus", "reboot", since=T0 - 30)]
+    cleared: list[Clear] = []
+    engine, state, clock = make(xids=lambda now: list(active))
+    engine.on_clear(cleared.append)
+    publish(state, Node(), clock)
+    [f] = state.snapshot().findings
+    assert (f.alertname, dict(f.subject)["gpu"], f.since) == ("GpuXidCritical", "1", T0 - 30)
+    assert engine.rollup().components["kmsg"] is Health.UNHEALTHY
+    active.clear()  # what the tracker does on a clear
+    engine.apply_clear(Clear(1, clock.time(), "1", who="alice", reason="reseated"))
+    assert [c.who for c in cleared] == ["alice"]
+    assert state.snapshot().findings == ()
+
+
+def test_clear_forgets_sticky_memory_of_one_gpu() -> None:
+    engine, state, clock = make()
+    publish(state, Node(), clock)
+    clock.advance(10)
+    both = Node(gpus={U0: {"ecc_unc_vol": 1}, U1: {"ecc_unc_vol": 1}})
+    publish(state, both, clock)
+    assert len(state.snapshot().findings) == 2
+    engine.apply_clear(Clear(1, clock.time(), GPU0["pci_bus_id"], who="bob"))
+    [left] = state.snapshot().findings
+    assert dict(left.subject)["gpu"] == "1"
+
+
+def test_clear_all_resets_gpu_count_baseline() -> None:
+    engine, state, clock = make()
+    publish(state, Node(), clock)
+    clock.advance(10)
+    publish(state, Node(gpus={U0: {}}), clock)
+    assert {f.alertname for f in state.snapshot().findings} == {"GpuLost", "GpuCountLow"}
+    engine.apply_clear(Clear(2, clock.time(), ""))
+    assert state.snapshot().findings == ()
+
+
+def test_a_raising_rule_is_counted_not_fatal(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(inp: Inputs) -> list[Finding]:
+        raise ZeroDivisionError
+
+    monkeypatch.setattr(rules, "RULES", [broken, *rules.RULES])
+    engine, state, clock = make()
+    publish(state, Node(gpus={U0: {"remap_failure": 1}, U1: {}}), clock)
+    assert [f.alertname for f in state.snapshot().findings] == ["GpuRowRemapFailure"]
+    errors = [s for s in state.snapshot().extra["health"]
+              if s.name == "gpuwatchd_health_rule_errors_total"]
+    assert [(s.label("rule"), s.value) for s in errors] == [("broken", 1)]
+
+
+def test_disabled_and_for_seconds_from_config() -> None:
+    cfg = cfg_with(disabled_rules=["GpuRowRemapPending"], for_seconds={"GpuPcieDegraded": 0})
+    engine, state, clock = make(cfg)
+    publish(state, Node(gpus={U0: {"remap_pending": 1, "width": 8}, U1: {}}), clock)
+    assert [f.alertname for f in state.snapshot().findings] == ["GpuPcieDegraded"]
+
+
+def test_concurrent_publishers() -> None:
+    engine, state, clock = make()
+    errors: list[BaseException] = []
+    sick = Node(gpus={U0: {"remap_failure": 1}, U1: {}})
+
+    def worker(node: Node, n: int) -> None:
+        try:
+            for _ in range(n):
+                publish(state, node, clock)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(sick, 50)) for _ in range(4)]
+    threads.append(threading.Thread(
+        target=worker, args=(Node(extra_sources={"shm": []}, gpus={U0: {"remap_failure": 1},
+                                                                 U1: {}}), 50)))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    found: Sequence[Finding] = state.snapshot().findings
+    assert [f.alertname for f in found] == ["GpuRowRemapFailure"]
