@@ -202,7 +202,8 @@ class HealthConfig:
             "GpuTemperatureHigh": 120.0,
             "GpuThermalSlowdown": 60.0,
             "GpuPcieDegraded": 300.0,
-            "InfinibandPortDegraded": 60.0,
+            "InfinibandPhysicalStateNotLinkUp": 60.0,
+            "InfinibandRateDegraded": 60.0,
         },
         "how long a condition must last before it counts, per alert name (Prometheus `for:`)",
     )
@@ -236,16 +237,11 @@ class HealthConfig:
     collector_failure_seconds: float = opt(
         120.0, "a collector failing for this long raises GpuwatchdCollectorFailed", min=0
     )
-    infiniband_error_rate: float = opt(
-        0.1, "InfiniBand port error counters per second that raise InfinibandPortErrors", min=0
-    )
-    shm_min_free_ratio: float = opt(
-        0.1, "warn when less than this share of /dev/shm is free", min=0, max=1
-    )
     startup_grace_seconds: float = opt(
         60.0, "after a start, wait this long for every source before resolving old alerts",
         min=0, max=3600,
     )
+    stuck: StuckConfig = section(StuckConfig, "stuck GPU (suspected NCCL hang) detector")
 
 
 @dataclass(frozen=True)
