@@ -12,6 +12,7 @@ samples via `state.publish_extra`, and the open findings to listeners
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -20,8 +21,11 @@ from dataclasses import dataclass
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config, HealthConfig
 from gpuwatchd.health import rules
-from gpuwatchd.health.history import History, View
+from gpuwatchd.health.history import History, View, norm_bus_id
+from gpuwatchd.health.node_rules import NodeRules
 from gpuwatchd.health.rules import Inputs, XidCondition
+from gpuwatchd.health.stuck import StuckDetector, StuckThresholds, proc_describer
+from gpuwatchd.health.xidtracker import ActiveXid
 from gpuwatchd.model import (
     Event,
     Finding,
@@ -75,17 +79,36 @@ METRICS: tuple[MetricSpec, ...] = (
 
 Listener = Callable[[Sequence[Finding], float], None]
 Key = tuple[str, Labels, Labels]
+XidProvider = Callable[[float], Sequence["ActiveXid | XidCondition"]]
+ClearFetcher = Callable[[float], Sequence["Clear"]]
 
 
 @dataclass(frozen=True)
 class Clear:
-    """An operator's `gpuwatchd clear`: a GPU (index/uuid/bus id) or everything."""
+    """An operator's `gpuwatchd clear` as the store keeps it: a GPU (bus id) or all ("")."""
 
     id: int
     time: float
-    target: str  # "" = all
+    target: str  # pci_bus_id, uuid or index; "" = all
     who: str = ""
     reason: str = ""
+    code: int | None = None  # only this Xid code (then sticky GPU memory is kept)
+
+
+def xid_condition(a: ActiveXid | XidCondition) -> XidCondition:
+    """The Xid rule's view of a tracker's ActiveXid."""
+    if isinstance(a, XidCondition):
+        return a
+    ev = a.event
+    who = " ".join(x for x in (ev.attr("pid") and f"pid {ev.attr('pid')}",
+                               ev.attr("process")) if x)
+    parts = [p for p in (who, ev.attr("detail"), a.event.attr("escalated"),
+                         f"active until {a.until}") if p]
+    return XidCondition(
+        code=a.code, pci_bus_id=a.pci_bus_id, severity=a.info.severity, action=a.info.action,
+        name=a.info.name, remediation=a.info.remediation, since=a.since, kind=a.kind,
+        count=a.count, detail="; ".join(parts),
+    )
 
 
 @dataclass(frozen=True)
@@ -127,8 +150,9 @@ class HealthEngine:
         cfg: Config,
         clock: Clock,
         state: State | None = None,
-        xids: Callable[[float], Sequence[XidCondition]] | None = None,
+        xids: XidProvider | None = None,
         expected_sources: Iterable[str] = (),
+        clears: ClearFetcher | None = None,
     ) -> None:
         self._lock = threading.RLock()
         self._clock = clock
@@ -145,6 +169,8 @@ class HealthEngine:
         self._ready = not self._expected
         self._last_sent: tuple[Finding, ...] | None = None
         self._last_view: View | None = None
+        self._fetch_clears = clears
+        self._clears_seen: set[int] = set()
         self.reconfigure(cfg)
 
     def reconfigure(self, cfg: Config) -> None:
@@ -153,6 +179,10 @@ class HealthEngine:
             self.cfg = cfg
             self.history.window = cfg.health.rate_window_seconds
             self._for = {**HealthConfig().for_seconds, **cfg.health.for_seconds}
+            # Rules of other modules that keep their own state between polls.
+            self._node_rules = NodeRules(cfg)
+            self._stuck = StuckDetector(StuckThresholds.from_config(cfg), self._clock,
+                                        proc_describer(cfg.paths.procfs))
 
     def add_listener(self, listener: Listener) -> None:
         """Call `listener(open_findings, now)` whenever the open set or its text changes."""
@@ -189,11 +219,28 @@ class HealthEngine:
             self._publish(current, view, now)
             return list(current)
 
+    def tick(self, now: float | None = None) -> list[Finding]:
+        """Periodic call from the daemon loop: pick up operator clears, then evaluate.
+
+        Hold times and for-durations expire even when no source publishes.
+        """
+        if self._fetch_clears is not None:
+            try:
+                rows = self._fetch_clears(self._started)
+            except Exception:
+                log.exception("reading operator clears")
+                rows = ()
+            for row in rows:
+                if row.id not in self._clears_seen:
+                    self._clears_seen.add(row.id)
+                    self.apply_clear(row, evaluate=False)
+        return self.evaluate(now=now)
+
     def _active_xids(self, now: float) -> Sequence[XidCondition]:
         if self._xids is None:
             return ()
         try:
-            return self._xids(now)
+            return [xid_condition(a) for a in self._xids(now)]
         except Exception:
             log.exception("reading the active Xids")
             self._rule_errors["xid_tracker"] = self._rule_errors.get("xid_tracker", 0) + 1
@@ -202,11 +249,17 @@ class HealthEngine:
     def _run_rules(self, inp: Inputs) -> list[Finding]:
         out: list[Finding] = []
         disabled = set(self.cfg.health.disabled_rules)
+        snap = inp.view.snapshot
+        stateful: list[tuple[str, Callable[[], list[Finding]]]] = [
+            ("node_rules", lambda: self._node_rules.evaluate(snap)),
+            ("gpu_stuck", lambda: self._stuck.evaluate(snap)),
+        ]
         for rule in list(rules.RULES):
+            stateful.append((getattr(rule, "__name__", "rule"), functools.partial(rule, inp)))
+        for name, run in stateful:
             try:
-                found = rule(inp)
+                found = run()
             except Exception:
-                name = getattr(rule, "__name__", "rule")
                 self._rule_errors[name] = self._rule_errors.get(name, 0) + 1
                 log.exception("health rule %s raised", name)
                 continue
@@ -243,14 +296,22 @@ class HealthEngine:
 
     # --- operator clears -------------------------------------------------------
 
-    def apply_clear(self, clear: Clear) -> None:
+    def apply_clear(self, clear: Clear, evaluate: bool = True) -> None:
         """Forget the memory behind sticky conditions of the target (or all GPUs)."""
+        self._clears_seen.add(clear.id)
+        if clear.code is not None:  # one Xid code only: the tracker's business
+            for hook in self._clear_hooks:
+                hook(clear)
+            if evaluate:
+                self.evaluate()
+            return
         with self._lock:
             h = self.history
             view = self._last_view
             uuids = set(h.gpus_seen) | (set(view.gpus) if view else set())
             if clear.target:
-                uuids = {u for u in uuids if clear.target in _ids(h, view, u)}
+                want = {clear.target, norm_bus_id(clear.target)}
+                uuids = {u for u in uuids if want & _ids(h, view, u)}
             for key in [k for k in h.last_rise if dict(k[1]).get("uuid") in uuids]:
                 del h.last_rise[key]
             h.links_up = {(u, link) for u, link in h.links_up if u not in uuids}
@@ -266,7 +327,8 @@ class HealthEngine:
                         clear.reason or "(no reason)")
         for hook in self._clear_hooks:
             hook(clear)
-        self.evaluate()
+        if evaluate:
+            self.evaluate()
 
     # --- output ----------------------------------------------------------------
 
@@ -382,7 +444,7 @@ def _ids(h: History, view: View | None, uuid: str) -> set[str]:
     gpu = (view.gpus.get(uuid) if view else None) or h.gpus_seen.get(uuid)
     if gpu is None:
         return {uuid}
-    return {gpu.index, gpu.uuid, gpu.pci_bus_id}
+    return {gpu.index, gpu.uuid, gpu.pci_bus_id, norm_bus_id(gpu.pci_bus_id)}
 
 
 def _fmt(labels: Labels) -> str:

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from gpuwatchd.config import Config
 from gpuwatchd.health.history import Gpu, History, View
 from gpuwatchd.model import Action, Finding, Labels, Severity, labels_of
-from gpuwatchd.sources.infiniband import ERROR_COUNTERS
 
 __all__ = [
     "ALERTS",
+    "GPU_LABELS",
     "RULES",
     "AlertInfo",
     "Inputs",
@@ -36,30 +36,39 @@ __all__ = [
 ]
 
 NVML_OK, NVML_UNRESPONSIVE, NVML_LOST = 0, 1, 2  # gpuwatchd_gpu_nvml_state
-IB_ACTIVE, IB_PHYS_LINKUP = 4, 5  # port state ACTIVE, phys_state LinkUp
-IB_ERROR_COUNTERS = sorted(ERROR_COUNTERS)
+
+
+GPU_LABELS = ("gpu", "uuid", "pci_bus_id")
+PORT_LABELS = ("device", "port")
 
 
 @dataclass(frozen=True)
 class AlertInfo:
-    """Fixed facts of one alert name."""
+    """Fixed facts of one alert name.
+
+    `labels` are the alert's labels besides alertname, severity, node and
+    the static ones: the same the Prometheus rule of that name keeps.
+    """
 
     severity: Severity
     component: str
     action: Action
     summary: str  # str.format over the subject's labels
     remediation: str
+    labels: tuple[str, ...] = GPU_LABELS
 
 
 _W, _C = Severity.WARNING, Severity.CRITICAL
 ALERTS: dict[str, AlertInfo] = {
     "GpuXidCritical": AlertInfo(_C, "kmsg", Action.RESET_GPU, "Critical Xid {xid} on GPU {gpu}",
-                                ""),
-    "GpuXidWarning": AlertInfo(_W, "kmsg", Action.RESTART_APP, "Xid {xid} on GPU {gpu}", ""),
+                                "", (*GPU_LABELS, "xid")),
+    "GpuXidWarning": AlertInfo(_W, "kmsg", Action.RESTART_APP, "Xid {xid} on GPU {gpu}", "",
+                               (*GPU_LABELS, "xid")),
     "NvswitchSxidCritical": AlertInfo(_C, "kmsg", Action.REBOOT_NODE,
-                                      "Critical SXid {sxid} on NVSwitch {pci_bus_id}", ""),
+                                      "Critical SXid {sxid} on NVSwitch {pci_bus_id}", "",
+                                      ("pci_bus_id", "sxid")),
     "NvswitchSxidWarning": AlertInfo(_W, "kmsg", Action.NONE, "SXid {sxid} on NVSwitch"
-                                     " {pci_bus_id}", ""),
+                                     " {pci_bus_id}", "", ("pci_bus_id", "sxid")),
     "GpuEccUncorrectable": AlertInfo(
         _C, "nvml", Action.RESET_GPU, "Uncorrectable ECC errors on GPU {gpu}",
         "Drain the GPU; after the jobs on it ended, reset it so the bad rows are remapped. "
@@ -118,33 +127,32 @@ ALERTS: dict[str, AlertInfo] = {
         _C, "nvml", Action.REBOOT_NODE, "Fewer GPUs visible than expected",
         "A GPU is missing from NVML. Check lspci and the kernel log for Xid 79; drain the "
         "node and reboot. If a GPU was removed on purpose, set health.expected_gpus.",
+        (),
     ),
     "GpuwatchdCollectorFailed": AlertInfo(
         _W, "daemon", Action.NONE, "gpuwatchd collector {collector} failing",
         "Part of the node is not monitored. Read the daemon log (journalctl -u gpuwatchd) "
         "for the collector's error.",
+        ("collector",),
     ),
+    # Raised by health/stuck.py and health/node_rules.py (their own text and actions).
+    "GpuStuckSuspected": AlertInfo(
+        _W, "nvml", Action.RESTART_APP, "GPU {gpu} looks stuck (suspected NCCL hang)", ""),
+    "ShmNearlyFull": AlertInfo(_W, "shm", Action.NONE, "/dev/shm nearly full", "", ()),
+    "ShmStaleSegments": AlertInfo(_W, "shm", Action.NONE, "Stale NCCL segments in /dev/shm",
+                                  "", ()),
     "InfinibandPortDown": AlertInfo(
-        _C, "infiniband", Action.DRAIN_AND_INSPECT, "InfiniBand port {device}/{port} down",
-        "A port that was ACTIVE is not. Check the cable, the switch port and ibstat; "
-        "multi-node jobs using this NIC fail or slow down.",
-    ),
-    "InfinibandPortDegraded": AlertInfo(
+        _C, "infiniband", Action.DRAIN_AND_INSPECT, "InfiniBand port {device}/{port} down", "",
+        PORT_LABELS),
+    "InfinibandPhysicalStateNotLinkUp": AlertInfo(
         _W, "infiniband", Action.DRAIN_AND_INSPECT,
-        "InfiniBand port {device}/{port} degraded",
-        "The physical link is not LinkUp or runs below its rate. Reseat or replace the "
-        "cable/transceiver and check the switch port.",
-    ),
-    "InfinibandPortErrors": AlertInfo(
+        "InfiniBand port {device}/{port} physical link not up", "", PORT_LABELS),
+    "InfinibandRateDegraded": AlertInfo(
         _W, "infiniband", Action.DRAIN_AND_INSPECT,
-        "InfiniBand port {device}/{port} errors rising",
-        "Link errors are rising; check the cable and transceiver (mlxlink) before jobs slow.",
-    ),
-    "ShmLow": AlertInfo(
-        _W, "shm", Action.NONE, "/dev/shm nearly full",
-        "NCCL needs /dev/shm for intra-node transport. Remove stale NCCL segments (see "
-        "gpuwatchd_shm_segments{state=\"stale\"}) or enlarge /dev/shm.",
-    ),
+        "InfiniBand port {device}/{port} below its expected rate", "", PORT_LABELS),
+    "InfinibandErrorsRising": AlertInfo(
+        _W, "infiniband", Action.NONE, "InfiniBand port {device}/{port} errors rising", "",
+        PORT_LABELS),
 }
 
 
@@ -438,65 +446,6 @@ def collectors(inp: Inputs) -> list[Finding]:
     return out
 
 
-def infiniband(inp: Inputs) -> list[Finding]:
-    """A port expected up is not ACTIVE; not LinkUp or below its rate; errors rising."""
-    out = []
-    view, h = inp.view, inp.cfg.health
-
-    def by_port(name: str) -> dict[tuple[str, str], float]:
-        return {(s.label("device"), s.label("port")): s.value for s in view.series(name)}
-
-    state = by_port("gpuwatchd_infiniband_state_id")
-    phys = by_port("gpuwatchd_infiniband_physical_state_id")
-    rate = by_port("gpuwatchd_infiniband_rate_bytes_per_second")
-    expected_rate = by_port("gpuwatchd_infiniband_expected_rate_bytes_per_second")
-    for key, up in by_port("gpuwatchd_infiniband_port_expected_up").items():
-        subject = labels_of({"device": key[0], "port": key[1]})
-        if up < 1:
-            continue
-        if key in state and state[key] != IB_ACTIVE:
-            out.append(finding("InfinibandPortDown", subject, f"port state {state[key]:g}, "
-                               "expected ACTIVE (4)", "infiniband", scope="port"))
-            continue
-        problems = []
-        if key in phys and phys[key] != IB_PHYS_LINKUP:
-            problems.append(f"physical state {phys[key]:g}, not LinkUp (5)")
-        want = expected_rate.get(key, 0.0)
-        if key in rate and rate[key] < want:
-            problems.append(f"rate {rate[key] * 8 / 1e9:g} Gb/s, expected {want * 8 / 1e9:g} Gb/s")
-        if problems:
-            out.append(finding("InfinibandPortDegraded", subject, "; ".join(problems),
-                               "infiniband", scope="port"))
-    worst: dict[tuple[str, str], tuple[float, str]] = {}
-    for name in IB_ERROR_COUNTERS:
-        for s in view.series(name):
-            key = (s.label("device"), s.label("port"))
-            r = inp.history.rate(name, s.labels, inp.now)
-            if r > h.infiniband_error_rate and r > worst.get(key, (0.0, ""))[0]:
-                worst[key] = (r, name.removeprefix("gpuwatchd_infiniband_"))
-    out.extend(
-        finding("InfinibandPortErrors", labels_of({"device": d, "port": p}),
-                f"{what} at {r:.3g}/s (threshold {h.infiniband_error_rate:g}/s)",
-                "infiniband", scope="port")
-        for (d, p), (r, what) in worst.items()
-    )
-    return out
-
-
-def shm(inp: Inputs) -> list[Finding]:
-    """/dev/shm nearly full."""
-    size = inp.view.series("gpuwatchd_shm_size_bytes")
-    avail = inp.view.series("gpuwatchd_shm_available_bytes")
-    if not size or not avail or size[0].value <= 0:
-        return []
-    ratio = avail[0].value / size[0].value
-    if ratio >= inp.cfg.health.shm_min_free_ratio:
-        return []
-    stale = sum(s.value for s in inp.view.series("gpuwatchd_shm_segment_bytes", state="stale"))
-    return [finding("ShmLow", (), f"{ratio:.1%} of {size[0].value / 2**30:.1f} GiB free; "
-                    f"{stale / 2**20:.0f} MiB in stale NCCL segments", "shm", scope="node")]
-
-
 def _interval(cfg: Config, source: str) -> float:
     section = getattr(cfg.sources, source, None)
     return float(getattr(section, "interval", 0.0) or 0.0)
@@ -507,7 +456,7 @@ def _num_key(text: str) -> tuple[int, str]:
 
 
 RULES: list[Rule] = [xid, ecc_uncorrectable, row_remap, nvlink, thermal, pcie, recovery_action,
-                     gpu_presence, collectors, infiniband, shm]
+                     gpu_presence, collectors]
 
 
 def register(rule: Rule, alerts: dict[str, AlertInfo] | None = None) -> None:

@@ -26,7 +26,7 @@ from datetime import UTC, datetime
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config
 from gpuwatchd.errors import ConfigError
-from gpuwatchd.health.rules import summary
+from gpuwatchd.health.rules import ALERTS, GPU_LABELS, summary
 from gpuwatchd.model import Finding, MetricSpec, Sample, Severity
 from gpuwatchd.sinks.outbox import RESOLVED_RETENTION, Outbox, StoredAlert
 from gpuwatchd.state import State
@@ -100,10 +100,15 @@ def validate_config(cfg: Config, file: str = "") -> None:
 
 
 def alert_labels(finding: Finding, node: str, static: Mapping[str, str]) -> dict[str, str]:
-    """The label set of a finding's alert; the same set the Prometheus rules produce."""
+    """The label set of a finding's alert; the same set the Prometheus rules produce.
+
+    Only the alert name's declared labels (rules.ALERTS[...].labels) are
+    kept from the finding; other detail belongs in the description.
+    """
+    info = ALERTS.get(finding.alertname)
+    keep = set(info.labels) if info is not None else set(GPU_LABELS)
     labels = {k: v for k, v in static.items() if v}
-    labels.update((k, v) for k, v in finding.subject if v)
-    labels.update((k, v) for k, v in finding.labels if v)
+    labels.update((k, v) for k, v in (*finding.subject, *finding.labels) if v and k in keep)
     labels.update(alertname=finding.alertname, severity=str(finding.severity), node=node)
     return labels
 
@@ -117,6 +122,10 @@ def _valid(mapping: Mapping[str, str]) -> bool:
         except UnicodeEncodeError:
             return False
     return bool(mapping.get("alertname"))
+
+
+def _printable(text: str) -> str:
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def _iso(t: float) -> str:
@@ -209,7 +218,8 @@ class AlertSink:
         }
         if self._am.runbook_base_url:
             ann["runbook_url"] = f"{self._am.runbook_base_url.rstrip('/')}/{f.alertname}.md"
-        return {k: v for k, v in ann.items() if v}
+        # Text from kernel log lines can carry undecodable bytes: never lose an alert for that.
+        return {k: _printable(v) for k, v in ann.items() if v}
 
     # --- delivery ------------------------------------------------------------
 

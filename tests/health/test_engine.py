@@ -193,3 +193,22 @@ def test_concurrent_publishers() -> None:
     assert errors == []
     found: Sequence[Finding] = state.snapshot().findings
     assert [f.alertname for f in found] == ["GpuRowRemapFailure"]
+
+
+def test_node_rules_and_stuck_detector_run_in_the_engine() -> None:
+    from gpuwatchd.model import Sample
+    from tests.health.snapshots import ib_port
+
+    engine, state, clock = make()
+    full = [Sample.of("gpuwatchd_shm_size_bytes", 64 * 2**20),
+            Sample.of("gpuwatchd_shm_available_bytes", 0),
+            Sample.of("gpuwatchd_shm_segments", 3, state="stale"),
+            Sample.of("gpuwatchd_shm_segment_bytes", 60 * 2**20, state="stale")]
+    node = Node(extra_sources={"shm": full, "infiniband": ib_port(state=1, phys=3)})
+    publish(state, node, clock)
+    names = {f.alertname for f in state.snapshot().findings}
+    assert {"ShmNearlyFull", "ShmStaleSegments", "InfinibandPortDown"} <= names
+    roll = engine.rollup()
+    assert roll.components["shm"] is Health.UNHEALTHY  # 0 bytes free: critical
+    assert roll.components["infiniband"] is Health.UNHEALTHY
+    assert roll.components["nvml"] is Health.HEALTHY

@@ -12,7 +12,7 @@ from gpuwatchd.health import rules
 from gpuwatchd.health.history import History, View, norm_bus_id
 from gpuwatchd.health.rules import ALERTS, Inputs, XidCondition
 from gpuwatchd.model import Action, Finding, Severity
-from tests.health.snapshots import GPU0, GPU1, T0, Node, ib_port
+from tests.health.snapshots import GPU0, GPU1, T0, Node
 
 U0, U1 = GPU0["uuid"], GPU1["uuid"]
 
@@ -120,16 +120,6 @@ CASES = [
      {("NvswitchSxidCritical", "node")}),
     ("disabled rule", [node({"width": 8})], cfg_with(disabled_rules=["GpuPcieDegraded"]), (),
      set()),
-    ("ib port down that was up",
-     [node(extra_sources={"infiniband": ib_port(state=1, phys=2)})], None, (),
-     {("InfinibandPortDown", "mlx5_0/1")}),
-    ("ib port never expected up", [node(extra_sources={"infiniband": ib_port(
-        state=1, phys=3, expected_up=0)})], None, (), set()),
-    ("ib port slow", [node(extra_sources={"infiniband": ib_port(rate=25e9)})], None, (),
-     {("InfinibandPortDegraded", "mlx5_0/1")}),
-    ("ib errors rising", [node(extra_sources={"infiniband": ib_port(symbol_errors=0)}),
-                          node(extra_sources={"infiniband": ib_port(symbol_errors=900)})],
-     None, (), {("InfinibandPortErrors", "mlx5_0/1")}),
 ]
 
 
@@ -138,20 +128,6 @@ CASES = [
 def test_rule_table(steps: list[Node], cfg: Config | None, xids: list[XidCondition],
                     expected: set[tuple[str, str]]) -> None:
     assert ids(run(steps, cfg, xids)) == expected
-
-
-def test_shm_low() -> None:
-    from gpuwatchd.model import Sample
-
-    def shm(avail: float) -> list[Sample]:
-        return [Sample.of("gpuwatchd_shm_size_bytes", 64 * 2**30),
-                Sample.of("gpuwatchd_shm_available_bytes", avail),
-                Sample.of("gpuwatchd_shm_segment_bytes", 50 * 2**30, state="stale")]
-
-    found = run([node(extra_sources={"shm": shm(2**30)})])
-    assert ids(found) == {("ShmLow", "node")}
-    assert "stale NCCL" in found[0].reason
-    assert run([node(extra_sources={"shm": shm(32 * 2**30)})]) == []
 
 
 def test_findings_carry_catalog_and_alert_facts() -> None:

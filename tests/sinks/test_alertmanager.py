@@ -194,11 +194,13 @@ def test_invalid_labels_are_dropped_not_sent(am: AlertmanagerServer, tmp_path: P
     node = unique_node()
     state = State()
     sink = AlertSink(config([am.url]), str(tmp_path / "db"), SystemClock(), node, state)
-    bad = dataclasses.replace(xid_finding(), subject=labels_of({"bad-name": "x", **GPU0}))
-    sink.update([bad, ecc_finding()])
+    bad = dataclasses.replace(xid_finding(), subject=labels_of({**GPU0, "gpu": "0\udcff"}))
+    odd_text = dataclasses.replace(ecc_finding(), reason="from a log line: \udcff")
+    sink.update([bad, odd_text])
     assert sink.flush()
-    assert [x["labels"]["alertname"] for x in am.alerts(node=node)] == [  # type: ignore[index]
-        "GpuEccUncorrectable"]
+    [sent] = am.alerts(node=node)
+    assert sent["labels"]["alertname"] == "GpuEccUncorrectable"  # type: ignore[index]
+    assert sent["annotations"]["description"] == "from a log line: ?"  # type: ignore[index]
     assert _metric(state, "gpuwatchd_alertmanager_dropped_alerts_total", reason="invalid") == 1
     sink.stop()
 
@@ -309,3 +311,18 @@ def _metric(state: State, name: str, **labels: str) -> float:
         if s.name == name and all(s.label(k) == v for k, v in labels.items()):
             total += s.value
     return total
+
+
+def test_alert_labels_keep_only_declared_labels() -> None:
+    from gpuwatchd.sinks.alertmanager import alert_labels
+
+    port = Finding(rule="ib", alertname="InfinibandPortDown", scope="port",
+                   subject=(("device", "mlx5_0"), ("port", "1")), severity=Severity.CRITICAL,
+                   reason="down", labels=(("gpus", "0,1"),))
+    assert alert_labels(port, "n1", {"cluster": "c"}) == {
+        "alertname": "InfinibandPortDown", "severity": "critical", "node": "n1",
+        "device": "mlx5_0", "port": "1", "cluster": "c"}
+    shm = Finding(rule="shm", alertname="ShmNearlyFull", scope="node",
+                  subject=(("path", "/dev/shm"),), severity=Severity.WARNING, reason="full")
+    assert alert_labels(shm, "n1", {}) == {"alertname": "ShmNearlyFull", "severity": "warning",
+                                           "node": "n1"}
