@@ -129,6 +129,7 @@ class _Gpu:
     errors: Counter[str] = field(default_factory=Counter)
     reading: Reading | None = None
     fresh: bool = False  # `reading` came from this poll
+    next_slow: float = float("-inf")  # monotonic time the slow readings are due
 
     @property
     def key(self) -> str:
@@ -153,6 +154,7 @@ class NvmlSource:
         call_timeout: float = 5.0,
         init_retry_max: float = 300.0,
         processes: bool = True,
+        nvlink_error_interval: float = 0.0,
         clock: Clock | None = None,
     ) -> None:
         self.interval = interval
@@ -160,6 +162,7 @@ class NvmlSource:
         self._timeout = call_timeout
         self._retry_max = init_retry_max
         self._processes = processes
+        self._slow_every = nvlink_error_interval
         self._clock = clock or SystemClock()
         self._deadline = DeadlineRunner()
         self._ready = False
@@ -190,6 +193,7 @@ class NvmlSource:
             call_timeout=nc.call_timeout,
             init_retry_max=nc.init_retry_max,
             processes=nc.processes,
+            nvlink_error_interval=nc.nvlink_error_interval,
             clock=ctx.clock,
         )
 
@@ -295,7 +299,9 @@ class NvmlSource:
         if self._deadline.is_stuck(gpu.key):
             self._set_state(gpu, "unresponsive", "an earlier NVML call is still hung")
             return
-        work = partial(gpu.reader.poll, self.client.device, gpu.identity)
+        mono = self._clock.monotonic()
+        slow = mono >= gpu.next_slow
+        work = partial(gpu.reader.poll, self.client.device, gpu.identity, slow)
         try:
             reading = self._deadline.call(gpu.key, work, self._timeout)
         except CallTimeout:
@@ -319,6 +325,8 @@ class NvmlSource:
             log.warning("gpu %d: could not be read: %s", gpu.index, reading.failure)
         else:
             self._set_state(gpu, "ok", "")
+            if slow:
+                gpu.next_slow = mono + self._slow_every
 
     def _set_state(self, gpu: _Gpu, state: str, why: str) -> None:
         if state == gpu.state:

@@ -150,6 +150,8 @@ class DeviceReader:
         self._errors: Counter[str] = Counter()
         self._logged: dict[str, str] = {}
         self._dev: NvmlDevice | None = None
+        # NVLink error counters from the last slow read: (link, counter name, value)
+        self._nvlink_errors: list[tuple[int, str, float]] = []
 
     @property
     def device(self) -> NvmlDevice | None:
@@ -205,15 +207,24 @@ class DeviceReader:
 
     # --- whole-GPU operations --------------------------------------------------
 
-    def poll(self, open_device: Callable[[int], NvmlDevice], identity: Identity | None) -> Reading:
-        """Discover (first time) and read the GPU; never raises NvmlError."""
+    def poll(
+        self,
+        open_device: Callable[[int], NvmlDevice],
+        identity: Identity | None,
+        slow: bool = True,
+    ) -> Reading:
+        """Discover (first time) and read the GPU; never raises NvmlError.
+
+        `slow` also reads the NVLink error counters; otherwise their last
+        values are reported again.
+        """
         t0 = time.monotonic()
         try:
             if self._dev is None:
                 self._dev = open_device(self.index)
             if identity is None:
                 identity = self.discover()
-            samples, last, procs = self.read(identity)
+            samples, last, procs = self.read(identity, slow)
         except NvmlError as exc:
             self._errors[exc.code.lower()] += 1
             if exc.code != "GPU_IS_LOST":
@@ -274,7 +285,7 @@ class DeviceReader:
         )
 
     def read(
-        self, ident: Identity
+        self, ident: Identity, slow: bool = True
     ) -> tuple[list[Sample], dict[str, object], tuple[Mapping[str, object], ...]]:
         """Every per-poll reading of the GPU as samples, plus status details."""
         base = ident.labels()
@@ -348,9 +359,15 @@ class DeviceReader:
                     down.append(link)
             speed = fv.get((FI_NVLINK_SPEED, link))
             put("gpuwatchd_nvlink_speed_bytes_per_second", _scaled(speed, 1e6), link=link)
-            for label, counter in NVLINK_ERRORS.items():
-                errors = _num(self.get("nvlink_error_counter", link, counter))
-                put("gpuwatchd_nvlink_errors_total", errors, link=link, error=label)
+        if slow:
+            self._nvlink_errors = [
+                (link, label, count)
+                for link in links
+                for label, counter in NVLINK_ERRORS.items()
+                if (count := _num(self.get("nvlink_error_counter", link, counter))) is not None
+            ]
+        for link, label, count in self._nvlink_errors:
+            put("gpuwatchd_nvlink_errors_total", count, link=link, error=label)
         last["nvlinks_down"] = down
 
         procs: tuple[Mapping[str, object], ...] = ()
