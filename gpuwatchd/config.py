@@ -94,6 +94,13 @@ class NvmlConfig:
     init_retry_max: float = opt(
         300.0, "longest wait between NVML initialisation retries (exponential backoff)", min=1
     )
+    nvlink_error_interval: float = opt(
+        60.0,
+        "seconds between reads of the NVLink error counters (about 1 ms per link and counter"
+        " on an H200); 0 = every poll",
+        min=0,
+        max=3600,
+    )
 
 
 @dataclass(frozen=True)
