@@ -525,3 +525,59 @@ def test_real_xid_event_set_waits_and_times_out() -> None:
         events.close()
     finally:
         source.close()
+
+
+# --- captures recorded with `gpuwatchd record` on the lent machines -------------------
+
+H200X2_RECORD = FIXTURES / "h200x2-record.json"
+H100_RECORD = FIXTURES / "h100-record.json"
+
+
+@pytest.mark.parametrize("path", [H200X2, H200X8, H200X2_RECORD, H100_RECORD],
+                         ids=lambda p: p.stem)
+def test_every_capture_replays_cleanly(rigs: list[Rig], path: Path) -> None:
+    capture = load_capture(path)
+    samples = rig(rigs, path).poll()
+    count = len(capture["devices"])
+    assert value(samples, "gpuwatchd_gpus_visible") == count
+    for i in range(count):
+        assert value(samples, "gpuwatchd_gpu_nvml_state", gpu=str(i)) == 0
+        assert find(samples, "gpuwatchd_gpu_temperature_celsius", gpu=str(i), sensor="gpu")
+
+
+def test_recorded_polls_replay_in_order(rigs: list[Rig]) -> None:
+    r = rig(rigs, H200X2_RECORD)
+    polls = [r.poll() for _ in range(4)]
+    energy = [value(p, "gpuwatchd_gpu_energy_joules_total", gpu="0") for p in polls]
+    assert energy == [2216.273, 2325.181, 2426.861, 2426.861]  # the last answer repeats
+    power = [value(p, "gpuwatchd_gpu_power_watts", gpu="1") for p in polls]
+    assert power == [120.03, 76.589, 76.388, 76.388]
+    last = polls[-1]
+    assert value(last, "gpuwatchd_gpu_recovery_action", gpu="1") == 0
+    assert value(last, "gpuwatchd_gpu_recovery_action_info", gpu="1", action="none") == 1
+    assert value(last, "gpuwatchd_nvlink_errors_total", gpu="0", link="0", error="crc_data") == 9
+    assert len(find(last, "gpuwatchd_nvlink_up", gpu="0")) == 18
+
+
+def test_recovery_action_scripted_on_a_recorded_value(rigs: list[Rig]) -> None:
+    r = rig(rigs, H200X2_RECORD, script=[
+        {"device": 0, "call": "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION@0", "from_poll": 2,
+         "value": 4},
+    ])
+    r.poll()
+    samples = r.poll()
+    assert value(samples, "gpuwatchd_gpu_recovery_action", gpu="0") == 4
+    assert value(samples, "gpuwatchd_gpu_recovery_action_info", gpu="0",
+                 action="drain_and_reset") == 1
+    assert find(samples, "gpuwatchd_gpu_recovery_action_info", gpu="0", action="none") == []
+    gpus: Any = r.source.status()["gpus"]
+    assert gpus["0000:00:06.0"]["last"]["recovery_action"] == "drain_and_reset"
+
+
+def test_a_gpu_without_nvlink_has_no_link_series(rigs: list[Rig]) -> None:
+    r = rig(rigs, H100_RECORD)
+    r.poll()
+    samples = r.poll()
+    assert not [s for s in samples if s.name.startswith("gpuwatchd_nvlink_")]
+    assert r.client.count(0, "nvlink_state(7)") == 1  # NOT_SUPPORTED once, then never
+    assert value(samples, "gpuwatchd_gpu_temperature_celsius", gpu="0", sensor="memory") == 40
