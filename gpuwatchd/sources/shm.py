@@ -153,8 +153,7 @@ def scan_holders(
     for pid in pids:
         base = f"{procfs}/{pid}"
         try:
-            with open(f"{base}/maps", "rb") as f:
-                content = f.read()
+            content = _read_all(f"{base}/maps")
         except FileNotFoundError:
             continue  # exited meanwhile
         except PermissionError:
@@ -175,6 +174,18 @@ def scan_holders(
                 pids_for.append(int(pid))
     scan.seconds = time.monotonic() - started
     return scan
+
+
+def _read_all(path: str) -> bytes:
+    # os.read in big chunks: the kernel builds maps text per read; no buffering layer
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 1 << 17):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _maps_matches(
