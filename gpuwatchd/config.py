@@ -281,6 +281,79 @@ class AlertmanagerConfig:
     )
 
 
+_ACTIONS = (
+    "",
+    "none",
+    "restart_app",
+    "reset_gpu",
+    "reboot_node",
+    "drain_and_inspect",
+    "contact_support",
+)
+
+
+@dataclass(frozen=True)
+class XidRule:
+    """Site policy for one Xid or SXid code (`xid.overrides.<code>`)."""
+
+    severity: str = opt(
+        "",
+        "override the catalog severity; empty = keep",
+        choices=("", "info", "warning", "critical"),
+    )
+    action: str = opt("", "override the catalog action; empty = keep", choices=_ACTIONS)
+    name: str = opt("", "name for a code the catalog lacks (or a site-specific name)")
+    remediation: str = opt("", "what your operators should do; empty = the catalog's text")
+    ignore: bool = opt(False, "record and count it, but never make it active or alert")
+    threshold: int = opt(
+        1, "reports on one GPU within `window` before it counts as active", min=1, max=1_000_000
+    )
+    window: float = opt(0.0, "seconds for `threshold`; 0 = xid.burst_window", min=0, max=604800)
+    hold: float = opt(
+        -1.0, "seconds a non-critical report stays active; -1 = xid.warning_hold", min=-1
+    )
+
+
+@dataclass(frozen=True)
+class XidConfig:
+    overrides: dict[str, XidRule] = opt(
+        {}, "per-code site policy, e.g. {13: {severity: critical}, 45: {ignore: true}}"
+    )
+    sxid_overrides: dict[str, XidRule] = opt({}, "the same for NVSwitch SXid codes")
+    burst_window: float = opt(
+        60.0,
+        "repeats of one code on one GPU within this many seconds are one event",
+        min=0,
+        max=86400,
+    )
+    warning_hold: float = opt(
+        600.0, "a warning (not critical) Xid stays active this long after its last report", min=0
+    )
+    escalate_after: int = opt(
+        3,
+        "an Xid seen in this many boots or GPU resets turns reset_gpu/reboot_node into"
+        " drain_and_inspect; 0 = never",
+        min=0,
+        max=1000,
+    )
+    escalate_window_days: float = opt(
+        30.0, "how far back boots and resets count for escalation", min=1, max=3650
+    )
+    nvml_merge_window: float = opt(
+        10.0,
+        "an NVML Xid event and a kernel log report of the same GPU and code this close"
+        " in time are one event",
+        min=0,
+        max=600,
+    )
+    nvml_hold: float = opt(
+        2.0,
+        "wait this long for the kernel log report before publishing an NVML-only Xid",
+        min=0,
+        max=60,
+    )
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     max_events: int = opt(100000, "events kept in the SQLite store", min=100)
@@ -296,6 +369,7 @@ class Config:
     health: HealthConfig = section(HealthConfig, "health rules")
     alertmanager: AlertmanagerConfig = section(AlertmanagerConfig, "alert delivery")
     store: StoreConfig = section(StoreConfig, "event store")
+    xid: XidConfig = section(XidConfig, "Xid/SXid classification, bursts and escalation")
 
 
 # --- loading -----------------------------------------------------------------

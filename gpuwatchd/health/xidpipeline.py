@@ -1,0 +1,295 @@
+"""Xid events from the sources to the tracker, the store and the metrics.
+
+A State listener: every publish of the kmsg or NVML source hands its
+events here. NVML duplicates of log reports are merged away, each report
+is classified and accounted by the tracker, and the resulting events go
+to the store together with the kernel log cursor of the same poll, in one
+transaction. The tracker's samples are published as extra samples
+(owner "xid"); the health engine reads `active(now)`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from gpuwatchd.clock import Clock
+from gpuwatchd.errors import StoreError
+from gpuwatchd.health import xid
+from gpuwatchd.health.xidmerge import XidMerger
+from gpuwatchd.health.xidtracker import (
+    METRICS as TRACKER_METRICS,
+)
+from gpuwatchd.health.xidtracker import (
+    ActiveXid,
+    Clear,
+    TrackerSettings,
+    XidTracker,
+)
+from gpuwatchd.model import Event, MetricSpec, Sample, SourceSnapshot
+from gpuwatchd.sources.kmsg import read_boot_id
+
+if TYPE_CHECKING:
+    from gpuwatchd.config import Config
+    from gpuwatchd.state import NodeSnapshot
+
+__all__ = ["METRICS", "EventSink", "XidPipeline"]
+
+log = logging.getLogger("gpuwatchd.health.xid")
+
+OWNER = "xid"
+KINDS = frozenset({"xid", "sxid"})
+
+METRICS: tuple[MetricSpec, ...] = (
+    *TRACKER_METRICS,
+    MetricSpec(
+        "gpuwatchd_xid_nvml_merged_total",
+        "counter",
+        "NVML Xid events dropped because the kernel log reported the same Xid",
+    ),
+    MetricSpec(
+        "gpuwatchd_event_store_errors_total",
+        "counter",
+        "failed writes to the SQLite event store (events are still tracked and alerted)",
+    ),
+)
+
+
+class StoredClear(Protocol):
+    """A clear row as the store returns it (sinks/store.py ClearRow)."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def time(self) -> float: ...
+    @property
+    def who(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def pci_bus_id(self) -> str: ...
+    @property
+    def code(self) -> int | None: ...
+    @property
+    def reason(self) -> str: ...
+    @property
+    def reset(self) -> bool: ...
+    @property
+    def boot_id(self) -> str: ...
+
+
+class EventSink(Protocol):
+    """What the pipeline needs of the event store (sinks/store.py)."""
+
+    def write(
+        self, records: Sequence[tuple[Event, str, int]], cursors: Mapping[str, str] | None = None
+    ) -> None: ...
+
+    def events_since(self, since: float) -> list[Event]: ...
+
+    def clears_since(self, since: float) -> Sequence[StoredClear]: ...
+
+    def clears_after(self, clear_id: int) -> Sequence[StoredClear]: ...
+
+    def add_clear(
+        self,
+        who: str,
+        *,
+        kind: str = "xid",
+        pci_bus_id: str = "",
+        code: int | None = None,
+        reason: str = "",
+        reset: bool = False,
+        boot_id: str = "",
+        when: float | None = None,
+    ) -> StoredClear: ...
+
+
+class XidPipeline:
+    """Listener that turns source events into tracked, stored, exported Xids."""
+
+    def __init__(
+        self,
+        tracker: XidTracker,
+        merger: XidMerger,
+        store: EventSink | None,
+        publish: Callable[[str, Sequence[Sample]], None],
+        clock: Clock,
+    ) -> None:
+        self.tracker = tracker
+        self.merger = merger
+        self.store = store
+        self._publish_extra = publish
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._cursors: dict[str, str] = {}
+        self._store_errors = 0
+        self._last_clear_id = 0
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: Config,
+        publish: Callable[[str, Sequence[Sample]], None],
+        store: EventSink | None,
+        clock: Clock,
+    ) -> XidPipeline:
+        """Build from config and restore what the store remembers of this boot."""
+        tracker = XidTracker(
+            xid.from_config(cfg), TrackerSettings.from_config(cfg), read_boot_id(cfg.paths.boot_id)
+        )
+        merger = XidMerger(cfg.xid.nvml_merge_window, cfg.xid.nvml_hold)
+        pipeline = cls(tracker, merger, store, publish, clock)
+        pipeline.restore()
+        return pipeline
+
+    def restore(self) -> None:
+        """Replay stored events and this boot's clears into the tracker."""
+        if self.store is None:
+            return
+        since = self.clock.time() - self.tracker.settings.escalate_window
+        try:
+            events = self.store.events_since(since)
+            rows = self.store.clears_since(since)
+        except StoreError as exc:
+            log.error("cannot restore Xid state from the store: %s", exc)
+            return
+        boot = self.tracker.boot_id
+        clears = [_clear(r) for r in rows if r.boot_id in (boot, "")]
+        self._last_clear_id = max((r.id for r in rows), default=0)
+        with self._lock:
+            self.tracker.restore(events, clears)
+            self._publish(self.clock.time())
+        active = self.tracker.active(self.clock.time())
+        if active:
+            log.info("restored %d active Xid condition(s) from the store", len(active))
+
+    # --- the State listener ---------------------------------------------------------
+
+    def on_publish(
+        self, snap: NodeSnapshot, source: SourceSnapshot | None, events: tuple[Event, ...]
+    ) -> None:
+        """State listener: called after each source publish, in that source's thread."""
+        cursor = ""
+        if source is not None and source.source == "kmsg":
+            cursor = str(source.status.get("cursor") or "")
+        xids = [e for e in events if e.kind in KINDS]
+        self._process(xids, {"kmsg": cursor} if cursor else {})
+
+    def tick(self) -> None:
+        """Release NVML events that waited long enough, pick up clears, re-publish."""
+        self._sync_clears()
+        self._process([], {})
+
+    def _process(self, events: list[Event], cursors: dict[str, str]) -> None:
+        with self._lock:
+            mono, now = self.clock.monotonic(), self.clock.time()
+            passed: list[Event] = []
+            for ev in events:
+                passed += self.merger.offer(ev, mono)
+            passed += self.merger.due(mono)
+            records = []
+            for ev in passed:
+                obs = self.tracker.observe(ev)
+                records.append((obs.event, obs.burst_id, obs.count))
+                if obs.kind == "new" and obs.raised:
+                    self._log(obs.event)
+            changed = {k: v for k, v in cursors.items() if v and self._cursors.get(k) != v}
+            if self.store is not None and (records or changed):
+                try:
+                    self.store.write(records, changed)
+                    self._cursors.update(changed)
+                except StoreError as exc:
+                    self._store_errors += 1
+                    log.error("event store: %s", exc)
+            self._publish(now)
+
+    def _log(self, ev: Event) -> None:
+        log.warning(
+            "%s %s on %s (GPU %s): %s [%s, %s] %s",
+            "SXid" if ev.kind == "sxid" else "Xid",
+            ev.code,
+            ev.pci_bus_id,
+            ev.attr("gpu") or "?",
+            ev.attr("name"),
+            ev.severity,
+            ev.attr("action"),
+            ev.message,
+        )
+
+    def _publish(self, now: float) -> None:
+        samples = self.tracker.samples(now)
+        samples.append(Sample.of("gpuwatchd_xid_nvml_merged_total", self.merger.merged))
+        samples.append(Sample.of("gpuwatchd_event_store_errors_total", self._store_errors))
+        self._publish_extra(OWNER, samples)
+
+    # --- operator actions -------------------------------------------------------------
+
+    def clear(
+        self,
+        who: str,
+        pci_bus_id: str = "",
+        code: int | None = None,
+        kind: str = "xid",
+        reason: str = "",
+    ) -> int:
+        """Operator clear: recorded in the store (who, when, what), applied now."""
+        now = self.clock.time()
+        if self.store is not None:
+            row = self.store.add_clear(
+                who,
+                kind=kind,
+                pci_bus_id=pci_bus_id,
+                code=code,
+                reason=reason,
+                boot_id=self.tracker.boot_id,
+                when=now,
+            )
+            self._last_clear_id = max(self._last_clear_id, row.id)
+        with self._lock:
+            n = self.tracker.clear(Clear(now, who, pci_bus_id, code, kind, reason))
+            self._publish(now)
+        return n
+
+    def gpu_reset(self, pci_bus_id: str, who: str = "gpu reset") -> int:
+        """A GPU was reset (NVML saw it come back, or an operator said so)."""
+        now = self.clock.time()
+        if self.store is not None:
+            row = self.store.add_clear(
+                who, pci_bus_id=pci_bus_id, reset=True, boot_id=self.tracker.boot_id, when=now
+            )
+            self._last_clear_id = max(self._last_clear_id, row.id)
+        with self._lock:
+            n = self.tracker.gpu_reset(pci_bus_id, now, who)
+            self._publish(now)
+        return n
+
+    def _sync_clears(self) -> None:
+        """Apply clears another process (the `clear` command) wrote to the store."""
+        if self.store is None:
+            return
+        try:
+            rows = self.store.clears_after(self._last_clear_id)
+        except StoreError:
+            return
+        for r in rows:
+            self._last_clear_id = max(self._last_clear_id, r.id)
+            if r.boot_id not in (self.tracker.boot_id, ""):
+                continue
+            with self._lock:
+                if r.reset:
+                    self.tracker.gpu_reset(r.pci_bus_id, r.time, r.who)
+                else:
+                    self.tracker.clear(_clear(r))
+            log.info("applied clear by %s: %s %s %s", r.who, r.kind, r.code or "*", r.pci_bus_id)
+
+    def active(self, now: float | None = None) -> list[ActiveXid]:
+        """Active Xid/SXid conditions (for the health engine)."""
+        with self._lock:
+            return self.tracker.active(self.clock.time() if now is None else now)
+
+
+def _clear(r: StoredClear) -> Clear:
+    return Clear(r.time, r.who, r.pci_bus_id, r.code, r.kind, r.reason, r.reset)

@@ -1,0 +1,467 @@
+"""What the Xids mean right now: bursts, site policy, escalation, active conditions.
+
+Pure logic over events and times (no I/O, no clock of its own), fed by
+health/xidpipeline.py and read by the health engine through `active(now)`.
+
+- Repeats of one code on one GPU within `burst_window` collapse into one
+  event with a count (one bad node can log 100,000 identical Xid 95s).
+- Per-code policy: ignore, N reports within a window before it counts,
+  hold time, severity/action overrides (the latter live in the catalog).
+- A critical Xid whose action is reset_gpu, reboot_node, drain_and_inspect
+  or contact_support stays active until the GPU is reset (reset_gpu only),
+  the node reboots (a new boot id: the tracker starts empty) or an operator
+  clears it. Anything else stays active for its hold time.
+- An Xid that comes back in `escalate_after` different boots or GPU resets
+  escalates reset_gpu/reboot_node to drain_and_inspect: rebooting again
+  will not fix it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from gpuwatchd.health.xid import Catalog, XidInfo
+from gpuwatchd.model import Action, Event, MetricSpec, Sample, Severity
+
+if TYPE_CHECKING:
+    from gpuwatchd.config import Config
+
+__all__ = [
+    "METRICS",
+    "ActiveXid",
+    "Clear",
+    "Observation",
+    "Policy",
+    "TrackerSettings",
+    "XidTracker",
+]
+
+_XID_LABELS = ("gpu", "uuid", "pci_bus_id", "xid", "name", "severity", "action")
+_SXID_LABELS = ("pci_bus_id", "sxid", "name", "severity", "action")
+
+METRICS = (
+    MetricSpec(
+        "gpuwatchd_xid_active",
+        "gauge",
+        "1 while an Xid's condition is active on a GPU (critical ones until GPU reset, reboot"
+        " or operator clear; others for their hold time), 0 once it cleared",
+        _XID_LABELS,
+    ),
+    MetricSpec(
+        "gpuwatchd_xid_errors_total",
+        "counter",
+        "Xid reports seen since the daemon started, by GPU and code",
+        _XID_LABELS,
+    ),
+    MetricSpec(
+        "gpuwatchd_xid_last_seen_timestamp_seconds",
+        "gauge",
+        "time of the latest report of an Xid on a GPU",
+        ("gpu", "uuid", "xid"),
+    ),
+    MetricSpec(
+        "gpuwatchd_sxid_active",
+        "gauge",
+        "1 while an NVSwitch SXid's condition is active, 0 once it cleared",
+        _SXID_LABELS,
+    ),
+    MetricSpec(
+        "gpuwatchd_sxid_errors_total",
+        "counter",
+        "NVSwitch SXid reports seen since the daemon started",
+        _SXID_LABELS,
+    ),
+    MetricSpec(
+        "gpuwatchd_sxid_last_seen_timestamp_seconds",
+        "gauge",
+        "time of the latest report of an SXid on an NVSwitch",
+        ("pci_bus_id", "sxid"),
+    ),
+)
+
+STICKY = frozenset(
+    {Action.RESET_GPU, Action.REBOOT_NODE, Action.DRAIN_AND_INSPECT, Action.CONTACT_SUPPORT}
+)
+CLEARED_BY_RESET = frozenset({Action.RESET_GPU, Action.RESTART_APP, Action.NONE})
+ESCALATES = frozenset({Action.RESET_GPU, Action.REBOOT_NODE})
+RECOVERY_CODE = 154
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Site policy for one code (defaults: raise on the first report)."""
+
+    ignore: bool = False
+    threshold: int = 1
+    window: float = 0.0  # 0 = the burst window
+    hold: float = -1.0  # -1 = warning_hold for warnings, 0 for info
+
+
+@dataclass(frozen=True)
+class TrackerSettings:
+    burst_window: float = 60.0
+    warning_hold: float = 600.0
+    escalate_after: int = 3
+    escalate_window: float = 30 * 86400.0
+    policies: Mapping[tuple[str, int], Policy] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> TrackerSettings:
+        x = cfg.xid
+        policies: dict[tuple[str, int], Policy] = {}
+        for kind, rules in (("xid", x.overrides), ("sxid", x.sxid_overrides)):
+            for code, rule in rules.items():
+                if code.isdigit():  # xid.from_config reports bad keys
+                    policies[(kind, int(code))] = Policy(
+                        rule.ignore, rule.threshold, rule.window, rule.hold
+                    )
+        return cls(
+            x.burst_window,
+            x.warning_hold,
+            x.escalate_after,
+            x.escalate_window_days * 86400.0,
+            policies,
+        )
+
+    def policy(self, kind: str, code: int) -> Policy:
+        return self.policies.get((kind, code), Policy())
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What one report did: started a burst ("new") or joined one ("repeat")."""
+
+    kind: str
+    event: Event  # classified: severity set, name/action/burst/epoch in attrs
+    info: XidInfo
+    burst_id: str
+    count: int
+    raised: bool  # counts toward an active condition (not ignored, threshold met)
+
+
+@dataclass(frozen=True)
+class Clear:
+    """An operator clear or a GPU reset; empty bus/None code = all."""
+
+    time: float
+    who: str
+    pci_bus_id: str = ""
+    code: int | None = None
+    kind: str = "xid"
+    reason: str = ""
+    reset: bool = False
+
+
+@dataclass(frozen=True)
+class ActiveXid:
+    """An Xid condition that is active now, for the health engine."""
+
+    kind: str
+    code: int
+    pci_bus_id: str
+    gpu: str
+    uuid: str
+    info: XidInfo
+    since: float
+    last: float
+    count: int
+    until: str  # "gpu reset", "reboot or operator clear", "<n>s after the last report"
+    escalated: bool
+    event: Event  # the latest report (pid, process, detail, attribution...)
+
+
+@dataclass
+class _State:
+    kind: str
+    code: int
+    bus: str
+    gpu: str = ""
+    uuid: str = ""
+    info: XidInfo | None = None
+    burst_id: str = ""
+    burst_last: float = float("-inf")
+    count: int = 0
+    since: float = 0.0
+    last: float = 0.0
+    raised: bool = False
+    cleared_at: float = float("-inf")
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=10000))
+    event: Event | None = None
+    escalated: bool = False
+
+
+class XidTracker:
+    """Keeps per-(GPU, code) state; see the module docstring for the rules."""
+
+    def __init__(
+        self, catalog: Catalog, settings: TrackerSettings, boot_id: str = "unknown"
+    ) -> None:
+        self.catalog = catalog
+        self.settings = settings
+        self.boot_id = boot_id
+        self._states: dict[tuple[str, str, int], _State] = {}
+        self._totals: dict[tuple[str, ...], int] = {}
+        self._resets: dict[str, int] = {}
+        self._epochs: dict[tuple[str, str, int], dict[str, float]] = {}
+        self._seq = 0
+
+    # --- input -------------------------------------------------------------------
+
+    def classify(self, event: Event) -> XidInfo:
+        """The catalog entry as the report's own words adjust it."""
+        fatal = {"true": True, "false": False}.get(event.attr("fatal"))
+        return self.catalog.resolve(
+            event.code or 0,
+            event.kind,
+            text=event.attr("detail") or event.message,
+            fatal=fatal,
+            recovery_action=event.attr("recovery_action"),
+        )
+
+    def observe(self, event: Event, restoring: bool = False) -> Observation:
+        """Account one Xid/SXid report."""
+        code = event.code or 0
+        key = (event.kind, event.pci_bus_id, code)
+        st = self._states.get(key)
+        if st is None:
+            st = self._states[key] = _State(event.kind, code, event.pci_bus_id)
+        st.gpu = event.attr("gpu") or st.gpu
+        st.uuid = event.attr("uuid") or st.uuid
+        policy = self.settings.policy(event.kind, code)
+        base = self.classify(event)
+        if (event.kind, code) == ("xid", RECOVERY_CODE) and self._recovered(event):
+            self.gpu_reset(event.pci_bus_id, event.time, who="xid 154: recovery action None")
+        epoch = event.attr("epoch") or self._epoch(event.pci_bus_id)
+        window = policy.window or self.settings.burst_window
+        st.recent.append(event.time)
+        while st.recent and st.recent[0] < event.time - window:
+            st.recent.popleft()
+        raised = not policy.ignore and len(st.recent) >= policy.threshold
+        info = self._escalate(key, base, epoch, event.time, raised)
+        escalated = info.action is not base.action
+
+        if event.time - st.burst_last <= self.settings.burst_window and st.burst_id:
+            kind, st.count = "repeat", st.count + 1
+        else:
+            self._seq += 1
+            kind, st.count = "new", 1
+            st.burst_id = event.attr("burst_id") or f"{self.boot_id}:{event.time:.6f}:{self._seq}"
+        st.burst_last = max(st.burst_last, event.time)
+
+        was_active = self._is_active(st, event.time)
+        if raised:
+            if not was_active:
+                st.since = event.time
+                st.info = info
+            elif st.info is None or info.severity >= st.info.severity:
+                st.info = info
+            st.raised = True
+        elif st.info is None or not was_active:
+            st.info = info
+        st.last = max(st.last, event.time)
+        st.escalated = st.escalated or escalated
+        classified = self._classified(event, info, st, epoch, escalated, policy)
+        st.event = classified
+        if not restoring:
+            labels = self._labels(st, info)
+            self._totals[labels] = self._totals.get(labels, 0) + 1
+        return Observation(kind, classified, info, st.burst_id, st.count, raised)
+
+    @staticmethod
+    def _recovered(event: Event) -> bool:
+        """Xid 154 "... to 0x0 (None)" after a reset-required state: the GPU was reset."""
+        return (
+            event.attr("recovery_action") == "None"
+            and event.attr("previous_recovery_action", "None") != "None"
+        )
+
+    def _classified(
+        self, event: Event, info: XidInfo, st: _State, epoch: str, escalated: bool, policy: Policy
+    ) -> Event:
+        attrs = dict(event.attrs)
+        attrs.update(
+            name=info.name,
+            category=info.category,
+            action=str(info.action),
+            burst_id=st.burst_id,
+            epoch=epoch,
+        )
+        if escalated:
+            attrs["escalated"] = (
+                f"seen in {len(self._epochs.get((st.kind, st.bus, st.code), {}))} boots or"
+                " GPU resets: another reset or reboot is unlikely to fix it"
+            )
+        if policy.ignore:
+            attrs["policy"] = "ignored by site policy"
+        elif policy.threshold > 1:
+            attrs["policy"] = f"counts after {policy.threshold} reports"
+        return replace(event, severity=info.severity, attrs=tuple(sorted(attrs.items())))
+
+    def _epoch(self, bus: str) -> str:
+        return f"{self.boot_id}#{self._resets.get(bus, 0)}"
+
+    def _escalate(
+        self, key: tuple[str, str, int], info: XidInfo, epoch: str, when: float, raised: bool
+    ) -> XidInfo:
+        epochs = self._epochs.setdefault(key, {})
+        if raised:
+            epochs[epoch] = max(epochs.get(epoch, when), when)
+        horizon = when - self.settings.escalate_window
+        for old in [e for e, t in epochs.items() if t < horizon]:
+            del epochs[old]
+        n = self.settings.escalate_after
+        if n and len(epochs) >= n and info.action in ESCALATES:
+            return replace(info, severity=Severity.CRITICAL, action=Action.DRAIN_AND_INSPECT)
+        return info
+
+    def gpu_reset(self, pci_bus_id: str, now: float, who: str = "gpu reset") -> int:
+        """The GPU was reset: clear what a reset fixes and start a new epoch."""
+        self._resets[pci_bus_id] = self._resets.get(pci_bus_id, 0) + 1
+        return self.clear(Clear(now, who, pci_bus_id, reset=True))
+
+    def clear(self, c: Clear) -> int:
+        """Apply an operator clear (or a reset); returns how many conditions it ended."""
+        n = 0
+        for st in self._states.values():
+            if c.pci_bus_id and st.bus != c.pci_bus_id:
+                continue
+            if c.code is not None and (st.kind, st.code) != (c.kind, c.code):
+                continue
+            if c.reset and st.info is not None and st.info.action not in CLEARED_BY_RESET:
+                continue
+            if self._is_active(st, c.time):
+                n += 1
+            st.cleared_at = max(st.cleared_at, c.time)
+            st.raised = False
+            st.recent.clear()
+        return n
+
+    def restore(self, events: Iterable[Event], clears: Iterable[Clear] = ()) -> None:
+        """Rebuild from stored events (oldest first) and clears after a daemon restart.
+
+        Events of earlier boots count for escalation only; events of this
+        boot also restore what is active.
+        """
+        ordered: list[tuple[float, int, object]] = []
+        for ev in events:
+            ordered.append((ev.time, 0, ev))
+        for c in clears:
+            ordered.append((c.time, 1, c))
+        for _, _, item in sorted(ordered, key=lambda t: (t[0], t[1])):
+            if isinstance(item, Clear):
+                if item.reset:
+                    self._resets[item.pci_bus_id] = self._resets.get(item.pci_bus_id, 0) + 1
+                self.clear(item)
+            elif isinstance(item, Event):
+                if item.attr("boot_id", self.boot_id) == self.boot_id:
+                    self.observe(item, restoring=True)
+                elif item.attr("epoch"):
+                    key = (item.kind, item.pci_bus_id, item.code or 0)
+                    self._epochs.setdefault(key, {})[item.attr("epoch")] = item.time
+
+    # --- output ------------------------------------------------------------------
+
+    def _hold(self, st: _State) -> float:
+        assert st.info is not None
+        policy = self.settings.policy(st.kind, st.code)
+        if policy.hold >= 0:
+            return policy.hold
+        return self.settings.warning_hold if st.info.severity >= Severity.WARNING else 0.0
+
+    def _sticky(self, st: _State) -> bool:
+        return (
+            st.info is not None
+            and st.info.severity >= Severity.CRITICAL
+            and st.info.action in STICKY
+        )
+
+    def _is_active(self, st: _State, now: float) -> bool:
+        if not st.raised or st.info is None or st.last <= st.cleared_at:
+            return False
+        return self._sticky(st) or now - st.last <= self._hold(st)
+
+    def _until(self, st: _State) -> str:
+        if not self._sticky(st):
+            return f"{self._hold(st):.0f}s after the last report"
+        assert st.info is not None
+        if st.info.action in CLEARED_BY_RESET:
+            return "GPU reset, reboot or operator clear"
+        return "reboot or operator clear"
+
+    def active(self, now: float) -> list[ActiveXid]:
+        """Conditions active at `now`, worst first."""
+        out = [
+            ActiveXid(
+                st.kind,
+                st.code,
+                st.bus,
+                st.gpu,
+                st.uuid,
+                st.info,
+                st.since,
+                st.last,
+                st.count,
+                self._until(st),
+                st.escalated,
+                st.event,
+            )
+            for st in self._states.values()
+            if self._is_active(st, now) and st.info is not None and st.event is not None
+        ]
+        return sorted(out, key=lambda a: (-a.info.severity, a.pci_bus_id, a.code))
+
+    def _labels(self, st: _State, info: XidInfo) -> tuple[str, ...]:
+        if st.kind == "sxid":
+            return ("sxid", st.bus, str(st.code), info.name, str(info.severity), str(info.action))
+        return (
+            "xid",
+            st.gpu,
+            st.uuid,
+            st.bus,
+            str(st.code),
+            info.name,
+            str(info.severity),
+            str(info.action),
+        )
+
+    def samples(self, now: float) -> list[Sample]:
+        """The xid/sxid metric families (see METRICS)."""
+        out: list[Sample] = []
+        for values, total in sorted(self._totals.items()):
+            kind, rest = values[0], values[1:]
+            names = _SXID_LABELS if kind == "sxid" else _XID_LABELS
+            labels = dict(zip(names, rest, strict=True))
+            out.append(Sample.of(f"gpuwatchd_{kind}_errors_total", total, **labels))
+        for st in self._states.values():
+            if st.info is None or st.event is None:
+                continue
+            names = _SXID_LABELS if st.kind == "sxid" else _XID_LABELS
+            labels = dict(zip(names, self._labels(st, st.info)[1:], strict=True))
+            out.append(
+                Sample.of(
+                    f"gpuwatchd_{st.kind}_active", 1 if self._is_active(st, now) else 0, **labels
+                )
+            )
+            if st.kind == "sxid":
+                out.append(
+                    Sample.of(
+                        "gpuwatchd_sxid_last_seen_timestamp_seconds",
+                        st.last,
+                        pci_bus_id=st.bus,
+                        sxid=st.code,
+                    )
+                )
+            else:
+                out.append(
+                    Sample.of(
+                        "gpuwatchd_xid_last_seen_timestamp_seconds",
+                        st.last,
+                        gpu=st.gpu,
+                        uuid=st.uuid,
+                        xid=st.code,
+                    )
+                )
+        return out

@@ -1,0 +1,368 @@
+"""Kernel log source: Xid and SXid reports from /dev/kmsg, the journal, or a file.
+
+`poll()` waits up to half a second for kernel records itself (the
+source's interval is tiny), so a report reaches the state within a second
+of the driver printing it. Events carry what the line says (code, bus id,
+pid, process, detail, cursor, attribution); classifying them against the
+Xid catalog is the health layer's job (health/xidpipeline.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from gpuwatchd.clock import Clock
+from gpuwatchd.model import Event, MetricSpec, Sample
+from gpuwatchd.sources.attribution import attribute
+from gpuwatchd.sources.kmsg_parse import (
+    GPU,
+    SXID,
+    UNPARSED,
+    XID,
+    KmsgParser,
+    KmsgRecord,
+    normalize_bus_id,
+    parse_line,
+)
+from gpuwatchd.sources.kmsg_readers import (
+    FileReader,
+    JournalReader,
+    KmsgReader,
+    LineReader,
+    ReaderError,
+)
+
+if TYPE_CHECKING:
+    from gpuwatchd.config import Config
+    from gpuwatchd.sources import SourceContext
+
+__all__ = ["METRICS", "KmsgSource", "open_reader", "parse_line", "read_boot_id"]
+
+log = logging.getLogger("gpuwatchd.sources.kmsg")
+
+METRICS = (
+    MetricSpec(
+        "gpuwatchd_kmsg_reader_up",
+        "gauge",
+        "1 while the kernel log is being read; 0 while the reader fails and retries"
+        " (Xids are not seen meanwhile)",
+        ("backend",),
+    ),
+    MetricSpec(
+        "gpuwatchd_kmsg_records_read_total", "counter", "kernel log records read", ("backend",)
+    ),
+    MetricSpec(
+        "gpuwatchd_kmsg_records_lost_total",
+        "counter",
+        "kernel log records overwritten before they were read (sequence gaps)",
+        ("backend",),
+    ),
+    MetricSpec(
+        "gpuwatchd_kmsg_reader_restarts_total",
+        "counter",
+        "times the kernel log reader was reopened after an error",
+        ("backend",),
+    ),
+    MetricSpec(
+        "gpuwatchd_kmsg_reports_total",
+        "counter",
+        "Xid/SXid reports read from the kernel log",
+        ("kind",),
+    ),
+    MetricSpec(
+        "gpuwatchd_kmsg_unparsed_xid_lines_total",
+        "counter",
+        "lines that look like an Xid/SXid report but could not be parsed (logged once per shape)",
+    ),
+    MetricSpec(
+        "gpuwatchd_kmsg_spoofed_xid_lines_total",
+        "counter",
+        "Xid/SXid lines written by user space, not the kernel; ignored unless"
+        " sources.kmsg.accept_userspace",
+    ),
+)
+
+WAIT = 0.5  # longest a poll waits for input: detection latency stays under a second
+ATTRIBUTE_MAX_AGE = 120.0  # older records: the pid may belong to someone else by now
+MAX_SHAPES = 1000
+
+
+def read_boot_id(path: str) -> str:
+    """This boot's id, or "unknown" (cursors then never match across runs)."""
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            return f.read().strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def open_reader(backend: str, cfg: Config, boot_id: str, cursor: str | None) -> LineReader:
+    """Open the configured reader; `auto` tries /dev/kmsg, then the journal."""
+    kcfg = cfg.sources.kmsg
+    after: int | None = None
+    if cursor and cursor.startswith(f"kmsg:{boot_id}:") and boot_id != "unknown":
+        try:
+            after = int(cursor.rsplit(":", 1)[1])
+        except ValueError:
+            after = None
+    journal_cursor = cursor[len("journal:") :] if cursor and cursor.startswith("journal:") else None
+    if backend == "kmsg":
+        return KmsgReader(cfg.paths.kmsg, boot_id, after, procfs=cfg.paths.procfs)
+    if backend == "journald":
+        return JournalReader(journal_cursor)
+    if backend == "file":
+        if not kcfg.file:
+            raise ReaderError("config", "backend file needs sources.kmsg.file")
+        return FileReader(kcfg.file, cursor)
+    problems = []
+    for name, opener in (
+        (
+            cfg.paths.kmsg,
+            lambda: KmsgReader(cfg.paths.kmsg, boot_id, after, procfs=cfg.paths.procfs),
+        ),
+        ("journald", lambda: JournalReader(journal_cursor)),
+    ):
+        try:
+            return opener()
+        except ReaderError as exc:
+            problems.append(f"{name}: {exc}")
+    raise ReaderError(
+        "no_backend", "no kernel log is readable, Xids cannot be detected: " + " | ".join(problems)
+    )
+
+
+class KmsgSource:
+    """Follows the kernel log and emits one Event per Xid/SXid report."""
+
+    name = "kmsg"
+    interval = 0.01  # poll() does the waiting
+
+    def __init__(
+        self,
+        cfg: Config,
+        ctx: SourceContext,
+        opener: Callable[[str | None], LineReader] | None = None,
+        wait: float = WAIT,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Clock | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.clock = clock or ctx.clock
+        self.backend = cfg.sources.kmsg.backend
+        self.boot_id = read_boot_id(cfg.paths.boot_id)
+        self._opener = opener or (lambda cur: open_reader(self.backend, cfg, self.boot_id, cur))
+        self._wait = wait
+        self._sleep = sleep
+        self._reader: LineReader | None = None
+        self._cursor = ctx.load_cursor(self.name) or ""
+        self._parser = KmsgParser()
+        self._error = ""
+        self._failures = 0
+        self._retry_at = 0.0
+        self._read = self._lost = self._restarts = self._unparsed = self._spoofed = 0
+        self._reports = {XID: 0, SXID: 0}
+        self._shapes: set[str] = set()
+        self._uuids: dict[str, str] = {}
+        # kernel timestamps are CLOCK_MONOTONIC; this turns them into wall time
+        self._boot_wall = self.clock.time() - self.clock.monotonic()
+
+    @classmethod
+    def from_config(cls, cfg: Config, ctx: SourceContext) -> KmsgSource:
+        return cls(cfg, ctx)
+
+    # --- polling -----------------------------------------------------------------
+
+    def poll(self, now: float) -> Sequence[Sample | Event]:
+        reader = self._ensure_reader()
+        if reader is None:
+            self._sleep(min(self._wait, max(0.0, self._retry_at - self.clock.monotonic())))
+            return self._samples()
+        try:
+            lines = reader.read(self._wait)
+        except ReaderError as exc:
+            self._fail(exc)
+            return self._samples()
+        self._parser.year = time.localtime(now).tm_year
+        index = self._gpu_index()
+        events: list[Sample | Event] = []
+        for line in lines:
+            for rec in self._parser.feed(line.text, line.cursor):
+                self._handle(rec, now, index, events)
+        for rec in self._parser.flush():
+            self._handle(rec, now, index, events)
+        self._read += len(lines)
+        self._lost += reader.take_lost()
+        self._cursor = reader.cursor() or self._cursor
+        return [*self._samples(), *events]
+
+    def _ensure_reader(self) -> LineReader | None:
+        if self._reader is not None:
+            return self._reader
+        if self.clock.monotonic() < self._retry_at:
+            return None
+        try:
+            self._reader = self._opener(self._cursor or None)
+        except ReaderError as exc:
+            self._fail(exc)
+            return None
+        if self._failures:
+            self._restarts += 1
+            log.info("kernel log reader %s is back", self._reader.name)
+        self._failures, self._error = 0, ""
+        return self._reader
+
+    def _fail(self, exc: ReaderError) -> None:
+        if self._reader is not None:
+            self._lost += self._reader.take_lost()
+            self._cursor = self._reader.cursor() or self._cursor
+            self._reader.close()
+            self._reader = None
+        self._failures += 1
+        # Never a hot loop: at least a second, doubling up to half a minute.
+        delay = min(30.0, 2.0 ** (self._failures - 1))
+        self._retry_at = self.clock.monotonic() + delay
+        if str(exc) != self._error:
+            log.error("kernel log reader failed: %s (retrying every %.0fs at most)", exc, delay)
+        self._error = str(exc)
+
+    def _gpu_index(self) -> dict[str, Mapping[str, str]]:
+        try:
+            raw = self.ctx.gpu_index()
+        except Exception:
+            return {}
+        return {normalize_bus_id(k) or k: v for k, v in raw.items()}
+
+    # --- records -> events -------------------------------------------------------
+
+    def _handle(
+        self,
+        rec: KmsgRecord,
+        now: float,
+        index: Mapping[str, Mapping[str, str]],
+        out: list[Sample | Event],
+    ) -> None:
+        if rec.kind == GPU:
+            self._uuids[rec.pci_bus_id] = rec.uuid
+            return
+        if rec.kind == UNPARSED:
+            self._unparsed += 1
+            if rec.shape not in self._shapes and len(self._shapes) < MAX_SHAPES:
+                self._shapes.add(rec.shape)
+                log.warning("kernel line looks like an Xid but does not parse: %s", rec.message)
+            return
+        if rec.kind not in (XID, SXID):
+            return
+        if rec.origin == "user" and not self.cfg.sources.kmsg.accept_userspace:
+            self._spoofed += 1
+            log.warning(
+                "ignoring an Xid line written from user space, not the kernel: %s", rec.message
+            )
+            return
+        self._reports[rec.kind] += 1
+        out.append(self._event(rec, now, index))
+
+    def _event(self, rec: KmsgRecord, now: float, index: Mapping[str, Mapping[str, str]]) -> Event:
+        when = self._time_of(rec, now)
+        gpu = index.get(rec.pci_bus_id, {})
+        attrs: dict[str, str] = {
+            "gpu": gpu.get("gpu", gpu.get("index", "")),
+            "uuid": gpu.get("uuid", "") or self._uuids.get(rec.pci_bus_id, ""),
+            "process": rec.process,
+            "detail": rec.detail,
+            "raw": rec.message[:2048],
+            "cursor": rec.cursor,
+            "boot_id": self.boot_id,
+            "origin": rec.origin,
+            "stamp": rec.stamp,
+        }
+        if rec.sequence is not None and self.backend != "file":
+            attrs["sequence"] = str(rec.sequence)
+        if rec.boot_seconds is not None:
+            attrs["kernel_time"] = f"{rec.boot_seconds:.6f}"
+        for key, value in (
+            ("device", rec.device),
+            ("recovery_action", rec.recovery_action),
+            ("host", rec.host),
+        ):
+            if value:
+                attrs[key] = value
+        for key, num in (("link", rec.link), ("subcode", rec.subcode)):
+            if num is not None:
+                attrs[key] = str(num)
+        if rec.fatal is not None:
+            attrs["fatal"] = "true" if rec.fatal else "false"
+        if rec.synthetic:
+            attrs["inferred"] = "fallen off the bus text without an Xid number"
+        if rec.lines > 1:
+            attrs["lines"] = str(rec.lines)
+        attrs.update(rec.extras)
+        attrs.update(self._attribution(rec, when, now))
+        return Event(
+            kind=rec.kind,
+            source=self.name,
+            time=when,
+            code=rec.code,
+            pci_bus_id=rec.pci_bus_id,
+            message=rec.detail,
+            attrs=tuple(sorted((k, v) for k, v in attrs.items() if v != "")),
+        )
+
+    def _time_of(self, rec: KmsgRecord, now: float) -> float:
+        if rec.wall_time is not None:
+            return rec.wall_time
+        if rec.boot_seconds is not None and self.backend != "file":
+            return self._boot_wall + rec.boot_seconds
+        return now
+
+    def _attribution(self, rec: KmsgRecord, when: float, now: float) -> dict[str, str]:
+        if rec.pid is None:
+            return {"attribution": "no pid in the report"} if rec.kind == XID else {}
+        out = {"pid": str(rec.pid)}
+        if now - when > ATTRIBUTE_MAX_AGE:
+            out["attribution"] = "report too old to attribute (the pid may be reused)"
+            return out
+        out.update(attribute(self.cfg.paths.procfs, rec.pid, rec.process).attrs())
+        return out
+
+    # --- outputs -------------------------------------------------------------------
+
+    def _samples(self) -> list[Sample]:
+        backend = self._reader.name if self._reader is not None else self.backend
+        return [
+            Sample.of(
+                "gpuwatchd_kmsg_reader_up", 1 if self._reader is not None else 0, backend=backend
+            ),
+            Sample.of("gpuwatchd_kmsg_records_read_total", self._read, backend=backend),
+            Sample.of("gpuwatchd_kmsg_records_lost_total", self._lost, backend=backend),
+            Sample.of("gpuwatchd_kmsg_reader_restarts_total", self._restarts, backend=backend),
+            Sample.of("gpuwatchd_kmsg_reports_total", self._reports[XID], kind=XID),
+            Sample.of("gpuwatchd_kmsg_reports_total", self._reports[SXID], kind=SXID),
+            Sample.of("gpuwatchd_kmsg_unparsed_xid_lines_total", self._unparsed),
+            Sample.of("gpuwatchd_kmsg_spoofed_xid_lines_total", self._spoofed),
+        ]
+
+    def status(self) -> Mapping[str, object]:
+        return {
+            "backend": self._reader.name if self._reader is not None else self.backend,
+            "reader_up": self._reader is not None,
+            "error": self._error,
+            "cursor": self._cursor,
+            "boot_id": self.boot_id,
+            "records_read": self._read,
+            "records_lost": self._lost,
+            "unparsed_xid_lines": self._unparsed,
+            "spoofed_xid_lines": self._spoofed,
+            "retry_in_seconds": 0.0 if self._reader is not None else self._retry_in(),
+        }
+
+    def _retry_in(self) -> float:
+        return max(0.0, round(self._retry_at - self.clock.monotonic(), 1))
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None

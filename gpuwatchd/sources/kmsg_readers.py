@@ -1,0 +1,414 @@
+"""Where kernel log lines come from: /dev/kmsg, the systemd journal, or a file/pipe.
+
+Each reader implements `LineReader`: `read(timeout)` waits at most
+`timeout` seconds for input and returns what is there, each line with a
+cursor that says where to resume after it. Readers raise `ReaderError`
+(a SourceError) when they cannot go on; the source reopens them with
+backoff.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import select
+import stat
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, Protocol
+
+from gpuwatchd.errors import SourceError
+
+__all__ = [
+    "FileReader",
+    "JournalReader",
+    "KmsgReader",
+    "Line",
+    "LineReader",
+    "ReaderError",
+    "journal_line",
+    "permission_message",
+]
+
+READ_SIZE = 16384  # /dev/kmsg returns EINVAL when a record does not fit; they are < 8 KiB
+MAX_LINES = 20000  # per read(): bounds one poll so the heartbeat stays fresh
+
+
+class ReaderError(SourceError):
+    """The reader cannot continue; `reason` is a short token (permission, missing, read...)."""
+
+
+class Line(NamedTuple):
+    text: str
+    cursor: str = ""
+
+
+class LineReader(Protocol):
+    """A stream of kernel log lines with resumable cursors.
+
+    `read(timeout)` returns the lines available now, waiting up to
+    `timeout` seconds when there are none. `cursor()` is where a new
+    reader should resume to neither repeat nor miss a line. `take_lost()`
+    returns and resets the number of records that were lost (overwritten
+    before they were read).
+    """
+
+    name: str
+
+    def read(self, timeout: float) -> list[Line]: ...
+
+    def cursor(self) -> str: ...
+
+    def take_lost(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def permission_message(path: str, procfs: str = "/proc") -> str:
+    """Why reading the kernel log was refused, and what fixes it."""
+    try:
+        with open(os.path.join(procfs, "sys/kernel/dmesg_restrict")) as f:
+            restrict = f.read().strip()
+    except OSError:
+        restrict = "unknown"
+    return (
+        f"cannot read {path}: permission denied. Reading the kernel log needs CAP_SYSLOG "
+        f"when kernel.dmesg_restrict=1 (here: {restrict}); run gpuwatchd as root or grant "
+        "it CAP_SYSLOG (systemd: AmbientCapabilities=CAP_SYSLOG), or use backend: journald"
+    )
+
+
+# --- /dev/kmsg ------------------------------------------------------------------
+
+
+class KmsgReader:
+    """Raw records from /dev/kmsg: one record per read(2), non-blocking, poll(2) to wait.
+
+    Starts at the oldest record still in the ring buffer (never at the end:
+    Xids logged while the driver came up must not be missed) and skips
+    records at or before `after_seq`, the last one a previous run handled
+    in this same boot. A sequence number jump means records were
+    overwritten before we read them (the kernel answers EPIPE once when that
+    happens); the gap is counted as lost.
+    """
+
+    name = "kmsg"
+
+    def __init__(
+        self,
+        path: str,
+        boot_id: str,
+        after_seq: int | None = None,
+        procfs: str = "/proc",
+        read: Callable[[int, int], bytes] = os.read,
+        max_lines: int = MAX_LINES,
+        fd: int | None = None,
+    ) -> None:
+        self.path = path
+        self.boot_id = boot_id
+        self._read = read
+        self._max = max_lines
+        self._last = after_seq
+        self._lost = 0
+        self._pending = b""
+        self.epipes = 0
+        try:
+            # `fd`: an already open descriptor (tests hand in a SOCK_SEQPACKET
+            # socket, which like /dev/kmsg returns one record per read)
+            self._fd = (
+                fd if fd is not None else os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            )
+        except PermissionError:
+            raise ReaderError("permission", permission_message(path, procfs)) from None
+        except FileNotFoundError:
+            raise ReaderError("missing", f"{path} does not exist") from None
+        except OSError as exc:
+            raise ReaderError("open", f"cannot open {path}: {exc.strerror or exc}") from None
+        self._poll = select.poll()
+        self._poll.register(self._fd, select.POLLIN | select.POLLPRI)
+
+    def read(self, timeout: float) -> list[Line]:
+        lines = self._drain()
+        if lines:
+            return lines
+        try:
+            ready = self._poll.poll(max(0, int(timeout * 1000)))
+        except InterruptedError:
+            ready = []
+        return self._drain() if ready else []
+
+    def _drain(self) -> list[Line]:
+        lines: list[Line] = []
+        while len(lines) < self._max:
+            try:
+                chunk = self._read(self._fd, READ_SIZE)
+            except BlockingIOError:
+                break
+            except BrokenPipeError:
+                # Records were overwritten; the next read returns the oldest
+                # one left and the sequence gap tells how many we lost.
+                self.epipes += 1
+                continue
+            except InterruptedError:
+                continue
+            except PermissionError:
+                raise ReaderError("permission", permission_message(self.path)) from None
+            except OSError as exc:
+                raise ReaderError("read", f"reading {self.path}: {exc.strerror or exc}") from None
+            if not chunk:
+                break  # end of a file or pipe (tests); /dev/kmsg never ends
+            self._records(chunk, lines)
+        return lines
+
+    def _records(self, chunk: bytes, out: list[Line]) -> None:
+        # One read of /dev/kmsg is one record; files and pipes (tests) give many.
+        data = self._pending + chunk
+        *complete, self._pending = data.split(b"\n")
+        for raw in complete:
+            if not raw or raw[:1] == b" ":
+                continue  # continuation lines: " SUBSYSTEM=...", " DEVICE=..."
+            text = raw.decode("utf-8", "replace")
+            head = text.partition(";")[0].split(",")
+            try:
+                seq = int(head[1])
+            except (IndexError, ValueError):
+                continue  # not a record; nothing to resume from
+            if self._last is not None:
+                if seq <= self._last:
+                    continue  # handled by an earlier run in this boot
+                if seq > self._last + 1:
+                    self._lost += seq - self._last - 1
+            self._last = seq
+            out.append(Line(text, f"kmsg:{self.boot_id}:{seq}"))
+
+    def cursor(self) -> str:
+        return f"kmsg:{self.boot_id}:{self._last}" if self._last is not None else ""
+
+    def take_lost(self) -> int:
+        lost, self._lost = self._lost, 0
+        return lost
+
+    def close(self) -> None:
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
+
+
+# --- journald -------------------------------------------------------------------
+
+
+def journal_line(entry: Mapping[str, Any]) -> str:
+    """A journal entry as a raw kmsg record, so one parser reads both.
+
+    The kernel transport keeps the record's facility and priority and its
+    kernel timestamp (_SOURCE_MONOTONIC_TIMESTAMP); a multi-line message is
+    escaped the way /dev/kmsg escapes it.
+    """
+    message = entry.get("MESSAGE", "")
+    if isinstance(message, bytes):
+        message = message.decode("utf-8", "replace")
+    facility = _as_int(entry.get("SYSLOG_FACILITY"), 0)
+    priority = _as_int(entry.get("PRIORITY"), 6)
+    mono = entry.get("_SOURCE_MONOTONIC_TIMESTAMP")
+    seconds = getattr(mono, "total_seconds", None)  # systemd-python gives a timedelta
+    usec = int(seconds() * 1e6) if callable(seconds) else _as_int(mono, 0)
+    text = str(message).rstrip("\n").replace("\n", "\\x0a")
+    return f"{facility * 8 + priority},0,{usec},-;{text}"
+
+
+def _as_int(value: object, default: int) -> int:
+    try:
+        return int(value)  # type: ignore[call-overload, no-any-return]
+    except (TypeError, ValueError):
+        return default
+
+
+class JournalReader:
+    """Kernel records from the systemd journal (`_TRANSPORT=kernel`), this boot."""
+
+    name = "journald"
+
+    def __init__(self, cursor: str | None = None, max_lines: int = MAX_LINES) -> None:
+        try:
+            from systemd import journal
+        except ImportError:
+            raise ReaderError(
+                "unavailable",
+                "the journald backend needs systemd-python (pip install 'gpuwatchd[systemd]'"
+                " or the distribution's python3-systemd package)",
+            ) from None
+        self._max = max_lines
+        self._cursor = cursor or ""
+        try:
+            self._j = journal.Reader()
+            self._j.add_match(_TRANSPORT="kernel")
+            self._j.this_boot()
+            if cursor:
+                self._j.seek_cursor(cursor)
+                self._j.get_next()  # the entry at the cursor was handled already
+            else:
+                self._j.seek_head()
+        except OSError as exc:
+            raise ReaderError("open", f"cannot open the journal: {exc}") from None
+
+    def read(self, timeout: float) -> list[Line]:
+        lines = self._drain()
+        if not lines:
+            self._j.wait(timeout)
+            lines = self._drain()
+        return lines
+
+    def _drain(self) -> list[Line]:
+        lines: list[Line] = []
+        try:
+            while len(lines) < self._max:
+                entry = self._j.get_next()
+                if not entry:
+                    break
+                self._cursor = f"journal:{entry.get('__CURSOR', '')}"
+                lines.append(Line(journal_line(entry), self._cursor))
+        except OSError as exc:
+            raise ReaderError("read", f"reading the journal: {exc}") from None
+        return lines
+
+    def cursor(self) -> str:
+        return self._cursor
+
+    def take_lost(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self._j.close()
+
+
+# --- plain file or pipe ---------------------------------------------------------
+
+
+class FileReader:
+    """Follow a text file (`dmesg -w > file`, syslog) or a FIFO, across rotation.
+
+    Rotation by rename is seen as a new inode at the path (the rest of the
+    old file is read first); truncation (copytruncate) as a file shorter
+    than our offset. Cursor: `file:<dev>:<inode>:<offset>`.
+    """
+
+    name = "file"
+
+    def __init__(
+        self,
+        path: str,
+        cursor: str | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        step: float = 0.1,
+        max_lines: int = MAX_LINES,
+    ) -> None:
+        self.path = path
+        self._sleep = sleep
+        self._step = step
+        self._max = max_lines
+        self._buf = b""
+        self._open()
+        if cursor and cursor.startswith("file:") and not self._fifo:
+            try:
+                _, dev, ino, off = cursor.split(":")
+                if (int(dev), int(ino)) == self._id and os.fstat(self._fd).st_size >= int(off):
+                    self._offset = os.lseek(self._fd, int(off), os.SEEK_SET)
+            except (ValueError, OSError):
+                pass
+
+    def _open(self) -> None:
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            st = os.fstat(fd)
+            self._fifo = stat.S_ISFIFO(st.st_mode)
+            if self._fifo:
+                # Also holding the write end keeps poll() from reporting POLLHUP
+                # in a tight loop whenever no writer is attached.
+                try:
+                    rw = os.open(self.path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+                    os.close(fd)
+                    fd = rw
+                except OSError:
+                    pass
+        except PermissionError:
+            raise ReaderError("permission", f"cannot read {self.path}: permission denied") from None
+        except FileNotFoundError:
+            raise ReaderError("missing", f"{self.path} does not exist") from None
+        except OSError as exc:
+            raise ReaderError("open", f"cannot open {self.path}: {exc.strerror or exc}") from None
+        self._fd = fd
+        self._id = (st.st_dev, st.st_ino)
+        self._offset = 0
+        self._buf = b""
+        self._poll = select.poll()
+        self._poll.register(fd, select.POLLIN)
+
+    def read(self, timeout: float) -> list[Line]:
+        deadline = time.monotonic() + timeout
+        while True:
+            lines = self._drain()
+            if lines:
+                return lines
+            if self._rotated():
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return []
+            if self._fifo:
+                self._poll.poll(int(left * 1000))
+            else:
+                self._sleep(min(self._step, left))
+
+    def _drain(self) -> list[Line]:
+        lines: list[Line] = []
+        while len(lines) < self._max:
+            try:
+                chunk = os.read(self._fd, 65536)
+            except BlockingIOError:
+                break
+            except OSError as exc:
+                if exc.errno == errno.EINTR:
+                    continue
+                raise ReaderError("read", f"reading {self.path}: {exc.strerror or exc}") from None
+            if not chunk:
+                break
+            data = self._buf + chunk
+            *complete, self._buf = data.split(b"\n")
+            for raw in complete:
+                self._offset += len(raw) + 1
+                lines.append(Line(raw.decode("utf-8", "replace"), self._cursor_at(self._offset)))
+        return lines
+
+    def _rotated(self) -> bool:
+        """Reopen when the path now names another file or was truncated."""
+        if self._fifo:
+            return False
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False  # between rename and re-create: keep the old one
+        if (st.st_dev, st.st_ino) != self._id:
+            os.close(self._fd)
+            self._open()
+            return True
+        if st.st_size < self._offset + len(self._buf):
+            os.lseek(self._fd, 0, os.SEEK_SET)
+            self._offset, self._buf = 0, b""
+            return True
+        return False
+
+    def _cursor_at(self, offset: int) -> str:
+        return f"file:{self._id[0]}:{self._id[1]}:{offset}"
+
+    def cursor(self) -> str:
+        return "" if self._fifo else self._cursor_at(self._offset)
+
+    def take_lost(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
