@@ -70,6 +70,12 @@ METRICS: tuple[MetricSpec, ...] = (
         ("severity",),
     ),
     MetricSpec(
+        "gpuwatchd_gpus_expected",
+        "gauge",
+        "GPUs this node should have: health.expected_gpus, else the most seen since the"
+        " first start (GpuCountLow fires while gpuwatchd_gpus_visible is lower).",
+    ),
+    MetricSpec(
         "gpuwatchd_health_rule_errors_total",
         "counter",
         "Rule evaluations that raised (a bug; the log has the traceback).",
@@ -153,6 +159,8 @@ class HealthEngine:
         xids: XidProvider | None = None,
         expected_sources: Iterable[str] = (),
         clears: ClearFetcher | None = None,
+        baseline_gpus: int = 0,
+        on_baseline: Callable[[int], None] | None = None,
     ) -> None:
         self._lock = threading.RLock()
         self._clock = clock
@@ -171,6 +179,10 @@ class HealthEngine:
         self._last_view: View | None = None
         self._fetch_clears = clears
         self._clears_seen: set[int] = set()
+        # The GPU count seen at first start survives restarts through `on_baseline`.
+        self.history.restore(baseline_gpus)
+        self._saved_baseline = baseline_gpus
+        self._on_baseline = on_baseline
         self.reconfigure(cfg)
 
     def reconfigure(self, cfg: Config) -> None:
@@ -209,6 +221,7 @@ class HealthEngine:
             view = View(snap)
             self._last_view = view
             self.history.observe(view, now)
+            self._save_baseline()
             xids = self._active_xids(now)
             raw = self._run_rules(Inputs(view, self.history, self.cfg, now, xids))
             current = self._transition(raw, now)
@@ -235,6 +248,15 @@ class HealthEngine:
                     self._clears_seen.add(row.id)
                     self.apply_clear(row, evaluate=False)
         return self.evaluate(now=now)
+
+    def _save_baseline(self) -> None:
+        count = self.history.max_gpus
+        if count != self._saved_baseline and self._on_baseline is not None:
+            try:
+                self._on_baseline(count)
+                self._saved_baseline = count
+            except Exception:
+                log.exception("saving the GPU count baseline")
 
     def _active_xids(self, now: float) -> Sequence[XidCondition]:
         if self._xids is None:
@@ -319,6 +341,7 @@ class HealthEngine:
                 h.gpus_seen.pop(u, None)
             if not clear.target and view is not None:
                 h.max_gpus = len(view.gpus)  # a GPU removed on purpose: new baseline
+                self._save_baseline()
             for k in [k for k in self._open if dict(k[1]).get("uuid") in uuids or
                       not clear.target]:
                 self._open.pop(k, None)
@@ -391,6 +414,9 @@ class HealthEngine:
         with self._lock:
             out.extend(Sample.of("gpuwatchd_health_rule_errors_total", n, rule=r)
                        for r, n in self._rule_errors.items())
+            expected = self.cfg.health.expected_gpus or self.history.max_gpus
+        if expected:
+            out.append(Sample.of("gpuwatchd_gpus_expected", expected))
         return out
 
     def status(self) -> dict[str, object]:

@@ -221,6 +221,15 @@ class AlertSink:
         # Text from kernel log lines can carry undecodable bytes: never lose an alert for that.
         return {k: _printable(v) for k, v in ann.items() if v}
 
+    def baseline_gpus(self) -> int:
+        """The GPU count baseline the health engine saved (0 = none yet)."""
+        text = self._outbox.memory("baseline_gpus", "0")
+        return int(text) if text.isdigit() else 0
+
+    def save_baseline(self, count: int) -> None:
+        """HealthEngine's `on_baseline`: keep the most GPUs seen across restarts."""
+        self._outbox.remember("baseline_gpus", str(count))
+
     # --- delivery ------------------------------------------------------------
 
     def start(self) -> None:

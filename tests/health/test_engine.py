@@ -212,3 +212,26 @@ def test_node_rules_and_stuck_detector_run_in_the_engine() -> None:
     assert roll.components["shm"] is Health.UNHEALTHY  # 0 bytes free: critical
     assert roll.components["infiniband"] is Health.UNHEALTHY
     assert roll.components["nvml"] is Health.HEALTHY
+
+
+def test_gpu_count_baseline_survives_restart(tmp_path) -> None:
+    from gpuwatchd.sinks.alertmanager import AlertSink
+
+    sink = AlertSink(Config(), str(tmp_path / "db"), FakeClock(T0), "n")
+    clock, state = FakeClock(T0), State()
+    first = HealthEngine(Config(), clock, state, baseline_gpus=sink.baseline_gpus(),
+                         on_baseline=sink.save_baseline)
+    state.subscribe(first.on_publish)
+    publish(state, Node(), clock)
+    assert sink.baseline_gpus() == 2
+    # The daemon restarts after a GPU fell off the bus.
+    state = State()
+    second = HealthEngine(Config(), clock, state, baseline_gpus=sink.baseline_gpus(),
+                          on_baseline=sink.save_baseline)
+    state.subscribe(second.on_publish)
+    publish(state, Node(gpus={U0: {}}), clock)
+    assert [f.alertname for f in state.snapshot().findings] == ["GpuCountLow"]
+    expected = [s.value for s in state.snapshot().extra["health"]
+                if s.name == "gpuwatchd_gpus_expected"]
+    assert expected == [2]
+    sink.stop()
