@@ -1,4 +1,4 @@
-"""Real servers for tests, on 127.0.0.1 only: Alertmanager (and the pattern for others).
+"""Real servers for tests, on 127.0.0.1 only: Alertmanager and Prometheus.
 
 `AlertmanagerServer` runs the Debian/upstream `alertmanager` binary with
 gossip off, its storage in a temporary directory and a minimal config. It
@@ -25,7 +25,13 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["AlertmanagerServer", "alertmanager_binary", "alertmanager_server", "free_port"]
+__all__ = [
+    "AlertmanagerServer",
+    "PrometheusServer",
+    "alertmanager_binary",
+    "alertmanager_server",
+    "free_port",
+]
 
 MINIMAL_CONFIG = """\
 route:
@@ -143,3 +149,97 @@ def alertmanager_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Al
         yield server
     finally:
         server.stop()
+
+
+class PrometheusServer:
+    """One Prometheus process with a throwaway TSDB, scraping what `config` says.
+
+    `config` is the prometheus.yml text; rule files it names are read as is.
+    Use as a context manager or call start()/stop().
+    """
+
+    def __init__(self, workdir: Path, config: str) -> None:
+        binary = shutil.which("prometheus")
+        if binary is None:
+            pytest.skip("prometheus not installed (Debian package prometheus)")
+        self.binary = binary
+        self.workdir = workdir
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.config = workdir / "prometheus.yml"
+        self.config.write_text(config)
+        self.log = workdir / "prometheus.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def start(self, timeout: float = 30.0) -> PrometheusServer:
+        args = [
+            self.binary,
+            f"--config.file={self.config}",
+            f"--storage.tsdb.path={self.workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            "--storage.tsdb.retention.time=1h",
+            "--log.level=warn",
+        ]
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"prometheus exited: {self.log.read_text()[-2000:]}")
+            try:
+                if self._get("/-/ready")[0] == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("prometheus did not become ready")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None
+
+    def __enter__(self) -> PrometheusServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _get(self, path: str) -> tuple[int, bytes]:
+        try:
+            with self._opener.open(self.url + path, timeout=10) as resp:
+                return int(resp.status), bytes(resp.read())
+        except urllib.error.HTTPError as exc:
+            return int(exc.code), bytes(exc.read())
+
+    def api(self, path: str, **params: str) -> dict[str, object]:
+        """GET /api/v1/<path>; returns the decoded body (status "success" or "error")."""
+        status, body = self._get(f"/api/v1/{path}?{urllib.parse.urlencode(params)}")
+        data = json.loads(body)
+        assert isinstance(data, dict), body
+        data.setdefault("http_status", status)
+        return data
+
+    def query(self, expr: str) -> dict[str, object]:
+        """Instant query at the current time."""
+        return self.api("query", query=expr)
+
+    def wait_for(self, expr: str, timeout: float = 30.0) -> list[object]:
+        """Poll `expr` until it returns at least one series; returns the result."""
+        deadline = time.monotonic() + timeout
+        while True:
+            res = self.query(expr)
+            data = res.get("data")
+            result = data.get("result") if isinstance(data, dict) else None
+            if res.get("status") == "success" and result:
+                return list(result)
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{expr!r} returned nothing in {timeout}s: {res}")
+            time.sleep(0.25)
