@@ -46,8 +46,13 @@ T = TypeVar("T")
 Book = dict[str, list[dict[str, Any]]]
 
 
-def _timed(book: Book, key: str, lock: threading.Lock, fn: Callable[[], T],
-           keep: Callable[[T], object] = lambda v: v) -> T:
+def _timed(
+    book: Book,
+    key: str,
+    lock: threading.Lock,
+    fn: Callable[[], T],
+    keep: Callable[[T], object] = lambda v: v,
+) -> T:
     t0 = time.perf_counter()
     obs: dict[str, Any] | None = None
     try:
@@ -75,12 +80,18 @@ class RecordingDevice:
         self._lock = lock
 
     def call(self, name: str, *args: int) -> object:
-        return _timed(self._calls, call_key(name, args), self._lock,
-                      lambda: self.inner.call(name, *args))
+        return _timed(
+            self._calls, call_key(name, args), self._lock, lambda: self.inner.call(name, *args)
+        )
 
     def field_values(self, fields: Sequence[FieldKey]) -> Mapping[FieldKey, FieldResult]:
-        answers = _timed(self._calls, "field_values", self._lock,
-                         lambda: self.inner.field_values(fields), keep=lambda _v: None)
+        answers = _timed(
+            self._calls,
+            "field_values",
+            self._lock,
+            lambda: self.inner.field_values(fields),
+            keep=lambda _v: None,
+        )
         with self._lock:
             for (name, scope), value in answers.items():
                 obs: dict[str, Any] = (
@@ -103,8 +114,7 @@ class RecordingClient:
         self.devices: dict[int, dict[str, Book]] = {}
 
     def init(self) -> None:
-        _timed({"init": self.init_calls}, "init", self._lock, self.inner.init,
-               keep=lambda _v: None)
+        _timed({"init": self.init_calls}, "init", self._lock, self.inner.init, keep=lambda _v: None)
 
     def shutdown(self) -> None:
         self.inner.shutdown()
@@ -113,8 +123,13 @@ class RecordingClient:
         return _timed(self.system, name, self._lock, lambda: self.inner.call(name))
 
     def device(self, index: int) -> RecordingDevice:
-        dev = _timed(self.system, f"device_handle({index})", self._lock,
-                     lambda: self.inner.device(index), keep=lambda _v: None)
+        dev = _timed(
+            self.system,
+            f"device_handle({index})",
+            self._lock,
+            lambda: self.inner.device(index),
+            keep=lambda _v: None,
+        )
         with self._lock:
             book = self.devices.setdefault(index, {})
         return RecordingDevice(dev, book, self._lock)
@@ -211,8 +226,12 @@ def record(
             "cuda_version": status.get("cuda_version"),
             "init_error": status.get("init_error"),
             "gpus": [
-                {"pci_bus_id": bus, "name": g.get("name"), "uuid": g.get("uuid"),
-                 "state": g.get("state")}
+                {
+                    "pci_bus_id": bus,
+                    "name": g.get("name"),
+                    "uuid": g.get("uuid"),
+                    "state": g.get("state"),
+                }
                 for bus, g in (gpus.items() if isinstance(gpus, dict) else [])
             ],
             "polls": history,
@@ -229,22 +248,34 @@ def record(
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, metavar="FILE", help="capture file to write")
     parser.add_argument("--polls", type=int, default=3, help="polls to record (default 3)")
-    parser.add_argument("--interval", type=float, default=1.0,
-                        help="seconds between polls (default 1)")
-    parser.add_argument("--call-timeout", type=float, default=5.0,
-                        help="NVML call deadline in seconds (default 5)")
-    parser.add_argument("--from-replay", metavar="FILE",
-                        help="record a replayed capture instead of real NVML (for testing)")
+    parser.add_argument(
+        "--interval", type=float, default=1.0, help="seconds between polls (default 1)"
+    )
+    parser.add_argument(
+        "--call-timeout", type=float, default=5.0, help="NVML call deadline in seconds (default 5)"
+    )
+    parser.add_argument(
+        "--from-replay",
+        metavar="FILE",
+        help="record a replayed capture instead of real NVML (for testing)",
+    )
 
 
 def _handle(args: argparse.Namespace) -> int:
     client = ReplayClient.load(args.from_replay) if args.from_replay else None
-    capture = record(args.out, polls=max(1, args.polls), interval=args.interval,
-                     call_timeout=args.call_timeout, client=client)
+    capture = record(
+        args.out,
+        polls=max(1, args.polls),
+        interval=args.interval,
+        call_timeout=args.call_timeout,
+        client=client,
+    )
     summary = capture["summary"]
     gpus = summary["gpus"]
-    print(f"wrote {args.out}: {len(gpus)} GPU(s), driver {summary['driver_version']}, "
-          f"{capture['polls']} poll(s)")
+    print(
+        f"wrote {args.out}: {len(gpus)} GPU(s), driver {summary['driver_version']}, "
+        f"{capture['polls']} poll(s)"
+    )
     if summary["init_error"]:
         print(f"NVML initialisation failed: {summary['init_error']}", file=sys.stderr)
         return 1

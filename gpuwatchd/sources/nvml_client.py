@@ -336,9 +336,7 @@ class PynvmlDevice:
         if not ask:
             return out
         with nvml_errors():
-            values = nv.nvmlDeviceGetFieldValues(
-                self.handle, [(getattr(nv, n), s) for n, s in ask]
-            )
+            values = nv.nvmlDeviceGetFieldValues(self.handle, [(getattr(nv, n), s) for n, s in ask])
         for key, fv in zip(ask, values, strict=True):
             ret = int(fv.nvmlReturn)
             if ret != 0:

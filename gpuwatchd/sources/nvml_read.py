@@ -265,8 +265,10 @@ class DeviceReader:
             if value is not None:
                 thresholds[label] = value
         pcie_max = {}
-        for label, name in (("generation", "max_pcie_link_generation"),
-                            ("width", "max_pcie_link_width")):
+        for label, name in (
+            ("generation", "max_pcie_link_generation"),
+            ("width", "max_pcie_link_width"),
+        ):
             value = _num(self.get(name))
             if value is not None:
                 pcie_max[label] = value
@@ -298,8 +300,12 @@ class DeviceReader:
 
         links = range(ident.nvlinks)
         fv = self.fields(
-            [(FI_MEMORY_TEMP, 0), (FI_RECOVERY_ACTION, 0), (FI_RESET_STATUS, 0),
-             (FI_DRAIN_AND_RESET, 0)]
+            [
+                (FI_MEMORY_TEMP, 0),
+                (FI_RECOVERY_ACTION, 0),
+                (FI_RESET_STATUS, 0),
+                (FI_DRAIN_AND_RESET, 0),
+            ]
             + [(name, 0) for name in PCIE_ERROR_FIELDS]
             + [(FI_NVLINK_SPEED, link) for link in links]
         )
@@ -322,8 +328,11 @@ class DeviceReader:
         util = self.get("utilization_rates")
         if isinstance(util, dict):
             for engine in ("gpu", "memory"):
-                put("gpuwatchd_gpu_utilization_ratio", _scaled(util.get(engine), 0.01),
-                    engine=engine)
+                put(
+                    "gpuwatchd_gpu_utilization_ratio",
+                    _scaled(util.get(engine), 0.01),
+                    engine=engine,
+                )
             last["utilization_ratio"] = _scaled(util.get("gpu"), 0.01)
         mem = self.get("memory_info")
         if isinstance(mem, dict):
@@ -391,8 +400,13 @@ class DeviceReader:
                     last["ecc_uncorrected_volatile"] = value
                 for loc, where in ECC_LOCATIONS.items():
                     value = _num(self.get("memory_error_counter", e, c, where))
-                    put("gpuwatchd_gpu_ecc_location_errors_total", value,
-                        error=err, scope=scope, location=loc)
+                    put(
+                        "gpuwatchd_gpu_ecc_location_errors_total",
+                        value,
+                        error=err,
+                        scope=scope,
+                        location=loc,
+                    )
         for cause, kind in RETIREMENT_CAUSES.items():
             pages = self.get("retired_pages", kind)
             if isinstance(pages, list):
@@ -408,13 +422,18 @@ class DeviceReader:
         hist = self.get("row_remapper_histogram")
         if isinstance(hist, dict):
             for availability in ("max", "high", "partial", "low", "none"):
-                put("gpuwatchd_gpu_row_remap_availability_banks", _num(hist.get(availability)),
-                    availability=availability)
+                put(
+                    "gpuwatchd_gpu_row_remap_availability_banks",
+                    _num(hist.get(availability)),
+                    availability=availability,
+                )
 
     def _read_pcie(self, put: _Put, ident: Identity, fv: Mapping[FieldKey, float]) -> None:
         put("gpuwatchd_gpu_pcie_replays_total", _num(self.get("pcie_replay_counter")))
-        for label, name in (("generation", "curr_pcie_link_generation"),
-                            ("width", "curr_pcie_link_width")):
+        for label, name in (
+            ("generation", "curr_pcie_link_generation"),
+            ("width", "curr_pcie_link_width"),
+        ):
             family = f"gpuwatchd_gpu_pcie_link_{label}"
             put(family, _num(self.get(name)), which="current")
             put(family, ident.pcie_max.get(label), which="max")

@@ -311,18 +311,22 @@ class ReplayDevice:
         return self._client.answer(self.index, key, self._calls.get(key))
 
     def field_values(self, fields: Sequence[FieldKey]) -> Mapping[FieldKey, FieldResult]:
-        self._client.answer(self.index, "field_values",
-                            self._calls.get("field_values") or [{"value": None}])
+        self._client.answer(
+            self.index, "field_values", self._calls.get("field_values") or [{"value": None}]
+        )
         out: dict[FieldKey, FieldResult] = {}
         for name, scope in fields:
             try:
-                value = self._client.answer(self.index, f"{name}@{scope}",
-                                            self._fields.get(f"{name}@{scope}"))
+                value = self._client.answer(
+                    self.index, f"{name}@{scope}", self._fields.get(f"{name}@{scope}")
+                )
             except NvmlError as exc:
                 out[(name, scope)] = exc
                 continue
-            out[(name, scope)] = value if isinstance(value, (int, float)) else nvml_error(
-                "UNKNOWN", f"recorded {name}@{scope} is not a number: {value!r}"
+            out[(name, scope)] = (
+                value
+                if isinstance(value, (int, float))
+                else nvml_error("UNKNOWN", f"recorded {name}@{scope} is not a number: {value!r}")
             )
         return out
 

@@ -24,17 +24,24 @@ from gpuwatchd.testing.replay import ReplayClient, load_capture
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "nvml"
 H200X2 = FIXTURES / "h200x2-probe.json"
 H200X8 = FIXTURES / "h200x8-from-h200x2.json"
-GPU0 = {"gpu": "0", "uuid": "GPU-544a204b-219a-29ac-8147-ab3c8c9d52c6",
-        "pci_bus_id": "0000:00:06.0"}
-GPU1 = {"gpu": "1", "uuid": "GPU-cb99ac69-31a4-2508-9794-b7f3ed611416",
-        "pci_bus_id": "0000:00:07.0"}
+GPU0 = {
+    "gpu": "0",
+    "uuid": "GPU-544a204b-219a-29ac-8147-ab3c8c9d52c6",
+    "pci_bus_id": "0000:00:06.0",
+}
+GPU1 = {
+    "gpu": "1",
+    "uuid": "GPU-cb99ac69-31a4-2508-9794-b7f3ed611416",
+    "pci_bus_id": "0000:00:07.0",
+}
 
 
 class Rig:
     """A source polling a replay, closed (and any hung replay call released) at the end."""
 
-    def __init__(self, path: Path = H200X2, script: Sequence[dict[str, Any]] = (),
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, path: Path = H200X2, script: Sequence[dict[str, Any]] = (), **kwargs: Any
+    ) -> None:
         self.clock = kwargs.pop("clock", FakeClock())
         self.client = ReplayClient.load(path, script=script, clock=self.clock)
         kwargs.setdefault("call_timeout", 2.0)
@@ -65,8 +72,9 @@ def rig(rigs: list[Rig], *args: Any, **kwargs: Any) -> Rig:
 
 
 def find(samples: Sequence[Sample], name: str, **labels: str) -> list[Sample]:
-    return [s for s in samples if s.name == name
-            and all(s.label(k) == v for k, v in labels.items())]
+    return [
+        s for s in samples if s.name == name and all(s.label(k) == v for k, v in labels.items())
+    ]
 
 
 def value(samples: Sequence[Sample], name: str, **labels: str) -> float:
@@ -99,8 +107,11 @@ CAPTURED = [
     ("gpuwatchd_gpu_clock_event_active", {**GPU0, "reason": "hw_thermal_slowdown"}, 0),
     ("gpuwatchd_gpu_ecc_enabled", {**GPU0, "which": "current"}, 1),
     ("gpuwatchd_gpu_ecc_errors_total", {**GPU0, "error": "uncorrected", "scope": "volatile"}, 0),
-    ("gpuwatchd_gpu_ecc_location_errors_total",
-     {**GPU0, "error": "uncorrected", "scope": "volatile", "location": "dram"}, 0),
+    (
+        "gpuwatchd_gpu_ecc_location_errors_total",
+        {**GPU0, "error": "uncorrected", "scope": "volatile", "location": "dram"},
+        0,
+    ),
     ("gpuwatchd_gpu_remapped_rows_total", {**GPU0, "cause": "uncorrectable"}, 0),
     ("gpuwatchd_gpu_row_remap_pending", GPU0, 0),
     ("gpuwatchd_gpu_row_remap_failure", GPU0, 0),
@@ -124,10 +135,14 @@ CAPTURED = [
 ]
 
 
-@pytest.mark.parametrize(("name", "labels", "expected"), CAPTURED,
-                         ids=[f"{n}-{'-'.join(labels.values())}" for n, labels, _ in CAPTURED])
-def test_values_match_the_capture(rigs: list[Rig], name: str, labels: dict[str, str],
-                                  expected: float) -> None:
+@pytest.mark.parametrize(
+    ("name", "labels", "expected"),
+    CAPTURED,
+    ids=[f"{n}-{'-'.join(labels.values())}" for n, labels, _ in CAPTURED],
+)
+def test_values_match_the_capture(
+    rigs: list[Rig], name: str, labels: dict[str, str], expected: float
+) -> None:
     samples = rig(rigs).poll()
     assert value(samples, name, **labels) == pytest.approx(expected)
 
@@ -147,8 +162,9 @@ ABSENT = [
 
 
 @pytest.mark.parametrize(("name", "labels"), ABSENT)
-def test_unavailable_readings_are_absent(rigs: list[Rig], name: str,
-                                         labels: dict[str, str]) -> None:
+def test_unavailable_readings_are_absent(
+    rigs: list[Rig], name: str, labels: dict[str, str]
+) -> None:
     r = rig(rigs)
     for _ in range(2):
         assert find(r.poll(), name, **labels) == []
@@ -171,19 +187,26 @@ def test_samples_follow_their_metric_specs(rigs: list[Rig]) -> None:
 def test_gpu_info_carries_identity(rigs: list[Rig]) -> None:
     (info,) = find(rig(rigs).poll(), "gpuwatchd_gpu_info", gpu="1")
     assert dict(info.labels) == {
-        **GPU1, "name": "NVIDIA H200", "serial": "1653724064214",
-        "vbios_version": "96.00.A5.00.1A", "driver_version": "580.159.04",
-        "nvml_version": "13.580.159.04", "cuda_version": "13.0",
+        **GPU1,
+        "name": "NVIDIA H200",
+        "serial": "1653724064214",
+        "vbios_version": "96.00.A5.00.1A",
+        "driver_version": "580.159.04",
+        "nvml_version": "13.580.159.04",
+        "cuda_version": "13.0",
     }
 
 
-@pytest.mark.parametrize(("raw", "expected"), [
-    ("00000000:00:06.0", "0000:00:06.0"),
-    ("00000000:1B:00.0", "0000:1b:00.0"),
-    ("0000:AF:00.0", "0000:af:00.0"),
-    ("00000001:00:1E.0", "0001:00:1e.0"),
-    ("garbage", "garbage"),
-])
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("00000000:00:06.0", "0000:00:06.0"),
+        ("00000000:1B:00.0", "0000:1b:00.0"),
+        ("0000:AF:00.0", "0000:af:00.0"),
+        ("00000001:00:1E.0", "0001:00:1e.0"),
+        ("garbage", "garbage"),
+    ],
+)
 def test_bus_ids_are_normalised(raw: str, expected: str) -> None:
     assert normalize_bus_id(raw) == expected
 
@@ -210,11 +233,14 @@ def test_unsupported_calls_are_asked_once(rigs: list[Rig]) -> None:
 
 
 def test_scripted_changes_show_in_the_samples(rigs: list[Rig]) -> None:
-    r = rig(rigs, script=[
-        {"device": 1, "call": "nvlink_state(3)", "from_poll": 2, "value": 0},
-        {"device": 0, "call": "total_ecc_errors(0,0)", "add_per_poll": 5},
-        {"device": 0, "call": "NVML_FI_DEV_PCIE_COUNT_FATAL_ERROR@0", "from_poll": 3, "add": 1},
-    ])
+    r = rig(
+        rigs,
+        script=[
+            {"device": 1, "call": "nvlink_state(3)", "from_poll": 2, "value": 0},
+            {"device": 0, "call": "total_ecc_errors(0,0)", "add_per_poll": 5},
+            {"device": 0, "call": "NVML_FI_DEV_PCIE_COUNT_FATAL_ERROR@0", "from_poll": 3, "add": 1},
+        ],
+    )
     polls = [r.poll() for _ in range(3)]
     ecc = {"error": "corrected", "scope": "volatile"}
     assert [value(p, "gpuwatchd_gpu_ecc_errors_total", **GPU0, **ecc) for p in polls] == [0, 5, 10]
@@ -228,16 +254,24 @@ def test_scripted_changes_show_in_the_samples(rigs: list[Rig]) -> None:
 
 def test_nvlink_error_counters_are_read_at_their_own_pace(rigs: list[Rig]) -> None:
     clock = FakeClock()
-    r = rig(rigs, clock=clock, nvlink_error_interval=60.0, script=[
-        {"device": 0, "call": "nvlink_error_counter(0,3)", "add_per_poll": 1},
-    ])
+    r = rig(
+        rigs,
+        clock=clock,
+        nvlink_error_interval=60.0,
+        script=[
+            {"device": 0, "call": "nvlink_error_counter(0,3)", "add_per_poll": 1},
+        ],
+    )
     seen = []
     for step in (0, 10, 50, 10):
         clock.advance(step)
         samples = r.poll()
-        seen.append((r.client.count(0, "nvlink_error_counter(0,3)"),
-                     value(samples, "gpuwatchd_nvlink_errors_total", **GPU0, link="0",
-                           error="crc_data")))
+        seen.append(
+            (
+                r.client.count(0, "nvlink_error_counter(0,3)"),
+                value(samples, "gpuwatchd_nvlink_errors_total", **GPU0, link="0", error="crc_data"),
+            )
+        )
     # read at 0 s and 60 s; the polls between report the last value read
     assert seen == [(1, 2), (1, 2), (2, 4), (2, 4)]
     assert r.client.count(0, "temperature(0)") == 4
@@ -245,8 +279,11 @@ def test_nvlink_error_counters_are_read_at_their_own_pace(rigs: list[Rig]) -> No
 
 def test_a_hung_gpu_costs_one_deadline_and_recovers(rigs: list[Rig]) -> None:
     timeout = 0.3
-    r = rig(rigs, script=[{"device": 1, "call": "*", "from_poll": 2, "until_poll": 3,
-                           "hang": True}], call_timeout=timeout)
+    r = rig(
+        rigs,
+        script=[{"device": 1, "call": "*", "from_poll": 2, "until_poll": 3, "hang": True}],
+        call_timeout=timeout,
+    )
     assert value(r.poll(), "gpuwatchd_gpu_nvml_state", **GPU1) == 0
 
     t0 = time.monotonic()
@@ -280,10 +317,44 @@ def test_a_hung_gpu_costs_one_deadline_and_recovers(rigs: list[Rig]) -> None:
     assert value(again, "gpuwatchd_gpu_temperature_celsius", **GPU1, sensor="gpu") == 35
 
 
+def test_late_results_are_discarded(rigs: list[Rig]) -> None:
+    # Poll 2 of GPU 1 records an NVML error, then hangs; when the hung call
+    # returns, that poll's result (error count included) must go nowhere.
+    r = rig(
+        rigs,
+        call_timeout=0.3,
+        script=[
+            {
+                "device": 1,
+                "call": "memory_info",
+                "from_poll": 2,
+                "until_poll": 3,
+                "error": "UNKNOWN",
+            },
+            {"device": 1, "call": "ecc_mode", "from_poll": 2, "until_poll": 3, "hang": True},
+        ],
+    )
+    r.poll()
+    assert value(r.poll(), "gpuwatchd_gpu_nvml_state", **GPU1) == 1
+    r.client.release()
+    for _ in range(200):
+        samples = r.poll()
+        if value(samples, "gpuwatchd_gpu_nvml_state", **GPU1) == 0:
+            break
+        time.sleep(0.01)
+    assert find(samples, "gpuwatchd_nvml_errors_total", gpu="1", reason="unknown") == []
+    assert value(samples, "gpuwatchd_gpu_memory_used_bytes", **GPU1) == 644939776
+    assert r.client.count(1, "memory_info") >= 2
+
+
 def test_two_hung_gpus_cost_one_deadline_together(rigs: list[Rig]) -> None:
     timeout = 0.4
-    r = rig(rigs, H200X8, script=[{"device": "*", "call": "power_usage", "hang": True}],
-            call_timeout=timeout)
+    r = rig(
+        rigs,
+        H200X8,
+        script=[{"device": "*", "call": "power_usage", "hang": True}],
+        call_timeout=timeout,
+    )
     t0 = time.monotonic()
     samples = r.poll()
     assert time.monotonic() - t0 < timeout + 0.5
@@ -291,8 +362,9 @@ def test_two_hung_gpus_cost_one_deadline_together(rigs: list[Rig]) -> None:
 
 
 def test_gpu_lost(rigs: list[Rig], caplog: pytest.LogCaptureFixture) -> None:
-    r = rig(rigs, script=[{"device": 1, "call": "power_usage", "from_poll": 2,
-                           "error": "GPU_IS_LOST"}])
+    r = rig(
+        rigs, script=[{"device": 1, "call": "power_usage", "from_poll": 2, "error": "GPU_IS_LOST"}]
+    )
     r.poll()
     with caplog.at_level(logging.ERROR, "gpuwatchd.nvml"):
         samples = r.poll()
@@ -308,11 +380,17 @@ def test_gpu_lost(rigs: list[Rig], caplog: pytest.LogCaptureFixture) -> None:
     assert r.source.gpu_map()["0000:00:07.0"]["state"] == "lost"
 
 
-def test_init_failure_backs_off_and_logs_once(rigs: list[Rig],
-                                              caplog: pytest.LogCaptureFixture) -> None:
+def test_init_failure_backs_off_and_logs_once(
+    rigs: list[Rig], caplog: pytest.LogCaptureFixture
+) -> None:
     clock = FakeClock()
-    r = rig(rigs, clock=clock, interval=10.0, init_retry_max=35.0,
-            script=[{"call": "init", "until_call": 4, "error": "DRIVER_NOT_LOADED"}])
+    r = rig(
+        rigs,
+        clock=clock,
+        interval=10.0,
+        init_retry_max=35.0,
+        script=[{"call": "init", "until_call": 4, "error": "DRIVER_NOT_LOADED"}],
+    )
     tries = []  # init calls seen after each poll, the clock advanced before it
     with caplog.at_level(logging.DEBUG, "gpuwatchd.nvml"):
         for step in (0, 0, 10, 10, 10, 34, 1, 34, 1):
@@ -326,10 +404,22 @@ def test_init_failure_backs_off_and_logs_once(rigs: list[Rig],
                 ok = False
             tries.append((r.client.count(None, "init"), ok))
     # waits between tries: 10, 20, then capped at 35
-    assert tries == [(1, False), (1, False), (2, False), (2, False), (3, False),
-                     (3, False), (4, False), (4, False), (5, True)]
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING
-                and "initialisation failed" in r.getMessage()]
+    assert tries == [
+        (1, False),
+        (1, False),
+        (2, False),
+        (2, False),
+        (3, False),
+        (3, False),
+        (4, False),
+        (4, False),
+        (5, True),
+    ]
+    warnings = [
+        r
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "initialisation failed" in r.getMessage()
+    ]
     assert len(warnings) == 1
     assert r.source.status()["init_error"] is None
 
@@ -346,8 +436,12 @@ def test_init_error_before_success_is_in_status(rigs: list[Rig]) -> None:
 
 def test_hung_init_returns_within_the_deadline(rigs: list[Rig]) -> None:
     clock = FakeClock()
-    r = rig(rigs, clock=clock, call_timeout=0.2,
-            script=[{"call": "init", "until_call": 1, "hang": True}])
+    r = rig(
+        rigs,
+        clock=clock,
+        call_timeout=0.2,
+        script=[{"call": "init", "until_call": 1, "hang": True}],
+    )
     t0 = time.monotonic()
     with pytest.raises(SourceError, match="did not return within"):
         r.poll()
@@ -369,8 +463,12 @@ def test_hung_init_returns_within_the_deadline(rigs: list[Rig]) -> None:
 
 
 def test_nvml_failing_as_a_whole_initialises_again(rigs: list[Rig]) -> None:
-    r = rig(rigs, script=[{"call": "device_count", "from_call": 1, "until_call": 2,
-                           "error": "UNINITIALIZED"}])
+    r = rig(
+        rigs,
+        script=[
+            {"call": "device_count", "from_call": 1, "until_call": 2, "error": "UNINITIALIZED"}
+        ],
+    )
     r.poll()
     with pytest.raises(SourceError, match="UNINITIALIZED"):
         r.poll()
@@ -392,7 +490,11 @@ def test_status_and_gpu_map(rigs: list[Rig]) -> None:
     assert gpu["last"]["temperature_celsius"] == 35
     assert gpu["last"]["clock_events"] == ["gpu_idle"]
     assert r.source.gpu_map()["0000:00:06.0"] == {
-        "gpu": "0", "uuid": GPU0["uuid"], "name": "NVIDIA H200", "minor": "0", "state": "ok"
+        "gpu": "0",
+        "uuid": GPU0["uuid"],
+        "name": "NVIDIA H200",
+        "minor": "0",
+        "state": "ok",
     }
 
 
@@ -404,8 +506,10 @@ def test_eight_gpu_replay(rigs: list[Rig]) -> None:
     assert sorted(s.label("pci_bus_id") for s in infos) == [
         f"0000:00:{d:02x}.0" for d in range(6, 14)
     ]
-    temps = [value(samples, "gpuwatchd_gpu_temperature_celsius", gpu=str(i), sensor="gpu")
-             for i in range(8)]
+    temps = [
+        value(samples, "gpuwatchd_gpu_temperature_celsius", gpu=str(i), sensor="gpu")
+        for i in range(8)
+    ]
     assert temps == [34, 35] * 4
 
 
@@ -448,20 +552,30 @@ def test_pynvml_errors_keep_nvml_codes() -> None:
     assert (info.value.code, info.value.value) == ("GPU_IS_LOST", 15)
     with pytest.raises(NvmlError) as info, nvml_errors():
         raise pynvml.NVMLError_NotSupported()
-    assert (info.value.code, info.value.value, info.value.reason) == ("NOT_SUPPORTED", 3,
-                                                                     "not_supported")
+    assert (info.value.code, info.value.value, info.value.reason) == (
+        "NOT_SUPPORTED",
+        3,
+        "not_supported",
+    )
 
 
 def test_package_imports_without_pynvml() -> None:
     import subprocess
 
-    code = ("import sys; sys.modules['pynvml'] = None\n"
-            "from gpuwatchd.sources.nvml import NvmlSource\n"
-            "from gpuwatchd.sources.nvml_client import Pynvml\n"
-            "from gpuwatchd.errors import NvmlError\n"
-            "try:\n    Pynvml().init()\nexcept NvmlError as e:\n    print(e.code, e.value)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=FIXTURES.parent.parent.parent, check=True)
+    code = (
+        "import sys; sys.modules['pynvml'] = None\n"
+        "from gpuwatchd.sources.nvml import NvmlSource\n"
+        "from gpuwatchd.sources.nvml_client import Pynvml\n"
+        "from gpuwatchd.errors import NvmlError\n"
+        "try:\n    Pynvml().init()\nexcept NvmlError as e:\n    print(e.code, e.value)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=FIXTURES.parent.parent.parent,
+        check=True,
+    )
     assert out.stdout.split() == ["LIBRARY_NOT_FOUND", "12"]
 
 
@@ -480,8 +594,9 @@ def test_real_gpus_are_read() -> None:
     assert count >= 1
     for i in range(count):
         assert value(samples, "gpuwatchd_gpu_nvml_state", gpu=str(i)) == 0
-        assert 0 < value(samples, "gpuwatchd_gpu_temperature_celsius", gpu=str(i),
-                         sensor="gpu") < 120
+        assert (
+            0 < value(samples, "gpuwatchd_gpu_temperature_celsius", gpu=str(i), sensor="gpu") < 120
+        )
         assert value(samples, "gpuwatchd_gpu_power_watts", gpu=str(i)) > 0
         (info,) = find(samples, "gpuwatchd_gpu_info", gpu=str(i))
         assert info.label("uuid").startswith("GPU-")
@@ -533,8 +648,7 @@ H200X2_RECORD = FIXTURES / "h200x2-record.json"
 H100_RECORD = FIXTURES / "h100-record.json"
 
 
-@pytest.mark.parametrize("path", [H200X2, H200X8, H200X2_RECORD, H100_RECORD],
-                         ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", [H200X2, H200X8, H200X2_RECORD, H100_RECORD], ids=lambda p: p.stem)
 def test_every_capture_replays_cleanly(rigs: list[Rig], path: Path) -> None:
     capture = load_capture(path)
     samples = rig(rigs, path).poll()
@@ -560,15 +674,24 @@ def test_recorded_polls_replay_in_order(rigs: list[Rig]) -> None:
 
 
 def test_recovery_action_scripted_on_a_recorded_value(rigs: list[Rig]) -> None:
-    r = rig(rigs, H200X2_RECORD, script=[
-        {"device": 0, "call": "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION@0", "from_poll": 2,
-         "value": 4},
-    ])
+    r = rig(
+        rigs,
+        H200X2_RECORD,
+        script=[
+            {
+                "device": 0,
+                "call": "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION@0",
+                "from_poll": 2,
+                "value": 4,
+            },
+        ],
+    )
     r.poll()
     samples = r.poll()
     assert value(samples, "gpuwatchd_gpu_recovery_action", gpu="0") == 4
-    assert value(samples, "gpuwatchd_gpu_recovery_action_info", gpu="0",
-                 action="drain_and_reset") == 1
+    assert (
+        value(samples, "gpuwatchd_gpu_recovery_action_info", gpu="0", action="drain_and_reset") == 1
+    )
     assert find(samples, "gpuwatchd_gpu_recovery_action_info", gpu="0", action="none") == []
     gpus: Any = r.source.status()["gpus"]
     assert gpus["0000:00:06.0"]["last"]["recovery_action"] == "drain_and_reset"
