@@ -22,7 +22,7 @@ from typing import IO, Any, TextIO
 from gpuwatchd import config
 from gpuwatchd.health import xid
 from gpuwatchd.health.xid import Catalog, XidInfo
-from gpuwatchd.model import Severity
+from gpuwatchd.model import Action, Severity
 from gpuwatchd.sources.kmsg_parse import GPU, SXID, UNPARSED, XID, KmsgParser, KmsgRecord
 
 __all__ = ["explain", "register", "scan"]
@@ -195,6 +195,7 @@ class _Group:
     last: str = ""
     processes: dict[str, None] = field(default_factory=dict)
     uuid: str = ""
+    detail: str = ""
 
 
 @dataclass
@@ -290,11 +291,12 @@ def scan(args: argparse.Namespace) -> int:
             key = (rec.kind, rec.code, rec.pci_bus_id)
             g = groups.get(key)
             if g is None:
-                g = groups[key] = _Group(rec.kind, rec.code, rec.pci_bus_id, info, first=rec.stamp)
+                g = groups[key] = _Group(rec.kind, rec.code, rec.pci_bus_id, info, first=_when(rec))
             elif info.severity > g.info.severity:
                 g.info = info
             g.reports += 1
-            g.last = rec.stamp
+            g.last = _when(rec)
+            g.detail = rec.detail or g.detail
             g.uuid = uuid or g.uuid
             if rec.process or rec.pid is not None:
                 g.processes[_proc(rec)] = None
@@ -317,13 +319,23 @@ def scan(args: argparse.Namespace) -> int:
     return 1 if threshold is not None and result.reports and worst >= threshold else 0
 
 
+def _when(rec: KmsgRecord) -> str:
+    """One width for every input format: local date and time, else time since boot."""
+    if rec.wall_time is not None:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rec.wall_time))
+    if rec.boot_seconds is not None:
+        return f"boot+{rec.boot_seconds:.3f}s"
+    return rec.stamp[:19] or "-"
+
+
 def _proc(rec: KmsgRecord) -> str:
-    name = rec.process or "?"
-    return f"{name}[{rec.pid}]" if rec.pid is not None else name
+    if not rec.process:
+        return f"pid {rec.pid}" if rec.pid is not None else "-"
+    return f"{rec.process}[{rec.pid}]" if rec.pid is not None else rec.process
 
 
 def _row(sev: str, code: str, where: str, when: str, proc: str, what: str) -> str:
-    return f"{sev:<8}  {code:<10} {where:<14} {when:<20} {proc:<22} {what}"
+    return f"{sev:<8}  {code:<10} {where:<14} {when:<20} {proc:<24} {what}"
 
 
 def _event_line(rec: KmsgRecord, info: XidInfo, style: _Style) -> str:
@@ -333,9 +345,45 @@ def _event_line(rec: KmsgRecord, info: XidInfo, style: _Style) -> str:
         what = f"{info.name}: {rec.detail}"
     if len(what) > 90:
         what = what[:89] + "…"
-    proc = _proc(rec) if (rec.process or rec.pid is not None) else "-"
-    line = _row("", label, rec.pci_bus_id, rec.stamp or "-", proc, what)
+    proc = _proc(rec)
+    line = _row("", label, rec.pci_bus_id, _when(rec), proc, what)
     return style.sev(info.severity) + line[8:]
+
+
+# Which action wins when one device has several: the most disruptive fix first.
+_ACTION_RANK = {
+    Action.DRAIN_AND_INSPECT: 5,
+    Action.REBOOT_NODE: 4,
+    Action.RESET_GPU: 3,
+    Action.CONTACT_SUPPORT: 2,
+    Action.RESTART_APP: 1,
+    Action.NONE: 0,
+}
+
+
+def _plan(out: TextIO, style: _Style, groups: dict[tuple[str, int, str], _Group]) -> None:
+    """One line per device: the strongest action its reports call for, and why."""
+    devices: dict[str, list[_Group]] = {}
+    for g in groups.values():
+        if g.info.severity >= Severity.WARNING:
+            devices.setdefault(g.bus, []).append(g)
+    if not devices:
+        return
+    rows = []
+    for bus, gs in devices.items():
+        top = max(gs, key=lambda g: (_ACTION_RANK[g.info.action], g.info.severity))
+        what = ", ".join(
+            f"{g.info.label}" + (f" x{g.reports}" if g.reports > 1 else "")
+            for g in sorted(gs, key=lambda g: (-g.info.severity, g.code))
+        )
+        kind = "NVSwitch" if gs[0].kind == "sxid" else "GPU"
+        rows.append((-top.info.severity, -_ACTION_RANK[top.info.action], bus, kind, top, what))
+    out.write("\nWhat to do, per device:\n")
+    for _, _, bus, kind, top, what in sorted(rows):
+        out.write(
+            f"  {style.sev(top.info.severity)}  {kind:<8} {bus:<13} {str(top.info.action):<18}"
+            f" {what}\n"
+        )
 
 
 def _summary(
@@ -363,6 +411,7 @@ def _summary(
             )
             + "\n"
         )
+        _plan(out, style, groups)
         ordered = sorted(groups.values(), key=lambda g: (-g.info.severity, g.bus, g.code))
         for g in ordered:
             where = f"GPU {g.bus}" if g.kind == "xid" else f"NVSwitch {g.bus}"
@@ -377,6 +426,9 @@ def _summary(
                 procs = ", ".join(list(g.processes)[:6])
                 more = len(g.processes) - 6
                 out.write(f"  who:  {procs}" + (f" and {more} more" if more > 0 else "") + "\n")
+            if g.detail and g.detail.rstrip(".") != g.info.name:
+                last = g.detail if len(g.detail) <= width - 10 else g.detail[: width - 11] + "…"
+                out.write(f"  last: {last}\n")
             action = f"{g.info.action}: {cat.action_text(g.info.action)}"
             out.write(_wrap(action, "        ", width).replace("        ", "  do:   ", 1) + "\n")
             out.write(

@@ -27,6 +27,7 @@ __all__ = [
     "Catalog",
     "LineOverride",
     "XidInfo",
+    "build",
     "default_catalog",
     "from_config",
     "load_catalog",

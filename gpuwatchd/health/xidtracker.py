@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from gpuwatchd.health.xid import Catalog, XidInfo
-from gpuwatchd.model import Action, Event, MetricSpec, Sample, Severity
+from gpuwatchd.model import Action, Event, MetricSpec, Sample, Severity, labels_of
 
 if TYPE_CHECKING:
     from gpuwatchd.config import Config
@@ -434,17 +434,15 @@ class XidTracker:
             kind, rest = values[0], values[1:]
             names = _SXID_LABELS if kind == "sxid" else _XID_LABELS
             labels = dict(zip(names, rest, strict=True))
-            out.append(Sample.of(f"gpuwatchd_{kind}_errors_total", total, **labels))
+            out.append(Sample(f"gpuwatchd_{kind}_errors_total", float(total), labels_of(labels)))
         for st in self._states.values():
             if st.info is None or st.event is None:
                 continue
             names = _SXID_LABELS if st.kind == "sxid" else _XID_LABELS
             labels = dict(zip(names, self._labels(st, st.info)[1:], strict=True))
-            out.append(
-                Sample.of(
-                    f"gpuwatchd_{st.kind}_active", 1 if self._is_active(st, now) else 0, **labels
-                )
-            )
+            # a label is called "name", so not Sample.of(name, ...)
+            value = 1.0 if self._is_active(st, now) else 0.0
+            out.append(Sample(f"gpuwatchd_{st.kind}_active", value, labels_of(labels)))
             if st.kind == "sxid":
                 out.append(
                     Sample.of(

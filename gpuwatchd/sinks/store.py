@@ -147,11 +147,13 @@ class EventStore:
         self.prune()
 
     @classmethod
-    def from_config(cls, cfg: Config) -> EventStore:
+    def from_config(cls, cfg: Config, clock: Callable[[], float] = time.time) -> EventStore:
+        """The store at <daemon.state_dir>/gpuwatchd.db with the configured retention."""
         return cls(
             os.path.join(cfg.daemon.state_dir, DB_NAME),
             cfg.store.max_events,
             cfg.store.max_age_days,
+            clock,
         )
 
     def _migrate(self) -> None:

@@ -43,73 +43,185 @@ def records(name: str) -> list:
 
 CASES = [
     # file, line, expected fields
-    ("h200-xid31-kmsg.txt", 2, dict(kind="xid", code=31, pci_bus_id="0000:00:06.0", pid=650,
-                                    process="python3", origin="kernel", facility=0, sequence=373,
-                                    boot_seconds=48.494739)),
-    ("h200-xid31-kmsg.txt", 4, dict(kind="gpu", pci_bus_id="0000:00:06.0",
-                                    uuid="GPU-544a204b-219a-29ac-8147-ab3c8c9d52c6")),
-    ("h200-xid31-kmsg.txt", 6, dict(kind="xid", code=31, boot_seconds=48.494739,
-                                    origin="unknown")),
+    (
+        "h200-xid31-kmsg.txt",
+        2,
+        dict(
+            kind="xid",
+            code=31,
+            pci_bus_id="0000:00:06.0",
+            pid=650,
+            process="python3",
+            origin="kernel",
+            facility=0,
+            sequence=373,
+            boot_seconds=48.494739,
+        ),
+    ),
+    (
+        "h200-xid31-kmsg.txt",
+        4,
+        dict(
+            kind="gpu", pci_bus_id="0000:00:06.0", uuid="GPU-544a204b-219a-29ac-8147-ab3c8c9d52c6"
+        ),
+    ),
+    ("h200-xid31-kmsg.txt", 6, dict(kind="xid", code=31, boot_seconds=48.494739, origin="unknown")),
     ("h200-xid31-kmsg.txt", 8, dict(kind="xid", code=79, origin="user", facility=1, pid=4242)),
-    ("dmesg-T-h100-xid119.txt", 3, dict(kind="xid", code=119, pci_bus_id="0000:9b:00.0",
-                                        pid=2024380, process="nvidia-smi",
-                                        stamp="Feb 23 16:24:18 2025")),
-    ("dmesg-T-h100-xid119.txt", 1, dict(kind="gpu",
-                                        uuid="GPU-509665ad-b600-ac93-3616-d754b23d636d")),
-    ("dmesg-T-xid13-xid109.txt", 2, dict(kind="xid", code=13, pid=None, process="",
-                                         pci_bus_id="0000:cb:00.0")),
-    ("dmesg-T-xid13-xid109.txt", 5, dict(kind="xid", code=109, pid=1797828,
-                                         process="pt_main_thread")),
-    ("syslog-xid13-gpc.txt", 2, dict(kind="xid", code=13, origin="kernel", host="Gipfeli",
-                                     boot_seconds=82659.755933, stamp="Feb 15 17:37:45")),
-    ("dmesg-xid13-unknown-pid.txt", 1, dict(kind="xid", code=13, pid=None, process="",
-                                            boot_seconds=93297.027938)),
-    ("dmesg-h100-nvswitch-sxid22013.txt", 3, dict(kind="sxid", code=22013, fatal=False,
-                                                  link=44, device="nvidia-nvswitch3",
-                                                  pci_bus_id="0000:04:00.0")),
-    ("dmesg-iso-decode-sxid12028.txt", 1, dict(kind="sxid", code=12028, origin="kernel",
-                                               pci_bus_id="0000:84:00.0", fatal=None,
-                                               wall_time=1737801294.859532)),
+    (
+        "dmesg-T-h100-xid119.txt",
+        3,
+        dict(
+            kind="xid",
+            code=119,
+            pci_bus_id="0000:9b:00.0",
+            pid=2024380,
+            process="nvidia-smi",
+            stamp="Feb 23 16:24:18 2025",
+        ),
+    ),
+    (
+        "dmesg-T-h100-xid119.txt",
+        1,
+        dict(kind="gpu", uuid="GPU-509665ad-b600-ac93-3616-d754b23d636d"),
+    ),
+    (
+        "dmesg-T-xid13-xid109.txt",
+        2,
+        dict(kind="xid", code=13, pid=None, process="", pci_bus_id="0000:cb:00.0"),
+    ),
+    (
+        "dmesg-T-xid13-xid109.txt",
+        5,
+        dict(kind="xid", code=109, pid=1797828, process="pt_main_thread"),
+    ),
+    (
+        "syslog-xid13-gpc.txt",
+        2,
+        dict(
+            kind="xid",
+            code=13,
+            origin="kernel",
+            host="Gipfeli",
+            boot_seconds=82659.755933,
+            stamp="Feb 15 17:37:45",
+        ),
+    ),
+    (
+        "dmesg-xid13-unknown-pid.txt",
+        1,
+        dict(kind="xid", code=13, pid=None, process="", boot_seconds=93297.027938),
+    ),
+    (
+        "dmesg-h100-nvswitch-sxid22013.txt",
+        3,
+        dict(
+            kind="sxid",
+            code=22013,
+            fatal=False,
+            link=44,
+            device="nvidia-nvswitch3",
+            pci_bus_id="0000:04:00.0",
+        ),
+    ),
+    (
+        "dmesg-iso-decode-sxid12028.txt",
+        1,
+        dict(
+            kind="sxid",
+            code=12028,
+            origin="kernel",
+            pci_bus_id="0000:84:00.0",
+            fatal=None,
+            wall_time=1737801294.859532,
+        ),
+    ),
     ("nvlink5-xid144-150.txt", 1, dict(kind="xid", code=144, fatal=False, link=0, subcode=0)),
     ("nvlink5-xid144-150.txt", 2, dict(kind="xid", code=149, fatal=True, link=0, subcode=38)),
     ("nvlink5-xid144-150.txt", 3, dict(kind="xid", code=149, fatal=True, subcode=37)),
-    ("nvlink5-xid144-150.txt", 4, dict(kind="xid", code=149, fatal=True, link=-1, subcode=0,
-                                       pci_bus_id="0019:01:00.0")),
+    (
+        "nvlink5-xid144-150.txt",
+        4,
+        dict(kind="xid", code=149, fatal=True, link=-1, subcode=0, pci_bus_id="0019:01:00.0"),
+    ),
     ("nvlink5-xid144-150.txt", 5, dict(kind="xid", code=145, fatal=False, link=13, subcode=0)),
-    ("nvlink5-xid144-150.txt", 6, dict(kind="xid", code=94, pid=1234, process="python3",
-                                       detail="Contained ECC error")),
-    ("dmesg-gb200-xid149-xid154.txt", 2, dict(kind="xid", code=154,
-                                              recovery_action="Drain and Reset")),
-    ("dmesg-gb200-xid149-xid154.txt", 4, dict(kind="xid", code=154,
-                                              recovery_action="GPU Reset Required",
-                                              pci_bus_id="0019:01:00.0")),
+    (
+        "nvlink5-xid144-150.txt",
+        6,
+        dict(kind="xid", code=94, pid=1234, process="python3", detail="Contained ECC error"),
+    ),
+    (
+        "dmesg-gb200-xid149-xid154.txt",
+        2,
+        dict(kind="xid", code=154, recovery_action="Drain and Reset"),
+    ),
+    (
+        "dmesg-gb200-xid149-xid154.txt",
+        4,
+        dict(kind="xid", code=154, recovery_action="GPU Reset Required", pci_bus_id="0019:01:00.0"),
+    ),
     ("dmesg-gb200-xid149-xid154.txt", 6, dict(kind="xid", code=149, fatal=True, link=15)),
-    ("fallen-off-bus-single.txt", 1, dict(kind="xid", code=79, pci_bus_id="0000:44:00.0",
-                                          synthetic=False)),
-    ("fallen-off-bus-single.txt", 2, dict(kind="xid", code=79, pci_bus_id="0000:29:00.0",
-                                          synthetic=True)),
-    ("fallen-off-bus-single.txt", 3, dict(kind="xid", code=79, pci_bus_id="0000:01:00.0",
-                                          synthetic=True)),
-    ("fallen-off-bus-single.txt", 7, dict(kind="xid", code=79, pid=None,
-                                          pci_bus_id="0000:05:00.0")),
-    ("journal-xid45-after-nvlink5.txt", 1, dict(kind="xid", code=45, pid=1818990,
-                                                process="python3",
-                                                detail="Ch 00000001 caused by previous Xid 149")),
-    ("dmesg-xid31-mmu-fault.txt", 1, dict(kind="gpu",
-                                          uuid="GPU-8a47641b-dff6-f09f-618c-c3eb58fb430d")),
+    (
+        "fallen-off-bus-single.txt",
+        1,
+        dict(kind="xid", code=79, pci_bus_id="0000:44:00.0", synthetic=False),
+    ),
+    (
+        "fallen-off-bus-single.txt",
+        2,
+        dict(kind="xid", code=79, pci_bus_id="0000:29:00.0", synthetic=True),
+    ),
+    (
+        "fallen-off-bus-single.txt",
+        3,
+        dict(kind="xid", code=79, pci_bus_id="0000:01:00.0", synthetic=True),
+    ),
+    (
+        "fallen-off-bus-single.txt",
+        7,
+        dict(kind="xid", code=79, pid=None, pci_bus_id="0000:05:00.0"),
+    ),
+    (
+        "journal-xid45-after-nvlink5.txt",
+        1,
+        dict(
+            kind="xid",
+            code=45,
+            pid=1818990,
+            process="python3",
+            detail="Ch 00000001 caused by previous Xid 149",
+        ),
+    ),
+    (
+        "dmesg-xid31-mmu-fault.txt",
+        1,
+        dict(kind="gpu", uuid="GPU-8a47641b-dff6-f09f-618c-c3eb58fb430d"),
+    ),
     ("dmesg-xid31-mmu-fault.txt", 2, dict(kind="xid", code=31, pid=None)),
     ("dmesg-xid31-mmu-fault.txt", 6, dict(kind="xid", code=32)),
-    ("dmesg-xid31-mmu-fault.txt", 9, dict(kind="xid", code=31, pid=13705,
-                                          process="UnrealEditor")),
-    ("dmesg-xid31-mmu-fault.txt", 11, dict(kind="xid", code=31, pid=11461, process="",
-                                           pci_bus_id="0000:0c:00.0")),
-    ("journal-xid13-wrapped.txt", 1, dict(kind="xid", code=13, pid=1773,
-                                          process=".gala-wrapped", origin="kernel")),
-    ("journal-xid119-gsp-nvc.txt", 1, dict(kind="xid", code=119, pid=1582259,
-                                           process="nvc:[driver]", pci_bus_id="0002:00:00.0",
-                                           boot_seconds=16450076.435595)),
-    ("logger-injected-xid74.txt", 1, dict(kind="xid", code=74, link=14,
-                                          pci_bus_id="0000:d8:00.0")),
+    ("dmesg-xid31-mmu-fault.txt", 9, dict(kind="xid", code=31, pid=13705, process="UnrealEditor")),
+    (
+        "dmesg-xid31-mmu-fault.txt",
+        11,
+        dict(kind="xid", code=31, pid=11461, process="", pci_bus_id="0000:0c:00.0"),
+    ),
+    (
+        "journal-xid13-wrapped.txt",
+        1,
+        dict(kind="xid", code=13, pid=1773, process=".gala-wrapped", origin="kernel"),
+    ),
+    (
+        "journal-xid119-gsp-nvc.txt",
+        1,
+        dict(
+            kind="xid",
+            code=119,
+            pid=1582259,
+            process="nvc:[driver]",
+            pci_bus_id="0002:00:00.0",
+            boot_seconds=16450076.435595,
+        ),
+    ),
+    ("logger-injected-xid74.txt", 1, dict(kind="xid", code=74, link=14, pci_bus_id="0000:d8:00.0")),
     ("redacted-and-malformed.txt", 1, dict(kind="unparsed")),
     ("redacted-and-malformed.txt", 2, dict(kind="unparsed")),
 ]
@@ -130,8 +242,11 @@ def test_real_lines(name: str, number: int, expected: dict) -> None:
     [
         ("dmesg-T-xid13-xid109.txt", 2, {"gpc": "7", "tpc": "7", "sm": "0"}),
         ("syslog-xid13-gpc.txt", 8, {"gpc": "1", "tpc": "2", "sm": "0"}),
-        ("h200-xid31-kmsg.txt", 2, {"engine": "GRAPHICS", "gpc": "0",
-                                    "access_type": "ACCESS_TYPE_VIRT_WRITE"}),
+        (
+            "h200-xid31-kmsg.txt",
+            2,
+            {"engine": "GRAPHICS", "gpc": "0", "access_type": "ACCESS_TYPE_VIRT_WRITE"},
+        ),
         ("dmesg-xid31-mmu-fault.txt", 10, {"engine": "CE0", "fault_type": "FAULT_PTE"}),
         ("nvlink5-xid144-150.txt", 5, {"unit": "RLW_RXPIPE", "error_status": "0x00000008"}),
         ("dmesg-gb200-xid149-xid154.txt", 2, {"previous_recovery_action": "None"}),
@@ -145,9 +260,8 @@ def test_code_specific_details(name: str, number: int, extras: dict) -> None:
 
 @pytest.mark.parametrize(
     "line",
-    [
-        line_of("talos-kern-nvrm-no-xid.txt", n) for n in range(1, 7)
-    ] + [
+    [line_of("talos-kern-nvrm-no-xid.txt", n) for n in range(1, 7)]
+    + [
         line_of("dmesg-T-h100-xid119.txt", 19),  # "...for GPU at PCI:0000:9b:00 (printing 1..."
         line_of("dmesg-fallen-off-bus-multiline.txt", 4),
         "Nov 21 12:00:00 host sshd[42]: Accepted publickey for root",
@@ -210,7 +324,10 @@ def test_textual_fall_off_after_xid79_is_one_incident() -> None:
 def test_old_wording_repeats_are_kept() -> None:
     recs = records("fallen-off-bus-single.txt")
     assert [r.pci_bus_id for r in recs if r.kind == "xid"] == [
-        "0000:44:00.0", "0000:29:00.0", "0000:01:00.0", "0000:05:00.0"
+        "0000:44:00.0",
+        "0000:29:00.0",
+        "0000:01:00.0",
+        "0000:05:00.0",
     ]
 
 
@@ -289,14 +406,12 @@ def test_random_text_never_raises(text: str) -> None:
 @settings(max_examples=600, deadline=None)
 @given(
     st.sampled_from(REAL),
-    st.lists(
-        st.tuples(st.integers(0, 400), st.integers(0, 20), st.text(max_size=12)), max_size=4
-    ),
+    st.lists(st.tuples(st.integers(0, 400), st.integers(0, 20), st.text(max_size=12)), max_size=4),
 )
 def test_mutated_real_lines_never_raise(line: str, edits: list) -> None:
     for pos, cut, insert in edits:
         pos %= len(line) + 1
-        line = line[:pos] + insert + line[pos + cut:]
+        line = line[:pos] + insert + line[pos + cut :]
     rec = parse_line(line, year=2024)
     if rec is not None and rec.kind in ("xid", "sxid"):
         assert rec.code >= 0
@@ -332,8 +447,12 @@ def xid_line(bus: str, code: int, pid: int = 650, name: str = "python3", rest: s
 
 def source(cfg: Config, **ctx: object) -> KmsgSource:
     clock = FakeClock()
-    return KmsgSource(cfg, SourceContext(clock=clock, **ctx), wait=0.05,  # type: ignore[arg-type]
-                      sleep=lambda s: None)
+    return KmsgSource(
+        cfg,
+        SourceContext(clock=clock, **ctx),
+        wait=0.05,  # type: ignore[arg-type]
+        sleep=lambda s: None,
+    )
 
 
 def events(items: object) -> list[Event]:
@@ -342,15 +461,22 @@ def events(items: object) -> list[Event]:
 
 def sample(items: object, name: str, **labels: str) -> float:
     for i in items:  # type: ignore[attr-defined]
-        if isinstance(i, Sample) and i.name == name and all(i.label(k) == v for k, v in labels.items()):
+        if (
+            isinstance(i, Sample)
+            and i.name == name
+            and all(i.label(k) == v for k, v in labels.items())
+        ):
             return i.value
     raise AssertionError(f"no sample {name}")
 
 
 def test_source_reads_the_real_h200_record(tmp_path: Path) -> None:
     kmsg = tmp_path / "kmsg"
-    lines = [ln for ln in (FIX / "h200-xid31-kmsg.txt").read_text().splitlines()
-             if re.match(r"\d+,\d+,", ln)]
+    lines = [
+        ln
+        for ln in (FIX / "h200-xid31-kmsg.txt").read_text().splitlines()
+        if re.match(r"\d+,\d+,", ln)
+    ]
     kmsg.write_text("\n".join(lines) + "\n")
     src = source(kmsg_config(tmp_path, kmsg))
     out = src.poll(src.clock.time() - src.clock.monotonic() + 50.0)  # 1.5 s after the fault
@@ -500,8 +626,7 @@ def test_attribution_from_a_kubernetes_pod(tmp_path: Path) -> None:
     (proc / "comm").write_text("python3\n")
     (proc / "cgroup").write_text(
         "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod"
-        "1f0c6e2a_3b4d_4c5e_9f60_7a8b9c0d1e2f.slice/cri-containerd-"
-        + "ab" * 32 + ".scope\n"
+        "1f0c6e2a_3b4d_4c5e_9f60_7a8b9c0d1e2f.slice/cri-containerd-" + "ab" * 32 + ".scope\n"
     )
     src = source(cfg)
     # the record is fresh: make the fake clock's "now" match its time

@@ -47,8 +47,13 @@ def seqpacket():
 def test_one_record_per_read_without_dictionary_lines(seqpacket) -> None:
     ours, kernel = seqpacket
     reader = KmsgReader("/dev/kmsg", BOOT, fd=ours.fileno())
-    kernel.send(rec(1, "NVRM: Xid (PCI:0000:00:06): 31, pid=650, name=python3, x",
-                    " SUBSYSTEM=pci\n DEVICE=+pci:0000:00:06.0\n"))
+    kernel.send(
+        rec(
+            1,
+            "NVRM: Xid (PCI:0000:00:06): 31, pid=650, name=python3, x",
+            " SUBSYSTEM=pci\n DEVICE=+pci:0000:00:06.0\n",
+        )
+    )
     kernel.send(rec(2))
     lines = reader.read(1.0)
     assert [line.text.split(";", 1)[1] for line in lines] == [
@@ -251,7 +256,10 @@ def test_journal_entry_becomes_a_raw_record() -> None:
     parsed = parse_line(text)
     assert parsed is not None
     assert (parsed.kind, parsed.code, parsed.pci_bus_id, parsed.origin) == (
-        "xid", 79, "0000:b3:00.0", "kernel"
+        "xid",
+        79,
+        "0000:b3:00.0",
+        "kernel",
     )
     user = journal_line({"MESSAGE": "NVRM: Xid (PCI:0000:00:06): 79, x", "SYSLOG_FACILITY": "1"})
     parsed_user = parse_line(user)
