@@ -59,11 +59,11 @@ class NotifySocket:
         self.sock.bind(self.path)
         self.messages: list[str] = []
 
-    def wait_for(self, text: str, timeout: float = 30.0) -> list[str]:
-        """Collect messages until one contains `text`; returns all so far."""
+    def wait_for(self, text: str, timeout: float = 30.0, after: int = 0) -> list[str]:
+        """Collect messages until one from index `after` on contains `text`."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            if any(text in m for m in self.messages):
+            if any(text in m for m in self.messages[after:]):
                 return self.messages
             self.sock.settimeout(max(0.01, end - time.monotonic()))
             try:
@@ -73,8 +73,19 @@ class NotifySocket:
             self.messages.append(data.decode())
         raise AssertionError(f"no {text!r} from daemon; got {self.messages}")
 
+    def drain(self) -> None:
+        """Read whatever is queued without waiting."""
+        self.sock.setblocking(False)
+        while True:
+            try:
+                self.messages.append(self.sock.recv(4096).decode())
+            except BlockingIOError:
+                break
+
     def close(self) -> None:
-        self.sock.close()
+        if self.sock.fileno() >= 0:
+            self.drain()
+            self.sock.close()
 
 
 class DaemonProcess:
@@ -122,6 +133,8 @@ class DaemonProcess:
         return self.log.read()
 
     def stop(self) -> int:
+        if self.log.closed:
+            return self.proc.returncode
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
