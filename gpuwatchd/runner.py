@@ -27,6 +27,7 @@ class _Slot:
     polls: int = 0
     last_success: float = 0.0
     errors: dict[str, int] | None = None
+    last_error: str = ""
 
 
 class Runner:
@@ -121,10 +122,14 @@ class Runner:
             items = source.poll(now)
         except SourceError as exc:
             ok, error = False, exc.reason
-            log.warning("source %s failed: %s", source.name, exc)
+            if error != slot.last_error:  # once per change, not every interval
+                log.warning("source %s failed: %s", source.name, exc)
         except Exception as exc:  # a bug in a source must not kill its thread
             ok, error = False, "exception"
             log.exception("source %s raised %s", source.name, type(exc).__name__)
+        if ok and slot.last_error:
+            log.info("source %s recovered", source.name)
+        slot.last_error = error
         duration = self._clock.monotonic() - t0
         if ok:
             slot.last_success = now
