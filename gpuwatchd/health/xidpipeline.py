@@ -35,7 +35,11 @@ if TYPE_CHECKING:
     from gpuwatchd.config import Config
     from gpuwatchd.state import NodeSnapshot
 
-__all__ = ["METRICS", "EventSink", "XidPipeline"]
+__all__ = [
+    "EventSink",
+    "METRICS",
+    "XidPipeline",
+]
 
 log = logging.getLogger("gpuwatchd.health.xid")
 

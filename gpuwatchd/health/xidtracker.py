@@ -30,9 +30,9 @@ if TYPE_CHECKING:
     from gpuwatchd.config import Config
 
 __all__ = [
-    "METRICS",
     "ActiveXid",
     "Clear",
+    "METRICS",
     "Observation",
     "Policy",
     "TrackerSettings",

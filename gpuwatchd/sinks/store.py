@@ -24,7 +24,14 @@ from gpuwatchd.model import Event, Severity
 if TYPE_CHECKING:
     from gpuwatchd.config import Config
 
-__all__ = ["DB_NAME", "SCHEMA_VERSION", "ClearRow", "EventStore", "Record", "events_route"]
+__all__ = [
+    "ClearRow",
+    "DB_NAME",
+    "EventStore",
+    "Record",
+    "SCHEMA_VERSION",
+    "events_route",
+]
 
 DB_NAME = "gpuwatchd.db"
 ATTRIBUTION_KEYS = (

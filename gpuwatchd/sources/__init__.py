@@ -75,10 +75,11 @@ class SourceSpec:
 def _registry() -> dict[str, SourceSpec]:
     # Imported here, not at module top, so importing one source never
     # imports the others (and none of them imports pynvml or pyudev eagerly).
-    from gpuwatchd.sources import infiniband, nvml, shm, udev
+    from gpuwatchd.sources import infiniband, kmsg, nvml, shm, udev
 
     return {
         "nvml": SourceSpec(nvml.NvmlSource.from_config, True, nvml.METRICS),
+        "kmsg": SourceSpec(kmsg.KmsgSource.from_config, True, kmsg.METRICS),
         "shm": SourceSpec(shm.ShmSource.from_config, True, shm.METRICS),
         "infiniband": SourceSpec(infiniband.InfinibandSource.from_config, True, infiniband.METRICS),
         "udev": SourceSpec(udev.UdevSource.from_config, True, udev.METRICS),

@@ -39,7 +39,13 @@ if TYPE_CHECKING:
     from gpuwatchd.config import Config
     from gpuwatchd.sources import SourceContext
 
-__all__ = ["METRICS", "KmsgSource", "open_reader", "parse_line", "read_boot_id"]
+__all__ = [
+    "KmsgSource",
+    "METRICS",
+    "open_reader",
+    "parse_line",
+    "read_boot_id",
+]
 
 log = logging.getLogger("gpuwatchd.sources.kmsg")
 
