@@ -1,0 +1,106 @@
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+
+import pytest
+
+from gpuwatchd.clock import SystemClock
+from gpuwatchd.deadline import CallTimeout, DeadlineRunner, StuckError
+from gpuwatchd.errors import SourceError
+from gpuwatchd.model import Event, Sample
+from gpuwatchd.runner import Runner
+from gpuwatchd.state import State
+
+
+class Counting:
+    """A source that counts its polls and can be told to fail or to block."""
+
+    def __init__(self, name: str, interval: float = 60.0) -> None:
+        self.name = name
+        self.interval = interval
+        self.polls = 0
+        self.fail: Exception | None = None
+        self.block = threading.Event()
+        self.block.set()
+
+    def poll(self, now: float) -> Sequence[Sample | Event]:
+        self.block.wait()
+        self.polls += 1
+        if self.fail is not None:
+            raise self.fail
+        return [Sample.of("x", self.polls), Event("e", self.name, now)]
+
+    def status(self) -> Mapping[str, object]:
+        return {"polls": self.polls}
+
+    def close(self) -> None:
+        pass
+
+
+def test_failures_are_recorded_and_do_not_stop_the_loop() -> None:
+    state = State()
+    src = Counting("a")
+    runner = Runner([src], state, SystemClock())
+    snap = runner.poll_once("a")
+    assert snap.ok and snap.samples[0].value == 1
+    src.fail = SourceError("nvml_init_failed")
+    snap = runner.poll_once("a")
+    assert not snap.ok and snap.error == "nvml_init_failed"
+    src.fail = RuntimeError("bug")
+    snap = runner.poll_once("a")
+    assert not snap.ok and snap.error == "exception"
+    assert snap.status["errors_by_reason"] == {"nvml_init_failed": 1, "exception": 1}
+    assert len(state.snapshot().events) == 1  # failed polls publish no events
+
+
+def test_nudge_polls_before_the_interval() -> None:
+    src = Counting("a", interval=60)
+    runner = Runner([src], State(), SystemClock())
+    runner.start()
+    try:
+        assert runner.wait_first_polls(5)
+        runner.nudge("a")
+        end = time.monotonic() + 5
+        while src.polls < 2 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert src.polls >= 2
+    finally:
+        runner.stop()
+
+
+def test_blocked_source_goes_stale_and_others_do_not() -> None:
+    slow, fast = Counting("slow", interval=0.05), Counting("fast", interval=0.05)
+    slow.block.clear()
+    runner = Runner([slow, fast], State(), SystemClock())
+    runner.start()
+    try:
+        assert not runner.wait_first_polls(0.3)
+        time.sleep(0.3)
+        assert runner.stale(0.1) == ["slow"]
+    finally:
+        slow.block.set()
+        runner.stop()
+
+
+def test_deadline_marks_key_stuck_until_the_call_returns() -> None:
+    dr = DeadlineRunner()
+    release = threading.Event()
+    assert dr.call("gpu0", lambda: 7, 1.0) == 7
+    with pytest.raises(CallTimeout):
+        dr.call("gpu0", release.wait, 0.05)
+    assert dr.is_stuck("gpu0") and dr.stuck_keys() == ["gpu0"]
+    t0 = time.monotonic()
+    with pytest.raises(StuckError):
+        dr.call("gpu0", lambda: 1, 5.0)
+    assert time.monotonic() - t0 < 0.5  # refused at once, not queued behind the hang
+    assert dr.call("gpu1", lambda: 2, 1.0) == 2  # other keys unaffected
+    release.set()
+    end = time.monotonic() + 2
+    while dr.is_stuck("gpu0") and time.monotonic() < end:
+        time.sleep(0.01)
+    assert dr.call("gpu0", lambda: 3, 1.0) == 3
+    with pytest.raises(ZeroDivisionError):
+        dr.call("gpu1", lambda: 1 // 0, 1.0)
+    dr.close()
