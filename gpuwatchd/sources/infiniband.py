@@ -47,7 +47,13 @@ if TYPE_CHECKING:
     from gpuwatchd.config import Config
     from gpuwatchd.sources import SourceContext
 
-__all__ = ["ERROR_COUNTERS", "METRICS", "PHYS_LINK_UP", "STATE_ACTIVE", "InfinibandSource"]
+__all__ = [
+    "ERROR_COUNTERS",
+    "InfinibandSource",
+    "METRICS",
+    "PHYS_LINK_UP",
+    "STATE_ACTIVE",
+]
 
 log = logging.getLogger("gpuwatchd.infiniband")
 

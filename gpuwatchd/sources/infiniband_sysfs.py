@@ -16,10 +16,10 @@ __all__ = [
     "ERROR_COUNTERS",
     "HW_NOT_COUNTERS",
     "Port",
+    "key_of",
     "parse_counter",
     "parse_rate",
     "parse_state",
-    "key_of",
     "read_port",
     "read_text",
 ]

@@ -38,7 +38,13 @@ if TYPE_CHECKING:
     from gpuwatchd.config import Config
     from gpuwatchd.sources import SourceContext
 
-__all__ = ["METRICS", "HoldScan", "Segment", "ShmSource", "scan_holders"]
+__all__ = [
+    "HoldScan",
+    "METRICS",
+    "Segment",
+    "ShmSource",
+    "scan_holders",
+]
 
 log = logging.getLogger("gpuwatchd.shm")
 
