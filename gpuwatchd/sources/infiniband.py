@@ -314,7 +314,7 @@ class InfinibandSource:
         hw = {"hw:" + k: v for k, v in port.hw_counters.items()}
         self._track_resets(key, {**port.counters, **hw})
         resets = self._resets.get(key, 0)
-        out.append(Sample.of("gpuwatchd_infiniband_counter_resets_total", resets, **labels))
+        out.append(Sample.of("gpuwatchd_infiniband_port_stats_resets_total", resets, **labels))
         return out
 
     def _track_resets(self, key: str, values: dict[str, int]) -> None:

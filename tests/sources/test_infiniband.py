@@ -132,7 +132,7 @@ def test_na_no_pma_counters_are_absent_not_zero() -> None:
         for s in items
         if isinstance(s, Sample) and s.label("device") == "i40iw0" and s.name.endswith("_total")
     ]
-    assert [s.name for s in i40iw] == ["gpuwatchd_infiniband_counter_resets_total"]
+    assert [s.name for s in i40iw] == ["gpuwatchd_infiniband_port_stats_resets_total"]
     assert by(items, "gpuwatchd_infiniband_state_id")[("i40iw0", "1")] == 4
     errors = by(items, "gpuwatchd_infiniband_read_errors_total")
     assert errors == {}  # N/A is not an error
@@ -182,14 +182,14 @@ def test_counter_reset_is_counted_and_values_exported_as_read(tmp_path: Path) ->
     root = copy_tree(tmp_path)
     src = InfinibandSource(str(root))
     first = list(src.poll(0))
-    assert by(first, "gpuwatchd_infiniband_counter_resets_total")[("mlx5_0", "1")] == 0
+    assert by(first, "gpuwatchd_infiniband_port_stats_resets_total")[("mlx5_0", "1")] == 0
     port_file(root, "mlx5_0", "1", "counters", "port_rcv_packets").write_text("12\n")
     second = list(src.poll(1))
-    assert by(second, "gpuwatchd_infiniband_counter_resets_total")[("mlx5_0", "1")] == 1
+    assert by(second, "gpuwatchd_infiniband_port_stats_resets_total")[("mlx5_0", "1")] == 1
     assert by(second, "gpuwatchd_infiniband_port_packets_received_total")[("mlx5_0", "1")] == 12
-    assert by(second, "gpuwatchd_infiniband_counter_resets_total")[("mlx4_0", "1")] == 0
+    assert by(second, "gpuwatchd_infiniband_port_stats_resets_total")[("mlx4_0", "1")] == 0
     third = list(src.poll(2))  # counting up again from 12 is no reset
-    assert by(third, "gpuwatchd_infiniband_counter_resets_total")[("mlx5_0", "1")] == 1
+    assert by(third, "gpuwatchd_infiniband_port_stats_resets_total")[("mlx5_0", "1")] == 1
 
 
 def test_port_that_was_active_stays_expected_up_when_it_goes_down(tmp_path: Path) -> None:
@@ -266,7 +266,7 @@ def test_a_device_that_disappears_and_returns_starts_afresh(tmp_path: Path) -> N
     link.symlink_to(target)
     port_file(root, "mlx5_0", "1", "counters", "port_rcv_packets").write_text("3\n")
     items = list(src.poll(2))
-    assert by(items, "gpuwatchd_infiniband_counter_resets_total")[("mlx5_0", "1")] == 0
+    assert by(items, "gpuwatchd_infiniband_port_stats_resets_total")[("mlx5_0", "1")] == 0
 
 
 def test_from_config_and_bus_id_normalisation() -> None:

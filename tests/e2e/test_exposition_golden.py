@@ -1,0 +1,116 @@
+"""The whole daemon on a real capture: golden exposition, promtool, hung NVML.
+
+`pytest tests/e2e --update-golden` rewrites tests/fixtures/e2e-output.txt.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FIXTURES, http_get
+
+CAPTURE = FIXTURES / "nvml" / "h200x2-record.json"
+GOLDEN = FIXTURES / "e2e-output.txt"
+# Series whose values depend on the machine or the moment, not on the inputs.
+VOLATILE = re.compile(
+    r"^gpuwatchd_(build_info|\w+_duration_seconds|\w+_timestamp_seconds|shm_\w+|udev_\w+|"
+    r"kmsg_\w+|process_\w+)"
+)
+
+
+def config(tmp: Path, **nvml: object) -> str:
+    shm = tmp / "shm"
+    shm.mkdir(exist_ok=True)
+    extra = "".join(f"    {k}: {json.dumps(v)}\n" for k, v in nvml.items())
+    return (
+        f"paths:\n  sysfs: {FIXTURES / 'sys'}\n  dev_shm: {shm}\n"
+        "sources:\n"
+        "  nvml:\n    interval: 3600\n" + extra + "  kmsg:\n    enabled: false\n"
+        "  udev:\n    enabled: false\n"
+    )
+
+
+def stable(exposition: str) -> str:
+    """Families sorted by name, samples sorted, volatile samples dropped; HELP/TYPE kept."""
+    blocks: dict[str, list[str]] = {}
+    name = ""
+    for ln in exposition.splitlines():
+        if ln.startswith("# HELP "):
+            name = ln.split()[2]
+            blocks[name] = [ln]
+        elif ln.startswith("#"):
+            blocks[name].append(ln)
+        elif ln and not VOLATILE.match(ln):
+            blocks[name].append(ln)
+    out: list[str] = []
+    for fam in sorted(blocks):
+        head = [ln for ln in blocks[fam] if ln.startswith("#")]
+        out += head + sorted(ln for ln in blocks[fam] if not ln.startswith("#"))
+    return "\n".join(out) + "\n"
+
+
+def test_golden_exposition(start_daemon, tmp_path, request) -> None:
+    d = start_daemon(config(tmp_path), "--nvml-replay", str(CAPTURE))
+    status, body = d.get("/metrics")
+    assert status == 200
+    got = stable(body.decode())
+    if request.config.getoption("--update-golden"):
+        GOLDEN.write_text(got)
+    assert got == GOLDEN.read_text(), "exposition changed; rerun with --update-golden if intended"
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_promtool_check_metrics_on_real_capture(start_daemon, tmp_path) -> None:
+    d = start_daemon(config(tmp_path), "--nvml-replay", str(CAPTURE))
+    _, body = d.get("/metrics")
+    res = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True)
+    assert res.returncode == 0, res.stderr.decode()
+    assert res.stdout.decode().strip() == "" and res.stderr.decode().strip() == ""
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_golden_file_passes_promtool() -> None:
+    res = subprocess.run(
+        ["promtool", "check", "metrics"], input=GOLDEN.read_bytes(), capture_output=True
+    )
+    assert res.returncode == 0, res.stderr.decode()
+
+
+def test_scrape_is_not_blocked_by_a_hung_nvml_call(start_daemon, tmp_path) -> None:
+    capture = json.loads(CAPTURE.read_text())
+    # From the second poll on, every NVML call on GPU 0 blocks and never returns.
+    capture["script"] = [{"device": 0, "call": "*", "from_poll": 2, "hang": True}]
+    hung = tmp_path / "hung.json"
+    hung.write_text(json.dumps(capture))
+    d = start_daemon(config(tmp_path, interval=0.5, call_timeout=2.0), "--nvml-replay", str(hung))
+
+    worst = 0.0
+    end = time.monotonic() + 30
+    state_text = ""
+    while time.monotonic() < end:
+        t0 = time.monotonic()
+        status, body = http_get(d.url + "/metrics", timeout=10)
+        worst = max(worst, time.monotonic() - t0)
+        assert status == 200
+        text = body.decode()
+        m = re.search(r'gpuwatchd_gpu_nvml_state\{gpu="0"[^}]*\} (\S+)', text)
+        if m and float(m.group(1)) == 1.0:
+            state_text = text
+            break
+    assert state_text, "GPU 0 never became unresponsive"
+    # The other GPU keeps reporting while GPU 0 hangs.
+    assert re.search(r'gpuwatchd_gpu_nvml_state\{gpu="1"[^}]*\} 0\.0', state_text)
+    # Keep scraping while the call stays hung: every scrape answers well inside the deadline.
+    for _ in range(50):
+        t0 = time.monotonic()
+        assert http_get(d.url + "/metrics", timeout=10)[0] == 200
+        worst = max(worst, time.monotonic() - t0)
+    assert worst < 1.0, f"a scrape took {worst:.3f}s while NVML was hung"
+    assert http_get(d.url + "/healthz")[0] == 200
