@@ -115,7 +115,7 @@ METRICS: tuple[MetricSpec, ...] = (
         ("device", "port", "counter"),
     ),
     _spec(
-        "counter_resets_total",
+        "port_stats_resets_total",
         "counter",
         "Polls in which a port counter went down (counters reset or the device reappeared).",
     ),
