@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config, HealthConfig
 from gpuwatchd.health import rules
-from gpuwatchd.health.history import History, View, norm_bus_id
+from gpuwatchd.health.history import History, View, gpu_key, norm_bus_id
 from gpuwatchd.health.node_rules import NodeRules
 from gpuwatchd.health.rules import Inputs, XidCondition
 from gpuwatchd.health.stuck import StuckDetector, StuckThresholds, proc_describer
@@ -119,7 +119,7 @@ def xid_condition(a: ActiveXid | XidCondition) -> XidCondition:
 
 @dataclass(frozen=True)
 class Rollup:
-    """Health of the node, of each component and of each GPU (by uuid)."""
+    """Health of the node, of each component and of each GPU (by history.gpu_key)."""
 
     node: Health
     components: Mapping[str, Health]
@@ -161,6 +161,7 @@ class HealthEngine:
         clears: ClearFetcher | None = None,
         baseline_gpus: int = 0,
         on_baseline: Callable[[int], None] | None = None,
+        log_transitions: bool = True,
     ) -> None:
         self._lock = threading.RLock()
         self._clock = clock
@@ -183,6 +184,7 @@ class HealthEngine:
         self.history.restore(baseline_gpus)
         self._saved_baseline = baseline_gpus
         self._on_baseline = on_baseline
+        self._log_transitions = log_transitions  # off for one-shot `check` (it reports itself)
         self.reconfigure(cfg)
 
     def reconfigure(self, cfg: Config) -> None:
@@ -300,19 +302,21 @@ class HealthEngine:
         for k, old in list(self._open.items()):
             if k not in worst:
                 del self._open[k]
-                log.info("resolved: %s %s", old.alertname, _fmt(old.subject + old.labels))
+                if self._log_transitions:
+                    log.info("resolved: %s %s", old.alertname, _fmt(old.subject + old.labels))
         for k, f in worst.items():
             first = self._pending.setdefault(k, now)
             if now - first < self._for.get(f.alertname, 0.0):
                 continue
             prev = self._open.get(k)
-            if prev is None:
-                since = min(f.since, first) if f.since else first
-                log.log(logging.ERROR if f.severity >= Severity.CRITICAL else logging.WARNING,
-                        "%s: %s %s: %s", f.severity, f.alertname,
-                        _fmt(f.subject + f.labels), f.reason)
-            else:
+            if prev is not None:
                 since = prev.since
+            else:
+                since = min(f.since, first) if f.since else first
+                if self._log_transitions:
+                    level = logging.ERROR if f.severity >= Severity.CRITICAL else logging.WARNING
+                    log.log(level, "%s: %s %s: %s", f.severity, f.alertname,
+                            _fmt(f.subject + f.labels), f.reason)
             self._open[k] = _with_since(f, since)
         return tuple(sorted(self._open.values(), key=lambda f: (-f.severity, _key(f))))
 
@@ -330,22 +334,22 @@ class HealthEngine:
         with self._lock:
             h = self.history
             view = self._last_view
-            uuids = set(h.gpus_seen) | (set(view.gpus) if view else set())
+            keys = set(h.gpus_seen) | (set(view.gpus) if view else set())
             if clear.target:
                 want = {clear.target, norm_bus_id(clear.target)}
-                uuids = {u for u in uuids if want & _ids(h, view, u)}
-            for key in [k for k in h.last_rise if dict(k[1]).get("uuid") in uuids]:
-                del h.last_rise[key]
-            h.links_up = {(u, link) for u, link in h.links_up if u not in uuids}
-            for u in uuids:
-                h.gpus_seen.pop(u, None)
+                keys = {k for k in keys if want & _ids(h, view, k)}
+            for rk in [rk for rk in h.last_rise if gpu_key(dict(rk[1])) in keys]:
+                del h.last_rise[rk]
+            h.links_up = {(k, link) for k, link in h.links_up if k not in keys}
+            for k in keys:
+                h.gpus_seen.pop(k, None)
             if not clear.target and view is not None:
                 h.max_gpus = len(view.gpus)  # a GPU removed on purpose: new baseline
                 self._save_baseline()
-            for k in [k for k in self._open if dict(k[1]).get("uuid") in uuids or
-                      not clear.target]:
-                self._open.pop(k, None)
-                self._pending.pop(k, None)
+            for ok in [ok for ok in self._open if gpu_key(dict(ok[1])) in keys or
+                       not clear.target]:
+                self._open.pop(ok, None)
+                self._pending.pop(ok, None)
             log.warning("clear %s by %s: %s", clear.target or "all", clear.who or "?",
                         clear.reason or "(no reason)")
         for hook in self._clear_hooks:
@@ -367,6 +371,11 @@ class HealthEngine:
                 except Exception:
                     log.exception("health listener %r", listener)
 
+    def gpu_count(self) -> int:
+        """GPUs NVML listed in the last evaluated snapshot."""
+        view = self._last_view
+        return len(view.gpus) if view is not None else 0
+
     def open_findings(self) -> tuple[Finding, ...]:
         with self._lock:
             return tuple(sorted(self._open.values(), key=lambda f: (-f.severity, _key(f))))
@@ -380,9 +389,9 @@ class HealthEngine:
         comps = {c: Health.HEALTHY for c in self._components(view)}
         for f in open_:
             h = health_of(f.severity)
-            uuid = dict(f.subject).get("uuid")
-            if uuid:
-                gpus[uuid] = max(gpus.get(uuid, Health.HEALTHY), h)
+            key = gpu_key(dict(f.subject))
+            if key:
+                gpus[key] = max(gpus.get(key, Health.HEALTHY), h)
             c = component_of(f)
             comps[c] = max(comps.get(c, Health.HEALTHY), h)
         node = max([*gpus.values(), *comps.values()], default=Health.HEALTHY)
@@ -401,8 +410,8 @@ class HealthEngine:
         for comp, h in roll.components.items():
             out.append(_health("component", comp, None, h))
         gpus = view.gpus if view else {}
-        for uuid, h in roll.gpus.items():
-            gpu = gpus.get(uuid) or self.history.gpus_seen.get(uuid)
+        for key, h in roll.gpus.items():
+            gpu = gpus.get(key) or self.history.gpus_seen.get(key)
             if gpu is not None:
                 out.append(_health("gpu", "", gpu.subject, h))
         counts = {"warning": 0, "critical": 0}
@@ -428,8 +437,9 @@ class HealthEngine:
             "health": str(roll.node),
             "components": {c: str(h) for c, h in roll.components.items()},
             "gpus": {
-                (gpus[u].index if u in gpus else u): {"uuid": u, "health": str(h)}
-                for u, h in roll.gpus.items()
+                (gpus[k].index if k in gpus else k): {
+                    "uuid": gpus[k].uuid if k in gpus else k, "health": str(h)}
+                for k, h in roll.gpus.items()
             },
             "conditions": [finding_json(f) for f in self.open_findings()],
         }
@@ -466,11 +476,11 @@ def _with_since(f: Finding, since: float) -> Finding:
                    f.remediation, f.labels, since)
 
 
-def _ids(h: History, view: View | None, uuid: str) -> set[str]:
-    gpu = (view.gpus.get(uuid) if view else None) or h.gpus_seen.get(uuid)
+def _ids(h: History, view: View | None, key: str) -> set[str]:
+    gpu = (view.gpus.get(key) if view else None) or h.gpus_seen.get(key)
     if gpu is None:
-        return {uuid}
-    return {gpu.index, gpu.uuid, gpu.pci_bus_id, norm_bus_id(gpu.pci_bus_id)}
+        return {key}
+    return {gpu.index, gpu.uuid, gpu.pci_bus_id, norm_bus_id(gpu.pci_bus_id)} - {""}
 
 
 def _fmt(labels: Labels) -> str:

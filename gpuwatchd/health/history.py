@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from gpuwatchd.model import Labels, Sample, SourceSnapshot, labels_of
 from gpuwatchd.state import NodeSnapshot
 
-__all__ = ["Gpu", "History", "View", "norm_bus_id"]
+__all__ = ["Gpu", "History", "View", "gpu_key", "norm_bus_id"]
 
 SeriesKey = tuple[str, Labels]
 
@@ -40,13 +40,22 @@ def norm_bus_id(bus_id: str) -> str:
     return text
 
 
+def gpu_key(labels: Mapping[str, str]) -> str:
+    """Who a per-GPU series is about: the UUID, or `gpuN` while NVML could not say."""
+    return labels.get("uuid") or (f"gpu{labels['gpu']}" if labels.get("gpu") else "")
+
+
 @dataclass(frozen=True)
 class Gpu:
-    """A GPU's identity, as its per-GPU series label it."""
+    """A GPU's identity, as its per-GPU series label it (uuid/bus id empty if unknown)."""
 
     index: str
     uuid: str
     pci_bus_id: str
+
+    @property
+    def key(self) -> str:
+        return gpu_key({"gpu": self.index, "uuid": self.uuid})
 
     @property
     def subject(self) -> Labels:
@@ -66,10 +75,10 @@ class View:
         self.gpus: dict[str, Gpu] = {}
         nvml = snapshot.sources.get("nvml")
         for s in nvml.samples if nvml is not None else ():
-            uuid = s.label("uuid")
-            if uuid and uuid not in self.gpus and s.label("gpu"):
-                self.gpus[uuid] = Gpu(s.label("gpu"), uuid, s.label("pci_bus_id"))
-        self._by_bus = {norm_bus_id(g.pci_bus_id): g for g in self.gpus.values()}
+            key = gpu_key(dict(s.labels))
+            if key and key not in self.gpus and s.label("gpu"):
+                self.gpus[key] = Gpu(s.label("gpu"), s.label("uuid"), s.label("pci_bus_id"))
+        self._by_bus = {norm_bus_id(g.pci_bus_id): g for g in self.gpus.values() if g.pci_bus_id}
 
     def source(self, name: str) -> SourceSnapshot | None:
         return self.snapshot.sources.get(name)
@@ -85,13 +94,13 @@ class View:
         return [n for n in self._by_name if n.startswith(prefix)]
 
     def gpu_of(self, sample: Sample) -> Gpu | None:
-        return self.gpus.get(sample.label("uuid"))
+        return self.gpus.get(gpu_key(dict(sample.labels)))
 
     def gpu_by_bus(self, bus_id: str) -> Gpu | None:
         return self._by_bus.get(norm_bus_id(bus_id))
 
     def gpu_value(self, name: str, gpu: Gpu, **match: str) -> float | None:
-        for s in self.series(name, uuid=gpu.uuid, **match):
+        for s in self.series(name, uuid=gpu.uuid, gpu=gpu.index, **match):
             return s.value
         return None
 
@@ -103,7 +112,7 @@ class History:
         self.window = window
         self.points: dict[SeriesKey, deque[tuple[float, float]]] = {}
         self.last_rise: dict[SeriesKey, tuple[float, float, float]] = {}  # time, before, after
-        self.links_up: set[tuple[str, str]] = set()  # (uuid, link)
+        self.links_up: set[tuple[str, str]] = set()  # (gpu key, link)
         self.gpus_seen: dict[str, Gpu] = {}
         self.max_gpus = 0
         self.fail_since: dict[str, float] = {}
@@ -129,7 +138,7 @@ class History:
     def _observe_samples(self, samples: Iterable[Sample], t: float) -> None:
         for s in samples:
             if s.name == NVLINK_UP and s.value >= 1:
-                self.links_up.add((s.label("uuid"), s.label("link")))
+                self.links_up.add((gpu_key(dict(s.labels)), s.label("link")))
             elif s.name.startswith(TRACKED_COUNTERS) and s.name.endswith("_total"):
                 self._add_point((s.name, s.labels), t, s.value)
 

@@ -36,6 +36,7 @@ __all__ = [
 ]
 
 NVML_OK, NVML_UNRESPONSIVE, NVML_LOST = 0, 1, 2  # gpuwatchd_gpu_nvml_state
+STALE_MIN = 30.0  # a poll loop may lag this much before it counts as stalled
 
 
 GPU_LABELS = ("gpu", "uuid", "pci_bus_id")
@@ -220,8 +221,10 @@ def summary(f: Finding) -> str:
     info = ALERTS.get(f.alertname)
     if info is None:
         return f.reason
-    values = {"gpu": "?", "xid": "?", "sxid": "?", "pci_bus_id": "?", "collector": "?",
-              "device": "?", "port": "?", **dict(f.subject), **dict(f.labels)}
+    given = {k: v for k, v in (*f.subject, *f.labels) if v}
+    values = {"xid": "?", "sxid": "?", "pci_bus_id": "?", "collector": "?", "device": "?",
+              "port": "?", **given}
+    values.setdefault("gpu", given.get("pci_bus_id", "?"))  # an Xid of a GPU NVML lacks
     values["for_gpu"] = f" for GPU {values['gpu']}" if "gpu" in dict(f.subject) else ""
     return info.summary.format(**values)
 
@@ -300,7 +303,7 @@ def nvlink(inp: Inputs) -> list[Finding]:
     down: dict[Gpu, list[str]] = {}
     for s in inp.view.series("gpuwatchd_nvlink_up"):
         gpu = inp.view.gpu_of(s)
-        if gpu and s.value < 1 and (gpu.uuid, s.label("link")) in inp.history.links_up:
+        if gpu and s.value < 1 and (gpu.key, s.label("link")) in inp.history.links_up:
             down.setdefault(gpu, []).append(s.label("link"))
     out = [
         finding("GpuNvlinkDown", gpu.subject,
@@ -366,7 +369,8 @@ def pcie(inp: Inputs) -> list[Finding]:
         busy = util is not None and util >= h.pcie_gen_min_utilization
         if gen is not None and max_gen is not None and 0 < gen < max_gen and busy:
             problems.append(f"generation {gen:g} of {max_gen:g} while {util:.0%} busy")
-        for s in inp.view.series("gpuwatchd_gpu_pcie_replays_total", uuid=gpu.uuid):
+        for s in inp.view.series("gpuwatchd_gpu_pcie_replays_total", uuid=gpu.uuid,
+                                 gpu=gpu.index):
             rate = inp.history.rate(s.name, s.labels, inp.now)
             if rate > h.pcie_replay_rate:
                 problems.append(f"replays at {rate:.3g}/s (threshold {h.pcie_replay_rate:g}/s)")
@@ -412,8 +416,8 @@ def gpu_presence(inp: Inputs) -> list[Finding]:
             out.append(finding("NvmlUnresponsive", (), f"NVML collector failing for "
                                f"{failing:.0f}s: {nvml.error}", "gpu_presence", scope="node"))
         return out
-    for uuid, gpu in hist.gpus_seen.items():
-        if uuid not in view.gpus:
+    for key, gpu in hist.gpus_seen.items():
+        if key not in view.gpus and gpu.uuid:
             out.append(finding("GpuLost", gpu.subject, "GPU no longer listed by NVML",
                                "gpu_presence"))
     visible = [s.value for s in view.series("gpuwatchd_gpus_visible")]
@@ -437,7 +441,7 @@ def collectors(inp: Inputs) -> list[Finding]:
         stale = inp.now - snap.timestamp if snap.timestamp else 0.0
         if not snap.ok and failing >= h.collector_failure_seconds:
             why = f"failing for {failing:.0f}s: {snap.error or 'error'}"
-        elif stale > max(h.collector_failure_seconds, 3 * _interval(inp.cfg, name)):
+        elif stale > max(h.collector_failure_seconds, 3 * _interval(inp.cfg, name), STALE_MIN):
             why = f"no poll finished for {stale:.0f}s"
         else:
             continue

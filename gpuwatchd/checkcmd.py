@@ -1,0 +1,463 @@
+"""`gpuwatchd check` (one-shot health verdict) and `gpuwatchd clear` (operator clears).
+
+`check` runs every enabled source once in its own thread under one overall
+deadline, so a hung NVML cannot block it; the kernel log source reads
+what the ring buffer holds for this boot. It evaluates the same rules as
+the daemon (without `for:` delays: the check reports what is true now)
+and exits with the monitoring-plugin convention: 0 OK, 1 WARNING,
+2 CRITICAL, 3 UNKNOWN (a source could not be read). `--format npd`
+follows node-problem-detector's custom plugin contract: 0 OK, 1 problem,
+2 unknown, one short line.
+
+`clear` records who (SUDO_USER or USER) cleared what, and when, in the
+event store. The running daemon reads new clears every loop tick and
+applies them to the Xid tracker and the health engine's sticky memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import getpass
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuwatchd import config
+from gpuwatchd.clock import Clock, SystemClock
+from gpuwatchd.config import Config
+from gpuwatchd.errors import GpuwatchdError
+from gpuwatchd.health import rules
+from gpuwatchd.health.engine import HealthEngine, finding_json
+from gpuwatchd.health.history import norm_bus_id
+from gpuwatchd.model import Event, Finding, Severity, SourceSnapshot
+from gpuwatchd.runner import Runner
+from gpuwatchd.sources import Source, SourceContext, build_sources
+from gpuwatchd.state import State
+
+__all__ = ["Verdict", "check", "collect", "register"]
+
+log = logging.getLogger("gpuwatchd.check")
+
+EXIT = {"OK": 0, "WARNING": 1, "CRITICAL": 2, "UNKNOWN": 3}
+SKIPPED = frozenset({"udev"})  # only nudges other sources; nothing to check once
+DB_NAME = "gpuwatchd.db"
+
+
+def register(subparsers: Any) -> None:
+    """Add the `check` and `clear` subcommands."""
+    p = subparsers.add_parser(
+        "check",
+        help="one-shot node health check (exit 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN)",
+        description="Poll every source once, evaluate the health rules, print what is wrong "
+        "and what to do first. For Slurm prolog/epilog, node health checks, probes, humans.",
+    )
+    p.add_argument("--config", metavar="FILE", help="YAML config (default: built-in defaults)")
+    p.add_argument("--nvml-replay", metavar="FILE", help="replay a recorded NVML capture")
+    p.add_argument("--json", action="store_true", help="same as --format json")
+    p.add_argument("--format", choices=("text", "json", "npd"), default="text",
+                   help="npd: node-problem-detector custom plugin (exit 0 OK, 1 problem,"
+                   " 2 unknown; one line)")
+    p.add_argument("--timeout", type=float, default=30.0, metavar="S",
+                   help="overall deadline in seconds (default 30)")
+    p.add_argument("--npd-problem", choices=("warning", "critical"), default="critical",
+                   help="lowest severity that counts as a problem for --format npd")
+    p.set_defaults(func=_run_check)
+
+    c = subparsers.add_parser(
+        "clear",
+        help="clear sticky conditions (critical Xids, ECC, lost GPUs) after fixing them",
+        description="Record an operator clear (who, when, why) in the event store. The running"
+        " daemon applies it within a few seconds.",
+    )
+    which = c.add_mutually_exclusive_group(required=True)
+    which.add_argument("--gpu", metavar="N|UUID|BUS_ID", help="the GPU to clear")
+    which.add_argument("--all", action="store_true", help="every GPU (and the GPU count)")
+    c.add_argument("--xid", type=int, metavar="CODE", help="only this Xid code")
+    c.add_argument("--reason", default="", help="why (kept with the clear)")
+    c.add_argument("--config", metavar="FILE", help="YAML config (default: built-in defaults)")
+    c.add_argument("--state-dir", metavar="DIR", help="override daemon.state_dir")
+    c.set_defaults(func=_run_clear)
+
+
+# --- collecting ------------------------------------------------------------------
+
+
+@dataclass
+class Polled:
+    """What one source gave within the deadline."""
+
+    name: str
+    snapshot: SourceSnapshot | None = None
+    error: str = ""
+
+    @property
+    def readable(self) -> bool:
+        snap = self.snapshot
+        return (snap is not None and snap.ok and not self.error
+                and snap.status.get("reader_up", True) is not False)
+
+    def describe(self) -> str:
+        snap = self.snapshot
+        if self.error:
+            return self.error
+        if snap is None:
+            return "no answer"
+        if not snap.ok:
+            return f"failed: {snap.error}"
+        if snap.status.get("reader_up") is False:
+            return f"cannot read: {snap.status.get('error') or 'reader down'}"
+        return f"ok ({snap.duration_seconds:.2f}s)"
+
+
+@dataclass
+class Collected:
+    state: State
+    polled: dict[str, Polled]
+    events: list[Event] = field(default_factory=list)
+
+
+def collect(cfg: Config, clock: Clock, timeout: float,
+            only: Sequence[str] | None = None) -> Collected:
+    """Build the enabled sources and poll each once, in parallel, within `timeout`."""
+    deadline = clock.monotonic() + timeout
+    state = State()
+    out = Collected(state, {})
+    lock = threading.Lock()
+
+    def on_publish(_snap: object, _src: object, events: tuple[Event, ...]) -> None:
+        with lock:
+            out.events.extend(events)
+
+    state.subscribe(on_publish)
+
+    def gpu_index() -> Mapping[str, Mapping[str, str]]:
+        nvml = state.snapshot().sources.get("nvml")
+        gpus = nvml.status.get("gpus") if nvml is not None else None
+        return gpus if isinstance(gpus, Mapping) else {}
+
+    ctx = SourceContext(clock=clock, log=logging.getLogger("gpuwatchd.sources"),
+                        gpu_index=gpu_index)
+    built: list[Source] = []
+
+    def build() -> None:
+        built.extend(s for s in build_sources(cfg, ctx)
+                     if s.name not in SKIPPED and (only is None or s.name in only))
+
+    _within(build, deadline, clock)
+    runner = Runner(built, state, clock)
+    threads = []
+    for source in built:
+        polled = out.polled[source.name] = Polled(source.name)
+        t = threading.Thread(target=_poll, args=(runner, source, polled, deadline, clock),
+                             name=f"check-{source.name}", daemon=True)
+        t.start()
+        threads.append((t, polled))
+    for t, polled in threads:
+        t.join(max(0.0, deadline - clock.monotonic()))
+        if t.is_alive():
+            polled.error = f"no answer within {timeout:g}s"
+        if polled.snapshot is None:
+            # The rules must see the source as failing (e.g. NVML hung with GPUs expected).
+            state.publish(SourceSnapshot(polled.name, (), False, "timeout",
+                                         timestamp=clock.time()))
+    for source in built:
+        if out.polled[source.name].snapshot is not None:
+            _close_quietly(source)
+    return out
+
+
+def _within(fn: Any, deadline: float, clock: Clock) -> None:
+    """Run `fn` on a thread; give up at the deadline; re-raise what it raised."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            failure.append(exc)
+
+    t = threading.Thread(target=run, name="check-build", daemon=True)
+    t.start()
+    t.join(max(0.0, deadline - clock.monotonic()))
+    if t.is_alive():
+        raise GpuwatchdError("building the sources did not finish before the deadline")
+    if failure:
+        raise failure[0]
+
+
+def _poll(runner: Runner, source: Source, polled: Polled, deadline: float, clock: Clock) -> None:
+    try:
+        snap = runner.poll_once(source.name)
+        if source.name == "kmsg":
+            # Read what the ring buffer holds now: poll until a poll reads nothing new.
+            before = -1
+            while _read(snap) != before and clock.monotonic() < deadline:
+                before = _read(snap)
+                snap = runner.poll_once(source.name)
+        polled.snapshot = snap
+    except Exception as exc:  # a bug in a source must not end the check
+        polled.error = f"{type(exc).__name__}: {exc}"
+
+
+def _read(snap: SourceSnapshot) -> int:
+    value = snap.status.get("records_read", 0)
+    return int(value) if isinstance(value, int) else 0
+
+
+def _close_quietly(source: Source) -> None:
+    try:
+        source.close()
+    except Exception:
+        log.debug("closing %s", source.name, exc_info=True)
+
+
+# --- evaluating ------------------------------------------------------------------
+
+
+@dataclass
+class Verdict:
+    """The outcome of one check."""
+
+    status: str  # OK, WARNING, CRITICAL, UNKNOWN
+    findings: list[Finding]
+    polled: dict[str, Polled]
+    node: str
+    gpus: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT[self.status]
+
+
+def one_shot_config(cfg: Config) -> Config:
+    """No `for:` delays and no failure grace: a check reports what is true now."""
+    zero = {name: 0.0 for name in {**cfg.health.for_seconds, **type(cfg.health)().for_seconds}}
+    health = dataclasses.replace(cfg.health, for_seconds=zero, collector_failure_seconds=0.0)
+    return dataclasses.replace(cfg, health=health)
+
+
+def check(cfg: Config, clock: Clock | None = None, timeout: float = 30.0) -> Verdict:
+    """Collect, evaluate and judge; never raises for a source that misbehaves."""
+    clock = clock or SystemClock()
+    got = collect(cfg, clock, timeout)
+    notes: list[str] = []
+    xids = _xid_conditions(cfg, got.events, notes)
+    engine = HealthEngine(one_shot_config(cfg), clock, None, xids=lambda now: xids,
+                          baseline_gpus=_stored_baseline(cfg, notes), log_transitions=False)
+    snap = got.state.snapshot()
+    stamps = [s.timestamp for s in snap.sources.values() if s.timestamp]
+    findings = engine.evaluate(snap, now=max(stamps, default=clock.time()))
+    worst = max((f.severity for f in findings), default=Severity.OK)
+    unreadable = [p for p in got.polled.values() if not p.readable]
+    if worst >= Severity.CRITICAL:
+        status = "CRITICAL"
+    elif unreadable:
+        status = "UNKNOWN"
+    elif worst >= Severity.WARNING:
+        status = "WARNING"
+    else:
+        status = "OK"
+    gpus = engine.gpu_count()
+    node = cfg.daemon.node_name or os.uname().nodename
+    return Verdict(status, findings, got.polled, node, gpus, notes)
+
+
+def _xid_conditions(cfg: Config, events: Sequence[Event], notes: list[str]) -> list[Any]:
+    """Xids active now: this boot's reports, minus what operators cleared."""
+    from gpuwatchd.health import xid
+    from gpuwatchd.health.xidtracker import Clear, TrackerSettings, XidTracker
+    from gpuwatchd.sources.kmsg import read_boot_id
+
+    boot = read_boot_id(cfg.paths.boot_id)
+    tracker = XidTracker(xid.from_config(cfg), TrackerSettings.from_config(cfg), boot)
+    clears = []
+    store = _open_store(cfg, notes)
+    if store is not None:
+        try:
+            clears = [Clear(r.time, r.who, r.pci_bus_id, r.code, r.kind, r.reason, r.reset)
+                      for r in store.clears_since(0.0) if r.boot_id in (boot, "")]
+        finally:
+            store.close()
+    tracker.restore([e for e in events if e.kind in ("xid", "sxid")], clears)
+    return list(tracker.active(time.time()))
+
+
+def _open_store(cfg: Config, notes: list[str]) -> Any:
+    from gpuwatchd.sinks.store import EventStore
+
+    path = os.path.join(cfg.daemon.state_dir, DB_NAME)
+    if not os.path.exists(path):
+        return None
+    if not os.access(path, os.W_OK):
+        notes.append(f"cannot open {path} (operator clears not applied): not writable")
+        return None
+    try:
+        return EventStore(path, cfg.store.max_events, cfg.store.max_age_days)
+    except GpuwatchdError as exc:
+        notes.append(f"event store: {exc} (operator clears not applied)")
+        return None
+
+
+def _stored_baseline(cfg: Config, notes: list[str]) -> int:
+    from gpuwatchd.sinks.outbox import Outbox
+
+    path = os.path.join(cfg.daemon.state_dir, DB_NAME)
+    if cfg.health.expected_gpus or not os.access(path, os.W_OK):
+        return 0
+    try:
+        box = Outbox(path)
+    except GpuwatchdError as exc:
+        notes.append(f"GPU count baseline unavailable: {exc}")
+        return 0
+    try:
+        text = box.memory("baseline_gpus", "0")
+    finally:
+        box.close()
+    return int(text) if text.isdigit() else 0
+
+
+# --- output ----------------------------------------------------------------------
+
+
+def render_text(v: Verdict, cfg: Config) -> str:
+    """The human report: verdict, what to do first, each condition, the sources."""
+    crit = sum(f.severity >= Severity.CRITICAL for f in v.findings)
+    warn = sum(f.severity == Severity.WARNING for f in v.findings)
+    lines = [f"gpuwatchd check: {v.status} - {crit} critical, {warn} warning "
+             f"(node {v.node}, {v.gpus} GPU(s))"]
+    if v.findings:
+        first = v.findings[0]
+        lines.append(f"First: {first.remediation or rules.summary(first)}")
+    elif v.status == "UNKNOWN":
+        lines.append("First: find out why a source could not be read (see below).")
+    base = cfg.alertmanager.runbook_base_url.rstrip("/") or "docs/runbooks"
+    for f in v.findings:
+        subject = dict(f.subject)
+        bus = f" ({subject['pci_bus_id']})" if subject.get("pci_bus_id") else ""
+        where = (f"GPU {subject['gpu']}{bus}" if subject.get("gpu")
+                 else ", ".join(f"{k}={val}" for k, val in f.subject if val) or "node")
+        lines += [
+            "",
+            f"  {str(f.severity).upper():<9}{f.alertname}  {where}",
+            f"           {f.reason}",
+            f"           do: {f.remediation or '-'}",
+            f"           action: {f.action}   runbook: {base}/{f.alertname}.md",
+        ]
+    lines.append("")
+    lines.append("Sources: " + "; ".join(f"{p.name} {p.describe()}" for p in v.polled.values()))
+    lines.extend(f"Note: {n}" for n in v.notes)
+    return "\n".join(lines) + "\n"
+
+
+def render_json(v: Verdict) -> str:
+    data = {
+        "status": v.status,
+        "exit_code": v.exit_code,
+        "node": v.node,
+        "gpus": v.gpus,
+        "conditions": [finding_json(f) for f in v.findings],
+        "sources": {p.name: {"readable": p.readable, "detail": p.describe()}
+                    for p in v.polled.values()},
+        "notes": v.notes,
+    }
+    return json.dumps(data, indent=1) + "\n"
+
+
+def render_npd(v: Verdict, problem: Severity) -> tuple[int, str]:
+    """node-problem-detector: (exit 0 OK / 1 problem / 2 unknown, one short line)."""
+    bad = [f for f in v.findings if f.severity >= problem]
+    if bad:
+        f = bad[0]
+        more = f"; +{len(bad) - 1} more" if len(bad) > 1 else ""
+        return 1, f"{f.alertname}: {rules.summary(f)}{more}"[:200]
+    if v.status == "UNKNOWN":
+        names = ",".join(p.name for p in v.polled.values() if not p.readable)
+        return 2, f"cannot read: {names}"
+    return 0, f"healthy: {v.gpus} GPU(s)"
+
+
+def _run_check(args: argparse.Namespace) -> int:
+    cfg = config.load(args.config)
+    if args.nvml_replay:
+        nvml = dataclasses.replace(cfg.sources.nvml, replay=args.nvml_replay)
+        cfg = dataclasses.replace(cfg, sources=dataclasses.replace(cfg.sources, nvml=nvml))
+    config.check_paths(cfg, args.config or "<defaults>")
+    fmt = "json" if args.json else args.format
+    try:
+        verdict = check(cfg, timeout=args.timeout)
+    except GpuwatchdError as exc:
+        verdict = Verdict("UNKNOWN", [], {}, cfg.daemon.node_name or os.uname().nodename, 0,
+                          [str(exc)])
+    if fmt == "npd":
+        code, line = render_npd(verdict, Severity.parse(args.npd_problem))
+        print(line)
+        return code
+    sys.stdout.write(render_json(verdict) if fmt == "json" else render_text(verdict, cfg))
+    return verdict.exit_code
+
+
+# --- clear -----------------------------------------------------------------------
+
+
+def operator() -> str:
+    """Who runs the command: the sudo caller if any."""
+    return os.environ.get("SUDO_USER") or os.environ.get("USER") or getpass.getuser()
+
+
+def resolve_gpu(cfg: Config, target: str, timeout: float = 15.0) -> str:
+    """A GPU index or UUID -> its PCI bus id (from stored events, else NVML)."""
+    if ":" in target:
+        return norm_bus_id(target)
+    from gpuwatchd.sinks.store import EventStore
+
+    path = os.path.join(cfg.daemon.state_dir, DB_NAME)
+    if os.path.exists(path):
+        store = EventStore(path, cfg.store.max_events, cfg.store.max_age_days)
+        try:
+            rows = store.recent(1, gpu=target)
+        finally:
+            store.close()
+        if rows and rows[0].get("pci_bus_id"):
+            return norm_bus_id(str(rows[0]["pci_bus_id"]))
+    got = collect(cfg, SystemClock(), timeout, only=["nvml"])
+    nvml = got.state.snapshot().sources.get("nvml")
+    gpus = nvml.status.get("gpus", {}) if nvml is not None else {}
+    for bus, info in gpus.items() if isinstance(gpus, Mapping) else ():
+        if isinstance(info, Mapping) and target in (str(info.get("gpu")), info.get("uuid")):
+            return norm_bus_id(str(bus))
+    raise GpuwatchdError(f"no GPU {target!r} known to NVML or the event store; "
+                         "pass its PCI bus id (e.g. 0000:3b:00.0)")
+
+
+def _run_clear(args: argparse.Namespace) -> int:
+    from gpuwatchd.sinks.store import EventStore
+    from gpuwatchd.sources.kmsg import read_boot_id
+
+    cfg = config.load(args.config)
+    if args.state_dir:
+        cfg = dataclasses.replace(cfg, daemon=dataclasses.replace(cfg.daemon,
+                                                                  state_dir=args.state_dir))
+    bus = "" if args.all else resolve_gpu(cfg, args.gpu)
+    store = EventStore(os.path.join(cfg.daemon.state_dir, DB_NAME), cfg.store.max_events,
+                       cfg.store.max_age_days)
+    try:
+        row = store.add_clear(operator(), pci_bus_id=bus, code=args.xid, reason=args.reason,
+                              boot_id=read_boot_id(cfg.paths.boot_id))
+    finally:
+        store.close()
+    what = f"GPU {args.gpu} ({bus})" if bus else "all GPUs"
+    if args.xid is not None:
+        what += f", Xid {args.xid} only"
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row.time))
+    print(f"cleared {what}: recorded as clear #{row.id} by {row.who} at {when}"
+          f"{' (' + args.reason + ')' if args.reason else ''}.")
+    print("A running gpuwatchd applies it within a few seconds.")
+    return 0

@@ -1,0 +1,178 @@
+"""`gpuwatchd check` and `gpuwatchd clear` over the NVML replay of a real H200 capture
+and real kernel log lines (file backend), through the CLI entry points."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sqlite3
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from gpuwatchd import checkcmd, config
+from gpuwatchd.sources import SourceSpec, registry
+
+ROOT = Path(__file__).resolve().parent.parent
+FIX = ROOT / "tests" / "fixtures"
+H200 = FIX / "nvml" / "h200x2-probe.json"
+NO_XID = FIX / "kmsg" / "talos-kern-nvrm-no-xid.txt"
+XID31 = FIX / "kmsg" / "h200-xid31-kmsg.txt"  # a real Xid 31 from the captured H200
+XID109 = FIX / "kmsg" / "dmesg-T-xid13-xid109.txt"  # Xid 13 x3, then 109, dated 2024
+
+
+@pytest.fixture(autouse=True)
+def kmsg_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel log source, in case the registry does not list it (yet)."""
+    from gpuwatchd.sources import kmsg
+
+    if "kmsg" not in registry():
+        monkeypatch.setitem(registry(), "kmsg",
+                            SourceSpec(kmsg.KmsgSource.from_config, True, kmsg.METRICS))
+
+
+def run(argv: list[str]) -> int:
+    """Parse with a parser that has only our subcommands, then run the handler."""
+    parser = argparse.ArgumentParser(prog="gpuwatchd")
+    checkcmd.register(parser.add_subparsers())
+    args = parser.parse_args(argv)
+    rc: int = args.func(args)
+    return rc
+
+
+@pytest.fixture
+def write_config(tmp_path: Path) -> Callable[..., Path]:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    sysfs = tmp_path / "sys"  # no class/infiniband: a node without InfiniBand
+    sysfs.mkdir()
+    boot = tmp_path / "boot_id"
+    boot.write_text("0f3c1f7e-8a2b-4c6d-9e10-1234567890ab\n")
+
+    def write(kmsg: Path, extra: str = "", nvml: Path = H200) -> Path:
+        path = tmp_path / "config.yaml"
+        path.write_text(
+            f"daemon: {{state_dir: {tmp_path / 'state'}, node_name: gpu-node-17}}\n"
+            f"paths: {{dev_shm: {shm}, sysfs: {sysfs}, boot_id: {boot}}}\n"
+            "sources:\n"
+            f"  nvml: {{replay: {nvml}}}\n"
+            f"  kmsg: {{backend: file, file: {kmsg}}}\n" + extra
+        )
+        return path
+
+    return write
+
+
+CRITICAL_31 = "xid:\n  overrides:\n    '31': {severity: critical, action: reset_gpu}\n"
+
+
+def test_healthy_node_is_ok(write_config, capsys) -> None:
+    assert run(["check", "--config", str(write_config(NO_XID))]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(
+        "gpuwatchd check: OK - 0 critical, 0 warning (node gpu-node-17, 2 GPU(s))")
+    assert "nvml ok" in out and "kmsg ok" in out
+
+
+def test_application_xid_is_a_warning(write_config, capsys) -> None:
+    assert run(["check", "--config", str(write_config(XID31))]) == 1
+    out = capsys.readouterr().out
+    assert "WARNING  GpuXidWarning  GPU 0 (0000:00:06.0)" in out
+    assert "compute-sanitizer" in out  # the catalog's remediation, shown as what to do
+
+
+def test_xid31_configured_critical_is_critical(write_config, capsys) -> None:
+    cfg = write_config(XID31, CRITICAL_31)
+    assert run(["check", "--config", str(cfg)]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("gpuwatchd check: CRITICAL - 1 critical")
+    assert "CRITICAL GpuXidCritical  GPU 0 (0000:00:06.0)" in out
+    assert "action: reset_gpu" in out and "runbook: docs/runbooks/GpuXidCritical.md" in out
+
+    assert run(["check", "--json", "--config", str(cfg)]) == 2
+    data = json.loads(capsys.readouterr().out)
+    assert data["status"] == "CRITICAL" and data["exit_code"] == 2
+    [cond] = data["conditions"]
+    assert cond["alertname"] == "GpuXidCritical" and cond["labels"] == {"xid": "31"}
+    assert cond["subject"]["uuid"] == "GPU-544a204b-219a-29ac-8147-ab3c8c9d52c6"
+
+    assert run(["check", "--format", "npd", "--config", str(cfg)]) == 1
+    line = capsys.readouterr().out
+    assert line == "GpuXidCritical: Critical Xid 31 on GPU 0\n"
+
+
+def test_npd_ok_and_warning_threshold(write_config, capsys) -> None:
+    assert run(["check", "--format", "npd", "--config", str(write_config(XID31))]) == 0
+    assert capsys.readouterr().out == "healthy: 2 GPU(s)\n"
+    assert run(["check", "--format", "npd", "--npd-problem", "warning", "--config",
+                str(write_config(XID31))]) == 1
+    assert capsys.readouterr().out.startswith("GpuXidWarning: Xid 31 on GPU 0")
+
+
+def test_unreadable_source_is_unknown(write_config, tmp_path, capsys) -> None:
+    cfg = write_config(tmp_path / "no-such-kernel-log")
+    assert run(["check", "--config", str(cfg)]) == 3
+    assert "kmsg cannot read" in capsys.readouterr().out
+    assert run(["check", "--format", "npd", "--config", str(cfg)]) == 2
+    assert capsys.readouterr().out == "cannot read: kmsg\n"
+
+
+def _hanging(tmp_path: Path, step: dict[str, object]) -> Path:
+    capture = json.loads(H200.read_text())
+    capture["script"] = [step]
+    path = tmp_path / "hung.json"
+    path.write_text(json.dumps(capture))
+    return path
+
+
+def test_hung_gpu_cannot_block_the_check(write_config, tmp_path, capsys) -> None:
+    hung = _hanging(tmp_path, {"device": 1, "call": "temperature*", "hang": True})
+    started = time.monotonic()
+    rc = run(["check", "--timeout", "20", "--config", str(write_config(NO_XID, nvml=hung))])
+    out = capsys.readouterr().out
+    assert time.monotonic() - started < 15, out  # the NVML call deadline (5 s), not more
+    assert rc == 2, out
+    # The call hung while reading the GPU's identity: known by its index only.
+    assert "CRITICAL NvmlUnresponsive  GPU 1\n" in out
+
+
+def test_hung_nvml_init_is_bounded_by_the_deadline(write_config, tmp_path, capsys) -> None:
+    hung = _hanging(tmp_path, {"call": "init", "hang": True})
+    started = time.monotonic()
+    extra = "health: {expected_gpus: 2}\n"
+    rc = run(["check", "--timeout", "3", "--config",
+              str(write_config(NO_XID, extra, nvml=hung))])
+    out = capsys.readouterr().out
+    assert time.monotonic() - started < 6, out
+    assert rc == 2, out  # GPUs expected but NVML does not answer
+    assert "NvmlUnresponsive" in out and "nvml no answer within 3s" in out
+
+
+def test_clear_ends_a_critical_xid_and_records_who(write_config, monkeypatch, capsys) -> None:
+    cfg = write_config(XID109)
+    assert run(["check", "--config", str(cfg)]) == 2
+    out = capsys.readouterr().out
+    # 0000:cb:00 is not one of the replayed GPUs: the condition names the bus id.
+    assert "CRITICAL GpuXidCritical  pci_bus_id=0000:cb:00.0" in out
+    assert run(["check", "--format", "npd", "--config", str(cfg)]) == 1
+    assert capsys.readouterr().out == "GpuXidCritical: Critical Xid 109 on GPU 0000:cb:00.0\n"
+    monkeypatch.setenv("SUDO_USER", "alice")
+    assert run(["clear", "--gpu", "0000:CB:00.0", "--reason", "GPU reset after Xid 109",
+                "--config", str(cfg)]) == 0
+    assert "recorded as clear #1 by alice" in capsys.readouterr().out
+    state_db = Path(config.load(str(cfg)).daemon.state_dir) / "gpuwatchd.db"
+    with sqlite3.connect(state_db) as db:
+        rows = db.execute("SELECT who, pci_bus_id, reason, boot_id FROM clears").fetchall()
+    assert rows == [("alice", "0000:cb:00.0", "GPU reset after Xid 109",
+                     "0f3c1f7e-8a2b-4c6d-9e10-1234567890ab")]
+    assert run(["check", "--config", str(cfg)]) == 0, capsys.readouterr().out
+
+
+def test_clear_resolves_a_gpu_index_through_nvml(write_config) -> None:
+    cfg = config.load(str(write_config(NO_XID)))
+    assert checkcmd.resolve_gpu(cfg, "1") == "0000:00:07.0"
+    assert checkcmd.resolve_gpu(cfg, "GPU-544a204b-219a-29ac-8147-ab3c8c9d52c6") == "0000:00:06.0"
+    with pytest.raises(Exception, match="no GPU '7'"):
+        checkcmd.resolve_gpu(cfg, "7")
