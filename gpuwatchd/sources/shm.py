@@ -48,7 +48,7 @@ __all__ = [
 
 log = logging.getLogger("gpuwatchd.shm")
 
-STATES = ("in_use", "stale", "unclaimed")
+STATES = ("in_use", "stale", "unclaimed", "unverified")
 
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("gpuwatchd_shm_size_bytes", "gauge", "Size of the /dev/shm filesystem."),
@@ -64,7 +64,8 @@ METRICS: tuple[MetricSpec, ...] = (
         "gauge",
         "NCCL shared-memory segments in /dev/shm by state: in_use (a live process maps or "
         "opens it), stale (nobody holds it and it is older than the grace period), "
-        "unclaimed (nobody holds it yet, within the grace period).",
+        "unclaimed (nobody holds it yet, within the grace period), unverified (no "
+        "inspected process holds it, but some processes could not be inspected).",
         ("state",),
     ),
     MetricSpec(
@@ -273,6 +274,7 @@ class ShmSource:
         self._removed = 0
         self._removed_bytes = 0
         self._errors: dict[str, int] = {}
+        self._denied = False
         self._status: dict[str, object] = {"path": path}
 
     @classmethod
@@ -304,14 +306,10 @@ class ShmSource:
             scan = scan_holders(self._procfs, wanted, self._scan_fds)
             if scan.denied:
                 self._count("procfs_denied")
+            self._say_denied(scan)
             states = self._classify(segments, scan, now)
             if self._cleanup and scan.complete:
                 out.extend(self._remove_stale(dir_fd, segments, states, now))
-            elif self._cleanup and any(v == "stale" for v in states.values()):
-                log.warning(
-                    "not removing stale segments: %d processes could not be inspected",
-                    scan.denied,
-                )
         finally:
             os.close(dir_fd)
         out.extend(self._segment_samples(segments, states))
@@ -378,11 +376,28 @@ class ShmSource:
         for seg in segments:
             if seg.key in scan.holders:
                 states[seg.name] = "in_use"
-            elif now - seg.mtime > self._grace:
+            elif now - seg.mtime <= self._grace:
+                states[seg.name] = "unclaimed"
+            elif scan.complete:
                 states[seg.name] = "stale"
             else:
-                states[seg.name] = "unclaimed"
+                # A process we could not inspect may hold it: never call it stale.
+                states[seg.name] = "unverified"
         return states
+
+    def _say_denied(self, scan: HoldScan) -> None:
+        denied = scan.denied > 0
+        if denied and not self._denied:
+            log.warning(
+                "%d processes could not be inspected (reading another user's /proc/PID/maps "
+                "needs CAP_SYS_PTRACE): unheld segments are reported unverified, not stale, "
+                "and none is removed",
+                scan.denied,
+            )
+        elif self._denied and not denied and scan.processes:
+            log.info("every process can be inspected again")
+        if scan.processes or denied:
+            self._denied = denied
 
     def _remove_stale(
         self,

@@ -142,7 +142,18 @@ def test_stale_shm_segments_from_a_real_directory(tmp_path: Path) -> None:
     with open(path, "wb") as f:
         os.posix_fallocate(f.fileno(), 0, 3 * MIB)
     os.utime(path, (time.time() - 3600, time.time() - 3600))
-    items = samples(ShmSource(str(tmp_path), "/proc", ["nccl-*"], 60).poll(time.time()))
+    view = tmp_path / "procview"  # the processes we may inspect (see tests/sources/test_shm.py)
+    view.mkdir()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and os.access(f"/proc/{pid}/maps", os.R_OK):
+            try:
+                os.listdir(f"/proc/{pid}/fd")
+                with open(f"/proc/{pid}/maps", "rb") as f:
+                    f.read(1)
+            except OSError:
+                continue
+            (view / pid).symlink_to(f"/proc/{pid}")
+    items = samples(ShmSource(str(tmp_path), str(view), ["nccl-*"], 60).poll(time.time()))
     (f,) = shm_findings(items)
     assert f.alertname == "ShmStaleSegments" and f.severity is Severity.WARNING
     assert "1 stale NCCL segment(s)" in f.reason and "3.0 MiB" in f.reason

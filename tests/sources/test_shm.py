@@ -121,10 +121,15 @@ def test_mapped_segment_is_in_use_until_its_process_exits(
     segment(tmp_path, "unrelated-file", age=3600)
     holder = Holder(seg, "map")
     holders.append(holder)
-    src = ShmSource(str(tmp_path), "/proc", ["nccl-*"], grace_seconds=60)
+    src = ShmSource(str(tmp_path), proc_view(tmp_path), ["nccl-*"], grace_seconds=60)
 
     items = list(src.poll(time.time()))
-    assert values(items, "gpuwatchd_shm_segments") == {"in_use": 1, "stale": 0, "unclaimed": 0}
+    assert values(items, "gpuwatchd_shm_segments") == {
+        "in_use": 1,
+        "stale": 0,
+        "unclaimed": 0,
+        "unverified": 0,
+    }
     assert values(items, "gpuwatchd_shm_segment_bytes")["in_use"] >= 65536
     listed = src.status()["segments"]
     assert isinstance(listed, list)
@@ -133,14 +138,20 @@ def test_mapped_segment_is_in_use_until_its_process_exits(
 
     holder.exit()
     items = list(src.poll(time.time()))
-    assert values(items, "gpuwatchd_shm_segments") == {"in_use": 0, "stale": 1, "unclaimed": 0}
+    assert values(items, "gpuwatchd_shm_segments")["stale"] == 1
+    assert values(items, "gpuwatchd_shm_segments")["in_use"] == 0
     assert seg.exists()  # clean-up is off by default
 
 
 def test_young_unheld_segment_is_unclaimed_not_stale(tmp_path: Path) -> None:
     segment(tmp_path, "nccl-new123")
     items = list(ShmSource(str(tmp_path), "/proc", ["nccl-*"], 300).poll(time.time()))
-    assert values(items, "gpuwatchd_shm_segments") == {"in_use": 0, "stale": 0, "unclaimed": 1}
+    assert values(items, "gpuwatchd_shm_segments") == {
+        "in_use": 0,
+        "stale": 0,
+        "unclaimed": 1,
+        "unverified": 0,
+    }
 
 
 def test_open_fd_holds_a_segment_only_when_fds_are_scanned(
@@ -148,8 +159,9 @@ def test_open_fd_holds_a_segment_only_when_fds_are_scanned(
 ) -> None:
     seg = segment(tmp_path, "nccl-fdonly", age=3600)
     holders.append(Holder(seg, "fd"))
-    with_fds = ShmSource(str(tmp_path), "/proc", ["nccl-*"], 60, scan_fds=True)
-    maps_only = ShmSource(str(tmp_path), "/proc", ["nccl-*"], 60, scan_fds=False)
+    view = proc_view(tmp_path)
+    with_fds = ShmSource(str(tmp_path), view, ["nccl-*"], 60, scan_fds=True)
+    maps_only = ShmSource(str(tmp_path), view, ["nccl-*"], 60, scan_fds=False)
     assert values(list(with_fds.poll(time.time())), "gpuwatchd_shm_segments")["in_use"] == 1
     assert values(list(maps_only.poll(time.time())), "gpuwatchd_shm_segments")["stale"] == 1
 
@@ -162,7 +174,7 @@ def test_holders_are_matched_by_inode_not_by_name(tmp_path: Path, holders: list[
     mine = tmp_path / "shm"
     mine.mkdir()
     segment(mine, "nccl-same", age=3600)
-    items = list(ShmSource(str(mine), "/proc", ["nccl-*"], 60).poll(time.time()))
+    items = list(ShmSource(str(mine), proc_view(tmp_path), ["nccl-*"], 60).poll(time.time()))
     assert values(items, "gpuwatchd_shm_segments")["stale"] == 1
 
 
@@ -277,12 +289,19 @@ def uninspectable_pid() -> str | None:
 
 
 @pytest.mark.skipif(uninspectable_pid() is None, reason="every process is inspectable here")
-def test_no_cleanup_when_some_process_cannot_be_inspected(tmp_path: Path) -> None:
-    stale = segment(tmp_path, "nccl-stale9", age=3600)
-    items = list(ShmSource(str(tmp_path), "/proc", ["nccl-*"], 60, cleanup=True).poll(time.time()))
-    assert stale.exists()
+def test_unverified_not_stale_and_no_cleanup_when_a_process_cannot_be_inspected(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    old = segment(tmp_path, "nccl-stale9", age=3600)
+    src = ShmSource(str(tmp_path), "/proc", ["nccl-*"], 60, cleanup=True)
+    items = list(src.poll(time.time()))
+    src.poll(time.time())
+    assert old.exists()
+    assert values(items, "gpuwatchd_shm_segments")["unverified"] == 1
+    assert values(items, "gpuwatchd_shm_segments")["stale"] == 0
     assert one(items, "gpuwatchd_shm_scan_incomplete") == 1
     assert values(items, "gpuwatchd_shm_errors_total")["procfs_denied"] >= 1
+    assert caplog.text.count("could not be inspected") == 1  # said once, not every poll
 
 
 def test_scan_holders_without_candidates_reads_nothing() -> None:
@@ -298,7 +317,7 @@ def test_patterns_must_be_file_name_globs(tmp_path: Path) -> None:
 def test_from_config_uses_injected_paths(tmp_path: Path) -> None:
     segment(tmp_path, "torch_1234_0", age=3600)
     cfg = load_text(
-        f"paths: {{dev_shm: {tmp_path}}}\n"
+        f"paths: {{dev_shm: {tmp_path}, procfs: {proc_view(tmp_path)}}}\n"
         "sources: {shm: {patterns: ['torch_*'], grace_seconds: 10, cleanup_stale: false}}\n"
     )
     src = ShmSource.from_config(cfg, SourceContext())
