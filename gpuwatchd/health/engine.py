@@ -17,6 +17,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config, HealthConfig
@@ -47,6 +48,8 @@ __all__ = [
     "component_of",
     "finding_json",
     "health_of",
+    "store_clears",
+    "xid_condition",
 ]
 
 log = logging.getLogger("gpuwatchd.health")
@@ -99,6 +102,16 @@ class Clear:
     who: str = ""
     reason: str = ""
     code: int | None = None  # only this Xid code (then sticky GPU memory is kept)
+
+
+def store_clears(store: Any) -> ClearFetcher:
+    """A ClearFetcher over the event store (sinks/store.py `clears_since`)."""
+
+    def fetch(since: float) -> list[Clear]:
+        return [Clear(r.id, r.time, r.pci_bus_id, r.who, r.reason, r.code)
+                for r in store.clears_since(since)]
+
+    return fetch
 
 
 def xid_condition(a: ActiveXid | XidCondition) -> XidCondition:

@@ -235,3 +235,20 @@ def test_gpu_count_baseline_survives_restart(tmp_path) -> None:
                 if s.name == "gpuwatchd_gpus_expected"]
     assert expected == [2]
     sink.stop()
+
+
+def test_tick_applies_clears_written_to_the_store(tmp_path) -> None:
+    from gpuwatchd.health.engine import store_clears
+    from gpuwatchd.sinks.store import EventStore
+
+    store = EventStore(str(tmp_path / "gpuwatchd.db"), clock=lambda: T0 + 20)
+    engine, state, clock = make(clears=store_clears(store))
+    publish(state, Node(), clock)
+    clock.advance(10)
+    publish(state, Node(gpus={U0: {"ecc_unc_vol": 2}, U1: {}}), clock)
+    assert [f.alertname for f in engine.tick()] == ["GpuEccUncorrectable"]
+    store.add_clear("carol", pci_bus_id=GPU0["pci_bus_id"], reason="reset done")
+    clock.advance(10)
+    assert engine.tick() == []
+    assert engine.tick() == []  # applied once, stays applied
+    store.close()

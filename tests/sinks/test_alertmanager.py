@@ -326,3 +326,61 @@ def test_alert_labels_keep_only_declared_labels() -> None:
                   subject=(("path", "/dev/shm"),), severity=Severity.WARNING, reason="full")
     assert alert_labels(shm, "n1", {}) == {"alertname": "ShmNearlyFull", "severity": "warning",
                                            "node": "n1"}
+
+
+def test_real_xid_line_to_alertmanager_and_operator_clear(am: AlertmanagerServer,
+                                                          tmp_path: Path) -> None:
+    """kernel log line -> Xid pipeline -> health engine -> sink -> Alertmanager, and back."""
+    from gpuwatchd import config as configmod
+    from gpuwatchd.health.engine import Clear, HealthEngine
+    from gpuwatchd.health.xidpipeline import XidPipeline
+    from gpuwatchd.runner import Runner
+    from gpuwatchd.sources import SourceContext
+    from gpuwatchd.sources.kmsg import KmsgSource
+    from gpuwatchd.sources.nvml import NvmlSource
+
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures"
+    boot = tmp_path / "boot_id"
+    boot.write_text("5d1e0c8a-0b6f-4d8e-9a39-2f6a3c1b7e21\n")
+    cfg = configmod.load_text(
+        f"daemon: {{state_dir: {tmp_path}}}\n"
+        f"paths: {{boot_id: {boot}}}\n"
+        f"sources:\n  nvml: {{replay: {fixtures / 'nvml' / 'h200x2-probe.json'}}}\n"
+        f"  kmsg: {{backend: file, file: {fixtures / 'kmsg' / 'h200-xid31-kmsg.txt'}}}\n"
+        "xid: {overrides: {'31': {severity: critical, action: reset_gpu}}}\n"
+        f"alertmanager: {{urls: ['{am.url}']}}\n"
+    )
+    node, clock, state = unique_node(), SystemClock(), State()
+    pipeline = XidPipeline.from_config(cfg, state.publish_extra, None, clock)
+    sink = AlertSink(cfg, str(tmp_path / "gpuwatchd.db"), clock, node, state)
+    engine = HealthEngine(cfg, clock, state, xids=pipeline.active)
+    engine.add_listener(sink.update)
+    state.subscribe(pipeline.on_publish)  # the pipeline first: it tracks what the engine reads
+    state.subscribe(engine.on_publish)
+
+    def gpu_index() -> dict[str, Any]:
+        nvml = state.snapshot().sources.get("nvml")
+        return dict(nvml.status.get("gpus", {})) if nvml else {}
+
+    ctx = SourceContext(clock=clock, gpu_index=gpu_index)
+    runner = Runner([NvmlSource.from_config(cfg, ctx), KmsgSource.from_config(cfg, ctx)],
+                    state, clock)
+    try:
+        runner.poll_once("nvml")
+        runner.poll_once("kmsg")
+        assert sink.flush()
+        [alert] = am.alerts(node=node)
+        assert alert["labels"] == {"alertname": "GpuXidCritical", "severity": "critical",
+                                   "node": node, "xid": "31", **GPU0}
+        ann = alert["annotations"]
+        assert ann["remediation"].startswith("A process accessed a GPU virtual address")
+        assert ann["action"] == "reset_gpu"
+        assert "pid 650 python3" in ann["description"]
+
+        pipeline.clear("alice", pci_bus_id=GPU0["pci_bus_id"], reason="job fixed")
+        engine.apply_clear(Clear(1, time.time(), GPU0["pci_bus_id"], "alice", "job fixed"))
+        assert sink.flush()
+        assert am.alerts(node=node) == []
+    finally:
+        runner.stop()
+        sink.stop()
