@@ -46,6 +46,7 @@ __all__ = ["Verdict", "check", "collect", "register"]
 log = logging.getLogger("gpuwatchd.check")
 
 EXIT = {"OK": 0, "WARNING": 1, "CRITICAL": 2, "UNKNOWN": 3}
+NPD_MAX = 80  # node-problem-detector's default max_output_length
 SKIPPED = frozenset({"udev"})  # only nudges other sources; nothing to check once
 DB_NAME = "gpuwatchd.db"
 
@@ -377,10 +378,10 @@ def render_npd(v: Verdict, problem: Severity) -> tuple[int, str]:
     if bad:
         f = bad[0]
         more = f"; +{len(bad) - 1} more" if len(bad) > 1 else ""
-        return 1, f"{f.alertname}: {rules.summary(f)}{more}"[:200]
+        return 1, f"{f.alertname}: {rules.summary(f)}{more}"[:NPD_MAX]
     if v.status == "UNKNOWN":
         names = ",".join(p.name for p in v.polled.values() if not p.readable)
-        return 2, f"cannot read: {names}"
+        return 2, f"cannot read: {names}"[:NPD_MAX]
     return 0, f"healthy: {v.gpus} GPU(s)"
 
 
