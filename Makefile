@@ -53,6 +53,7 @@ install-files:
 	chmod 0644 $(DESTDIR)$(UNITDIR)/gpuwatchd.service
 	install -m 0644 deploy/systemd/gpuwatchd.sysusers $(DESTDIR)$(SYSUSERSDIR)/gpuwatchd.conf
 	install -m 0644 config.example.yaml docs/deploy.md $(DESTDIR)$(DOCDIR)/
+	install -D -m 0755 deploy/systemd/sandbox_check.py $(DESTDIR)$(PREFIX)/share/sandbox_check.py
 # Never overwrite a config the operator has edited.
 	@if [ -e $(DESTDIR)$(CONFDIR)/config.yaml ]; then \
 	  echo "keeping existing $(CONFDIR)/config.yaml"; \

@@ -194,6 +194,7 @@ def test_make_install_lays_out_files(installed: Path) -> None:
         "usr/local/lib/sysusers.d/gpuwatchd.conf",
         "etc/gpuwatchd/config.yaml",
         "usr/local/share/doc/gpuwatchd/deploy.md",
+        "opt/gpuwatchd/share/sandbox_check.py",
     ):
         assert (d / path).exists(), path
     assert os.readlink(d / "usr/local/bin/gpuwatchd") == "/opt/gpuwatchd/bin/gpuwatchd"
