@@ -38,7 +38,7 @@ ENV PATH=/opt/gpuwatchd/bin:$PATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 # Kubernetes grants added capabilities only to root and the host's journal is
 # root's; see docs/deploy.md.
 USER 65532:65532
-EXPOSE 9863
+EXPOSE 10370
 ENTRYPOINT ["/opt/gpuwatchd/bin/gpuwatchd"]
 # Built-in defaults; the chart passes --config with its ConfigMap.
 CMD ["run"]

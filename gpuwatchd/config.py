@@ -30,7 +30,7 @@ __all__ = [
     "render_default",
 ]
 
-DEFAULT_PORT = 9863
+DEFAULT_PORT = 10370
 T = TypeVar("T")
 
 

@@ -32,7 +32,7 @@ def test_rendered_default_loads_back_to_defaults() -> None:
         ("sources:\n  nvml:\n    interval: 0\n", "sources.nvml.interval", "must be >= 0.1"),
         ("sources:\n  nvml:\n    intervall: 1\n", "sources.nvml.intervall", "unknown key"),
         ("sources:\n  nvml:\n    enabled: yes please\n", "sources.nvml.enabled", "true or false"),
-        ("http:\n  listen: 9863\n", "http.listen", "must be a string"),
+        ("http:\n  listen: 10370\n", "http.listen", "must be a string"),
         ("http:\n  listen: nohost\n", "http.listen", "host:port"),
         ("daemon:\n  log_level: loud\n", "daemon.log_level", "must be one of"),
         ("sources: [1]\n", "sources", "must be a mapping"),

@@ -164,7 +164,7 @@ def test_generated_config_is_accepted_by_the_daemon(case: str, tmp_path: Path) -
     cfg = config.load_text(yaml.safe_dump(data), "configmap")
     assert cfg.paths.sysfs == "/host/sys"
     assert cfg.paths.procfs == "/host/proc"
-    assert cfg.http.listen == "0.0.0.0:9863"
+    assert cfg.http.listen == "0.0.0.0:10370"
     for key, value in CASES[case].get("config", {}).get("sources", {}).get("nvml", {}).items():
         assert getattr(cfg.sources.nvml, key) == value
 
@@ -294,7 +294,7 @@ def test_servicemonitor_relabels_node(case: str, tmp_path: Path) -> None:
                 "job_name": "gpuwatchd",
                 "scheme": ep["scheme"],
                 # Debian's Prometheus has no Kubernetes SD; the relabel checks are the same
-                "static_configs": [{"targets": ["127.0.0.1:9863"]}],
+                "static_configs": [{"targets": ["127.0.0.1:10370"]}],
                 "relabel_configs": relabel,
             }
         ]
@@ -360,7 +360,7 @@ def test_dashboards_configmap_for_the_grafana_sidecar() -> None:
     "bad",
     [
         {"port": 70000},
-        {"port": "9863"},
+        {"port": "10370"},
         {"unknownKey": True},
         {"image": {"repository": ""}},
         {"image": {"pullPolicy": "Sometimes"}},

@@ -76,7 +76,7 @@ def test_fire_shows_in_alertmanager_then_resolves(am: AlertmanagerServer, tmp_pa
     node = unique_node()
     cfg = config([am.url], runbook_base_url="https://runbooks.example/gpuwatchd/",
                  static_labels={"cluster": "c1", "rack": "r7"})
-    sink = AlertSink(cfg, str(tmp_path / "gpuwatchd.db"), SystemClock(), node, listen_port=9863)
+    sink = AlertSink(cfg, str(tmp_path / "gpuwatchd.db"), SystemClock(), node, listen_port=10370)
     f = xid_finding()
     sink.update([f])
     assert sink.flush()
@@ -91,7 +91,7 @@ def test_fire_shows_in_alertmanager_then_resolves(am: AlertmanagerServer, tmp_pa
     assert ann["summary"] == "Critical Xid 79 on GPU 0"
     assert ann["description"] == f.reason
     assert ann["runbook_url"] == "https://runbooks.example/gpuwatchd/GpuXidCritical.md"
-    assert alert["generatorURL"] == f"http://{node}:9863/alerts"
+    assert alert["generatorURL"] == f"http://{node}:10370/alerts"
     assert abs(parse_ts(alert["startsAt"]) - f.since) < 0.01
     # endsAt = now + 4 x max(poll interval 10 s, resend interval 60 s)
     assert 230 < parse_ts(alert["endsAt"]) - time.time() <= 240
