@@ -41,9 +41,9 @@ from gpuwatchd.state import NodeSnapshot, State
 
 __all__ = [
     "COMPONENTS",
-    "METRICS",
     "Clear",
     "HealthEngine",
+    "METRICS",
     "Rollup",
     "component_of",
     "finding_json",

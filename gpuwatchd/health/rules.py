@@ -24,10 +24,10 @@ from gpuwatchd.model import Action, Finding, Labels, Severity, labels_of
 
 __all__ = [
     "ALERTS",
-    "GPU_LABELS",
-    "RULES",
     "AlertInfo",
+    "GPU_LABELS",
     "Inputs",
+    "RULES",
     "Rule",
     "XidCondition",
     "evaluate",

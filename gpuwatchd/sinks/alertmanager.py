@@ -31,7 +31,12 @@ from gpuwatchd.model import Finding, MetricSpec, Sample, Severity
 from gpuwatchd.sinks.outbox import RESOLVED_RETENTION, Outbox, StoredAlert
 from gpuwatchd.state import State
 
-__all__ = ["METRICS", "AlertSink", "alert_labels", "validate_config"]
+__all__ = [
+    "AlertSink",
+    "METRICS",
+    "alert_labels",
+    "validate_config",
+]
 
 log = logging.getLogger("gpuwatchd.alertmanager")
 
