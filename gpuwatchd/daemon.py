@@ -13,14 +13,13 @@ import os
 import queue
 import signal
 import socket
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
-from wsgiref.simple_server import WSGIServer, make_server
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
+from prometheus_client.exposition import _SilentHandler
 
 from gpuwatchd import __version__, config, logs
 from gpuwatchd.clock import Clock, SystemClock
@@ -28,6 +27,7 @@ from gpuwatchd.config import Config
 from gpuwatchd.errors import ConfigError
 from gpuwatchd.model import MetricSpec
 from gpuwatchd.runner import Runner
+from gpuwatchd.sinks import webconfig
 from gpuwatchd.sinks.prometheus import (
     Route,
     SnapshotCollector,
@@ -83,7 +83,8 @@ def split_listen(listen: str) -> tuple[str, int]:
 
 
 def node_name(cfg: Config) -> str:
-    return cfg.daemon.node_name or socket.gethostname()
+    """The node label: config, else $GPUWATCHD_NODE_NAME (the chart sets it), else hostname."""
+    return cfg.daemon.node_name or os.environ.get("GPUWATCHD_NODE_NAME") or socket.gethostname()
 
 
 def check_state_dir(cfg: Config, source: str) -> None:
@@ -211,12 +212,15 @@ class Daemon:
         self.httpd: WSGIServer | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         self._collector: SnapshotCollector | None = None
+        self.web: webconfig.WebConfig | None = None
 
     def load_config(self) -> Config:
         cfg = apply_overrides(config.load(self.cfg_path), self.overrides)
         source = self.cfg_path or "<defaults>"
         config.check_paths(cfg, source)
         check_state_dir(cfg, source)
+        if cfg.http.web_config_file:
+            self.web = webconfig.load(cfg.http.web_config_file)
         return cfg
 
     def run(self) -> int:
@@ -256,17 +260,9 @@ class Daemon:
         return self.pipeline
 
     def _serve(self, cfg: Config) -> WSGIServer:
-        assert self.pipeline is not None
         host, port = split_listen(cfg.http.listen)
-        routes: Mapping[str, Route] = _LiveRoutes(self)
-        app = make_app(self.registry, routes)
-
-        class Server(ThreadingWSGIServer):
-            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-
-        httpd = make_server(host, port, app, Server, handler_class=_SilentHandler)
-        thread = threading.Thread(target=httpd.serve_forever, name="http", daemon=True)
-        thread.start()
+        app = make_app(self.registry, _LiveRoutes(self))
+        httpd, _thread = webconfig.serve(app, host, port, self.web, handler_class=_SilentHandler)
         return httpd
 
     def _install_signals(self) -> None:
