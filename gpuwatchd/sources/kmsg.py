@@ -275,8 +275,8 @@ class KmsgSource:
         when = self._time_of(rec, now)
         gpu = index.get(rec.pci_bus_id, {})
         attrs: dict[str, str] = {
-            "gpu": gpu.get("gpu", gpu.get("index", "")),
-            "uuid": gpu.get("uuid", "") or self._uuids.get(rec.pci_bus_id, ""),
+            "gpu": str(gpu.get("gpu", gpu.get("index", ""))),
+            "uuid": str(gpu.get("uuid", "") or self._uuids.get(rec.pci_bus_id, "")),
             "process": rec.process,
             "detail": rec.detail,
             "raw": rec.message[:2048],

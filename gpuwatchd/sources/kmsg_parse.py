@@ -15,6 +15,7 @@ substring test, and only lines naming the NVIDIA driver meet a regex.
 from __future__ import annotations
 
 import calendar
+import functools
 import re
 import time
 from collections.abc import Sequence
@@ -84,6 +85,7 @@ class KmsgRecord(NamedTuple):
 _HEX = frozenset("0123456789abcdefABCDEF")
 
 
+@functools.lru_cache(maxsize=4096)  # a node has a handful of bus ids; reports repeat them
 def normalize_bus_id(text: str) -> str:
     """`PCI:0000:00:06` / `00:06.0` / `0000:D8:00.0` -> `0000:00:06.0`; "" if not a bus id.
 
@@ -112,10 +114,14 @@ def normalize_bus_id(text: str) -> str:
 # --- regexes (only ever run on lines that passed the substring test) ------------
 
 _RAW = re.compile(r"(\d{1,4}),(\d+),(\d+),([^;]*);")
-_XID_RE = re.compile(r"NVRM: Xid \((?:PCI:)?([^)]*)\):\s*(\d+)\s*(?:,\s*)?", re.I)
+# "NVRM: Xid (PCI:0000:00:06): 31, pid=650, name=python3, <detail>" in one match:
+# bus id, code, then the optional pid= and name= (either may be '<unknown>').
+_XID_RE = re.compile(
+    r"NVRM: Xid \((?:PCI:)?([^)]*)\):\s*(\d+)\s*(?:,\s*)?"
+    r"(?:pid=(?:'?<unknown>'?|(\d+))\s*(?:,\s*|$))?"
+    r"(?:name=(<unknown>|[^,]{0,64}?)\s*(?:,\s*|$))?"
+)
 _SXID_RE = re.compile(r"(nvidia-nvswitch\d*): SXid \((?:PCI:)?([^)]*)\):\s*(\d+)\s*(?:,\s*)?")
-_PID = re.compile(r"pid=(?:'?<unknown>'?|(\d+))\s*(?:,\s*|$)")
-_NAME = re.compile(r"name=(<unknown>|[^,]{0,64}?)\s*(?:,\s*|$)")
 _GPC = re.compile(r"\(GPC (\d+), TPC (\d+), SM (\d+)\)")
 _MMU = re.compile(
     r"ENGINE (\S+) (?:GPC(\d+) )?(\S+) faulted @ (\S+?)\.? Fault is of type (\S+) (\S+)"
@@ -151,6 +157,7 @@ _FACILITY = re.compile(
 )
 _ISO = re.compile(r"(\d{4}-\d\d-\d\d)[T ](\d\d:\d\d:\d\d)(?:[.,](\d+))?(Z|[+-]\d\d:?\d\d)?")
 _BOOT = re.compile(r"\[\s*(\d+\.\d+)\]")
+_DMESG = re.compile(r"\s*\[\s*(\d+\.\d+)\]\s*$")
 _CTIME = re.compile(r"\[(?:[A-Z][a-z]{2} )?([A-Z][a-z]{2})\s+(\d{1,2}) (\d\d:\d\d:\d\d) (\d{4})\]")
 
 
@@ -166,67 +173,77 @@ class _Prefix(NamedTuple):
 
 def _iso_epoch(m: re.Match[str]) -> float | None:
     date, hms, frac, tz = m.groups()
-    try:
-        dt = datetime.fromisoformat(f"{date}T{hms}")
-    except ValueError:
+    h, mi, sec = hms.split(":")
+    base = _iso_hour(date, h, tz or "")
+    if base is None:
         return None
-    secs = float(f"0.{frac}") if frac else 0.0
-    if tz:
+    return base + int(mi) * 60 + int(sec) + (float(f"0.{frac}") if frac else 0.0)
+
+
+# Converting a date is the slow part of a report with a wall-clock stamp;
+# the start of each hour is computed once (zone changes happen on the hour).
+@functools.lru_cache(maxsize=256)
+def _iso_hour(date: str, hour: str, tz: str) -> float | None:
+    try:
+        if not tz:  # no zone: the reader's local time
+            return time.mktime(datetime.fromisoformat(f"{date}T{hour}:00:00").timetuple())
         tz = "+00:00" if tz == "Z" else (tz if ":" in tz else f"{tz[:3]}:{tz[3:]}")
-        dt = datetime.fromisoformat(f"{date}T{hms}{tz}")
-        return dt.timestamp() + secs
-    return time.mktime(dt.timetuple()) + secs  # no zone: the reader's local time
+        return datetime.fromisoformat(f"{date}T{hour}:00:00{tz}").timestamp()
+    except (ValueError, OverflowError):
+        return None
 
 
 def _local_epoch(year: int, mon: str, day: str, hms: str) -> float | None:
+    try:
+        h, mi, sec = (int(x) for x in hms.split(":"))
+    except ValueError:
+        return None
+    if not (0 <= mi < 60 and 0 <= sec <= 60):
+        return None
+    base = _local_hour(year, mon, day, h)
+    return None if base is None else base + mi * 60 + sec
+
+
+@functools.lru_cache(maxsize=256)
+def _local_hour(year: int, mon: str, day: str, hour: int) -> float | None:
     month = _MONTHS.get(mon)
     if month is None:
         return None
     try:
-        h, mi, s = (int(x) for x in hms.split(":"))
-        return time.mktime((year, month, int(day), h, mi, s, 0, 0, -1))
+        return time.mktime((year, month, int(day), hour, 0, 0, 0, 0, -1))
     except (ValueError, OverflowError):
         return None
 
 
 def _parse_prefix(prefix: str, year: int | None) -> _Prefix:
     """What the text before the driver's message says: who, when, where."""
-    if not prefix:
+    if not prefix or prefix.isspace():
         return _Prefix()
-    m = _RAW.match(prefix)
-    if m is not None:
-        pri, seq, usec = int(m.group(1)), int(m.group(2)), int(m.group(3))
-        facility = pri >> 3
-        return _Prefix(
-            origin="kernel" if facility == 0 else "user",
-            facility=facility,
-            sequence=seq,
-            boot_seconds=usec / 1e6,
-            stamp=f"{usec / 1e6:.6f}",
-        )
+    first = prefix[0]
+    if first == "[":
+        m = _DMESG.match(prefix)  # the most common text form: "[ 1843.308145] "
+        if m is not None:
+            return _Prefix(boot_seconds=float(m.group(1)), stamp=m.group(1))
+        sm = _MONO_SYSLOG.match(prefix)
+    elif first.isdigit():
+        m = _RAW.match(prefix)
+        if m is not None:
+            pri, seq, usec = int(m.group(1)), int(m.group(2)), int(m.group(3))
+            facility = pri >> 3
+            return _Prefix(
+                origin="kernel" if facility == 0 else "user",
+                facility=facility,
+                sequence=seq,
+                boot_seconds=usec / 1e6,
+                stamp=f"{usec / 1e6:.6f}",
+            )
+        sm = _ISO_SYSLOG.match(prefix)
+    else:
+        sm = _SYSLOG.match(prefix)
     boot_m = _BOOT.search(prefix)
     boot = float(boot_m.group(1)) if boot_m else None
-    for rx in (_SYSLOG, _ISO_SYSLOG, _MONO_SYSLOG):
-        sm = rx.match(prefix)
-        if sm is None:
-            continue
-        gd = sm.groupdict()
-        origin = "kernel" if gd["ident"] == "kernel" else "user"
-        wall: float | None = None
-        if "iso" in gd:
-            im = _ISO.match(gd["iso"])
-            wall = _iso_epoch(im) if im else None
-            stamp = gd["iso"]
-        elif "mon" in gd:
-            stamp = f"{gd['mon']} {gd['day']} {gd['hms']}"
-            if year is not None:
-                wall = _local_epoch(year, gd["mon"], gd["day"], gd["hms"])
-        else:
-            stamp = gd["boot"]
-            boot = float(gd["boot"])
-        return _Prefix(
-            origin=origin, boot_seconds=boot, wall_time=wall, stamp=stamp, host=gd["host"]
-        )
+    if sm is not None:
+        return _syslog_prefix(sm, boot, year)
     origin = "unknown"
     fm = _FACILITY.search(prefix)
     if fm is not None:
@@ -246,6 +263,25 @@ def _parse_prefix(prefix: str, year: int | None) -> _Prefix:
             stamp=f"{mon} {day} {hms} {yr}",
         )
     return _Prefix(origin=origin, boot_seconds=boot, stamp=boot_m.group(1) if boot_m else "")
+
+
+def _syslog_prefix(sm: re.Match[str], boot: float | None, year: int | None) -> _Prefix:
+    """`<time> <host> <ident>[pid]: ` (syslog, journalctl): the identifier says who wrote it."""
+    gd = sm.groupdict()
+    origin = "kernel" if gd["ident"] == "kernel" else "user"
+    wall: float | None = None
+    if "iso" in gd:
+        im = _ISO.match(gd["iso"])
+        wall = _iso_epoch(im) if im else None
+        stamp = gd["iso"]
+    elif "mon" in gd:
+        stamp = f"{gd['mon']} {gd['day']} {gd['hms']}"
+        if year is not None:
+            wall = _local_epoch(year, gd["mon"], gd["day"], gd["hms"])
+    else:
+        stamp = gd["boot"]
+        boot = float(gd["boot"])
+    return _Prefix(origin=origin, boot_seconds=boot, wall_time=wall, stamp=stamp, host=gd["host"])
 
 
 # Xid 154 prints "changed from 0x0 (None) to 0x2 (Node Reboot Required)". The
@@ -289,23 +325,6 @@ def _shape(message: str) -> str:
     return _SHAPE.sub("#", message)[:120]
 
 
-def _owner(rest: str) -> tuple[int | None, str, str]:
-    """Leading `pid=..., name=...,` of an Xid line -> (pid, process, remaining detail)."""
-    pid: int | None = None
-    process = ""
-    if rest.startswith("pid="):
-        m = _PID.match(rest)
-        if m is not None:
-            pid = int(m.group(1)) if m.group(1) else None
-            rest = rest[m.end() :]
-    if rest.startswith("name="):
-        m = _NAME.match(rest)
-        if m is not None:
-            process = "" if m.group(1) == "<unknown>" else m.group(1).strip()
-            rest = rest[m.end() :]
-    return pid, process, rest.strip()
-
-
 def _xid_facts(code: int, detail: str) -> dict[str, object]:
     """Code-specific fields: NVLink5 subcode/link/severity, 154 action, 13 GPC/TPC/SM."""
     facts: dict[str, object] = {}
@@ -345,11 +364,12 @@ def _xid_facts(code: int, detail: str) -> dict[str, object]:
                 ("fault_type", mm.group(5)),
                 ("access_type", mm.group(6)),
             ]
-    if "link" not in facts:
+    if "link" not in facts and "ink" in detail:
         lm = _LINK.search(detail)
         if lm is not None:
             facts["link"] = int(lm.group(1))
-    facts["extras"] = tuple(extras)
+    if extras:
+        facts["extras"] = tuple(extras)
     return facts
 
 
@@ -358,12 +378,26 @@ def _record(kind: str, text: str, start: int, year: int | None, **fields: object
     return KmsgRecord(kind, message=text[start:], **p._asdict(), **fields)  # type: ignore[arg-type]
 
 
+# KmsgRecord's fields after `message` are _Prefix's, in the same order (the
+# Xid fast path relies on it).
+assert KmsgRecord._fields[7:14] == _Prefix._fields
+
+
 def parse_line(line: str, *, year: int | None = None) -> KmsgRecord | None:
     """Parse one kernel log line; None when it is not about the NVIDIA driver.
 
     `year` dates syslog-style stamps that carry none (`Feb 23 16:24:18`);
     without it such records get no wall_time. Never raises.
     """
+    rec = _safe_parse(line, year)
+    if rec is None or rec.kind == _PART_GPU:
+        return None  # half of a multi-line report: only KmsgParser can use it
+    if rec.kind == _PART_FALLEN:
+        return rec._replace(kind=UNPARSED)
+    return rec
+
+
+def _safe_parse(line: str, year: int | None) -> KmsgRecord | None:
     if "Xid" not in line and "NVRM" not in line:
         return None
     try:
@@ -382,18 +416,20 @@ def _parse(line: str, year: int | None) -> KmsgRecord | None:
         if not bus:
             return _unparsed(text, m.start(), year)
         code = int(m.group(2))
-        pid, process, detail = _owner(text[m.end() :])
-        return _record(
+        pid = int(m.group(3)) if m.group(3) else None
+        name = m.group(4)
+        process = "" if not name or name == "<unknown>" else name.strip()
+        detail = text[m.end() :].strip()
+        return KmsgRecord(
             XID,
-            text,
-            m.start(),
-            year,
-            code=code,
-            pci_bus_id=bus,
-            pid=pid,
-            process=process,
-            detail=detail,
-            **_xid_facts(code, detail),
+            code,
+            bus,
+            pid,
+            process,
+            detail,
+            text[m.start() :],
+            *_parse_prefix(text[: m.start()], year),
+            **_xid_facts(code, detail),  # type: ignore[arg-type]
         )
     m = _SXID_RE.search(text)
     if m is not None:
@@ -490,20 +526,19 @@ class KmsgParser:
         self._n += 1
         if "Xid" not in line and "NVRM" not in line:
             return _EMPTY
-        rec = parse_line(line, year=self.year)
+        rec = _safe_parse(line, self.year)
         if rec is None:
             return _EMPTY
         if cursor:
             rec = rec._replace(cursor=cursor)
-        out: list[KmsgRecord] = []
         if rec.kind == SXID:
             if self._joins(rec):
                 self._group.append(rec)
-                return out
-            out += self.flush()
+                return _EMPTY
+            held = self.flush() if self._group else []
             self._group, self._group_n = [rec], self._n
-            return out
-        out += self.flush()
+            return held
+        out: list[KmsgRecord] = self.flush() if self._group else []
         if rec.kind == _PART_GPU:
             self._pending = (rec, self._n)
             return out

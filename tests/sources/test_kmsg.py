@@ -520,7 +520,8 @@ def test_gpu_index_and_identity_lines_name_the_gpu(tmp_path: Path) -> None:
         + raw(2, xid_line("0000:00:06", 31))
         + raw(3, xid_line("0000:00:07", 31))
     )
-    index = {"00000000:00:07.0": {"gpu": "1", "uuid": "GPU-0000-from-nvml"}}
+    # as the NVML source's status has it: the index is an int
+    index = {"00000000:00:07.0": {"gpu": 1, "uuid": "GPU-0000-from-nvml"}}
     out = source(kmsg_config(tmp_path, kmsg), gpu_index=lambda: index).poll(0.0)
     got = [(e.pci_bus_id, e.attr("gpu"), e.attr("uuid")) for e in events(out)]
     assert got == [
