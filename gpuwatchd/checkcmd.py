@@ -33,7 +33,7 @@ from gpuwatchd import config
 from gpuwatchd.clock import Clock, SystemClock
 from gpuwatchd.config import Config
 from gpuwatchd.errors import GpuwatchdError
-from gpuwatchd.health import rules
+from gpuwatchd.health import alerts
 from gpuwatchd.health.engine import HealthEngine, finding_json
 from gpuwatchd.health.history import norm_bus_id
 from gpuwatchd.model import Event, Finding, Severity, SourceSnapshot
@@ -336,7 +336,7 @@ def render_text(v: Verdict, cfg: Config) -> str:
              f"(node {v.node}, {v.gpus} GPU(s))"]
     if v.findings:
         first = v.findings[0]
-        lines.append(f"First: {first.remediation or rules.summary(first)}")
+        lines.append(f"First: {first.remediation or alerts.summary(first)}")
     elif v.status == "UNKNOWN":
         lines.append("First: find out why a source could not be read (see below).")
     base = cfg.alertmanager.runbook_base_url.rstrip("/") or "docs/runbooks"
@@ -378,7 +378,7 @@ def render_npd(v: Verdict, problem: Severity) -> tuple[int, str]:
     if bad:
         f = bad[0]
         more = f"; +{len(bad) - 1} more" if len(bad) > 1 else ""
-        return 1, f"{f.alertname}: {rules.summary(f)}{more}"[:NPD_MAX]
+        return 1, f"{f.alertname}: {alerts.summary(f)}{more}"[:NPD_MAX]
     if v.status == "UNKNOWN":
         names = ",".join(p.name for p in v.polled.values() if not p.readable)
         return 2, f"cannot read: {names}"[:NPD_MAX]

@@ -21,7 +21,7 @@ from typing import Any
 
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config, HealthConfig
-from gpuwatchd.health import rules
+from gpuwatchd.health import alerts, rules
 from gpuwatchd.health.history import History, View, gpu_key, norm_bus_id
 from gpuwatchd.health.node_rules import NodeRules
 from gpuwatchd.health.rules import Inputs, XidCondition
@@ -153,7 +153,7 @@ def component_of(f: Finding) -> str:
     collector = dict(f.subject).get("collector")
     if collector in COMPONENTS:
         return collector
-    info = rules.ALERTS.get(f.alertname)
+    info = alerts.ALERTS.get(f.alertname)
     return info.component if info is not None else "daemon"
 
 
@@ -467,7 +467,7 @@ def finding_json(f: Finding) -> dict[str, object]:
         "component": component_of(f),
         "subject": dict(f.subject),
         "labels": dict(f.labels),
-        "summary": rules.summary(f),
+        "summary": alerts.summary(f),
         "reason": f.reason,
         "action": str(f.action),
         "remediation": f.remediation,

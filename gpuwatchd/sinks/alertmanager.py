@@ -11,23 +11,21 @@ the alerts of a dead daemon expire on their own.
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import random
 import re
-import ssl
 import threading
-import urllib.error
-import urllib.request
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config
 from gpuwatchd.errors import ConfigError
-from gpuwatchd.health.rules import ALERTS, GPU_LABELS, summary
+from gpuwatchd.health.alerts import ALERTS, GPU_LABELS, summary
 from gpuwatchd.model import Finding, MetricSpec, Sample, Severity
+from gpuwatchd.sinks.amclient import AlertmanagerClient
 from gpuwatchd.sinks.outbox import RESOLVED_RETENTION, Outbox, StoredAlert
 from gpuwatchd.state import State
 
@@ -107,7 +105,7 @@ def validate_config(cfg: Config, file: str = "") -> None:
 def alert_labels(finding: Finding, node: str, static: Mapping[str, str]) -> dict[str, str]:
     """The label set of a finding's alert; the same set the Prometheus rules produce.
 
-    Only the alert name's declared labels (rules.ALERTS[...].labels) are
+    Only the alert name's declared labels (alerts.ALERTS[...].labels) are
     kept from the finding; other detail belongs in the description.
     """
     info = ALERTS.get(finding.alertname)
@@ -179,7 +177,8 @@ class AlertSink:
         self.generator_url = f"{base}/alerts"
         poll = cfg.sources.nvml.interval
         self._ttl = 4 * max(poll, self._am.resend_interval)
-        self._opener = self._build_opener()
+        self._client = AlertmanagerClient(self._am)
+        self._deadline: float | None = None  # monotonic; bounds HTTP during flush/stop
 
     # --- input ---------------------------------------------------------------
 
@@ -246,27 +245,41 @@ class AlertSink:
             r.thread.start()
 
     def stop(self, flush_timeout: float = 5.0) -> None:
-        """Stop the senders after one last delivery attempt (SIGTERM path)."""
+        """Stop the senders after one last delivery attempt, all within `flush_timeout`.
+
+        For SIGTERM: what is not delivered stays in the outbox for the next start.
+        """
+        end = time.monotonic() + flush_timeout
+        self._deadline = end
         self._stop.set()
         for r in self._receivers:
             r.wake.set()
         for r in self._receivers:
             if r.thread is not None:
-                r.thread.join(flush_timeout)
-        self.flush(flush_timeout)
+                r.thread.join(max(0.0, end - time.monotonic()))
+        self.flush(max(0.1, end - time.monotonic()))
         self._outbox.close()
 
     def flush(self, timeout: float = 5.0) -> bool:
-        """Deliver everything due now, ignoring backoff; True if nothing is left."""
+        """Deliver everything due now, ignoring backoff, within about `timeout` seconds.
+
+        True if every Alertmanager has acknowledged every alert.
+        """
+        end = time.monotonic() + timeout
+        self._deadline = end if self._deadline is None else min(self._deadline, end)
         ok = True
-        for r in self._receivers:
-            if r.lock.acquire(timeout=timeout):
-                try:
-                    r.retry_at = 0.0
-                    self._deliver(r, self._clock.time())
-                finally:
-                    r.lock.release()
-            ok = ok and r.failures == 0
+        try:
+            for r in self._receivers:
+                if r.lock.acquire(timeout=max(0.0, end - time.monotonic())):
+                    try:
+                        r.retry_at = 0.0
+                        self._deliver(r, self._clock.time())
+                    finally:
+                        r.lock.release()
+                ok = ok and r.failures == 0
+        finally:
+            if not self._stop.is_set():
+                self._deadline = None
         self.publish()
         return ok and self._outbox.undelivered([r.url for r in self._receivers]) == 0
 
@@ -284,6 +297,8 @@ class AlertSink:
             return r.retry_at - now
         resend = self._am.resend_interval
         for _ in range(1000):  # a bound, not a limit reached in practice
+            if self._deadline is not None and time.monotonic() >= self._deadline:
+                break
             batch = self._outbox.due(r.url, now, resend, MAX_BATCH)
             if not batch:
                 break
@@ -333,64 +348,19 @@ class AlertSink:
 
     def _post(self, r: _Receiver, payload: list[dict[str, object]]) -> int | None:
         """POST to /api/v2/alerts; the HTTP status, or None if no answer came."""
-        body = json.dumps(payload).encode()
-        req = urllib.request.Request(
-            f"{r.url}/api/v2/alerts", data=body, method="POST",
-            headers={"Content-Type": "application/json", "User-Agent": "gpuwatchd"},
-        )
-        try:
-            auth = self._auth_header()
-            if auth:
-                req.add_header("Authorization", auth)
-            with self._opener.open(req, timeout=self._am.timeout) as resp:
-                status = int(resp.status)
-        except urllib.error.HTTPError as exc:
-            status = exc.code
-            text = exc.read(2048).decode("utf-8", "replace").strip()
-            log.error("Alertmanager %s answered %d: %s", r.url, status, text)
-            r.last_error = f"HTTP {status}: {text[:200]}"
-        except (OSError, ValueError) as exc:
-            reason = getattr(exc, "reason", exc)
-            if r.failures == 0:
-                log.warning("Alertmanager %s unreachable: %s (will retry)", r.url, reason)
-            r.last_error = str(reason)
-            r.results["failure"] += 1
-            return None
-        ok = 200 <= status < 300
-        r.results["success" if ok else "failure"] += 1
-        if ok:
+        timeout = self._am.timeout
+        if self._deadline is not None:
+            timeout = max(0.1, min(timeout, self._deadline - time.monotonic()))
+        result = self._client.post(r.url, payload, timeout)
+        if result.status is None and r.failures == 0:
+            log.warning("Alertmanager %s unreachable: %s (will retry)", r.url, result.error)
+        r.results["success" if result.ok else "failure"] += 1
+        r.last_error = result.error
+        if result.ok:
             if r.failures:
                 log.info("Alertmanager %s reachable again", r.url)
             r.last_success = self._clock.time()
-            r.last_error = ""
-        return status
-
-    def _auth_header(self) -> str:
-        am = self._am
-        if am.bearer_token_file:
-            with open(am.bearer_token_file, encoding="utf-8") as f:
-                return f"Bearer {f.read().strip()}"
-        if am.basic_auth_user:
-            password = ""
-            if am.basic_auth_password_file:
-                with open(am.basic_auth_password_file, encoding="utf-8") as f:
-                    password = f.read().rstrip("\n")
-            token = base64.b64encode(f"{am.basic_auth_user}:{password}".encode()).decode()
-            return f"Basic {token}"
-        return ""
-
-    def _build_opener(self) -> urllib.request.OpenerDirector:
-        am = self._am
-        ctx = ssl.create_default_context(cafile=am.tls_ca_file or None)
-        if am.tls_cert_file:
-            ctx.load_cert_chain(am.tls_cert_file, am.tls_key_file or None)
-        if am.tls_insecure_skip_verify:
-            ctx.check_hostname = False
-            ctx.verify_mode = ssl.CERT_NONE
-        # No proxy from the environment: each Alertmanager is addressed directly.
-        return urllib.request.build_opener(
-            urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=ctx)
-        )
+        return result.status
 
     # --- output --------------------------------------------------------------
 
