@@ -215,6 +215,12 @@ class HealthEngine:
         """Call `listener(open_findings, now)` whenever the open set or its text changes."""
         self._listeners.append(listener)
 
+    def remove_listener(self, listener: Listener) -> None:
+        """Stop calling `listener` (e.g. the old alert sink after a reload)."""
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+        self._last_sent = None  # the next listener gets the current set at once
+
     def on_clear(self, hook: Callable[[Clear], None]) -> None:
         """Also tell `hook` about operator clears (e.g. the Xid tracker)."""
         self._clear_hooks.append(hook)

@@ -285,9 +285,17 @@ class AlertSink:
 
     def _loop(self, r: _Receiver) -> None:
         while not self._stop.is_set():
-            with r.lock:
-                wait = self._deliver(r, self._clock.time())
-            self.publish()
+            try:
+                with r.lock:
+                    wait = self._deliver(r, self._clock.time())
+                if self._stop.is_set():
+                    return
+                self.publish()
+            except Exception:
+                if self._stop.is_set():
+                    return  # a POST outlived stop() and the outbox is closed: nothing to do
+                log.exception("alert sender for %s", r.url)
+                wait = 5.0
             r.wake.wait(wait)
             r.wake.clear()
 

@@ -384,3 +384,23 @@ def test_real_xid_line_to_alertmanager_and_operator_clear(am: AlertmanagerServer
     finally:
         runner.stop()
         sink.stop()
+
+
+def test_stop_is_bounded_when_alertmanager_hangs(tmp_path: Path) -> None:
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepts connections in the kernel, never answers
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    sink = AlertSink(config([url], timeout=3.0), str(tmp_path / "db"), SystemClock(), "n")
+    sink.start()
+    sink.update([xid_finding()])
+    started = time.monotonic()
+    sink.stop(flush_timeout=1.0)
+    assert time.monotonic() - started < 3.0
+    silent.close()
+    again = AlertSink(config([url]), str(tmp_path / "db"), SystemClock(), "n")
+    assert again._outbox.undelivered([url]) == 1  # kept for the next start
+    again._outbox.close()
+    time.sleep(2.5)  # the POST in flight at stop() times out; its thread must end quietly
