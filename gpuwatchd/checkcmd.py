@@ -62,13 +62,25 @@ def register(subparsers: Any) -> None:
     p.add_argument("--config", metavar="FILE", help="YAML config (default: built-in defaults)")
     p.add_argument("--nvml-replay", metavar="FILE", help="replay a recorded NVML capture")
     p.add_argument("--json", action="store_true", help="same as --format json")
-    p.add_argument("--format", choices=("text", "json", "npd"), default="text",
-                   help="npd: node-problem-detector custom plugin (exit 0 OK, 1 problem,"
-                   " 2 unknown; one line)")
-    p.add_argument("--timeout", type=float, default=30.0, metavar="S",
-                   help="overall deadline in seconds (default 30)")
-    p.add_argument("--npd-problem", choices=("warning", "critical"), default="critical",
-                   help="lowest severity that counts as a problem for --format npd")
+    p.add_argument(
+        "--format",
+        choices=("text", "json", "npd"),
+        default="text",
+        help="npd: node-problem-detector custom plugin (exit 0 OK, 1 problem, 2 unknown; one line)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="overall deadline in seconds (default 30)",
+    )
+    p.add_argument(
+        "--npd-problem",
+        choices=("warning", "critical"),
+        default="critical",
+        help="lowest severity that counts as a problem for --format npd",
+    )
     p.set_defaults(func=_run_check)
 
     c = subparsers.add_parser(
@@ -101,8 +113,12 @@ class Polled:
     @property
     def readable(self) -> bool:
         snap = self.snapshot
-        return (snap is not None and snap.ok and not self.error
-                and snap.status.get("reader_up", True) is not False)
+        return (
+            snap is not None
+            and snap.ok
+            and not self.error
+            and snap.status.get("reader_up", True) is not False
+        )
 
     def describe(self) -> str:
         snap = self.snapshot
@@ -124,8 +140,9 @@ class Collected:
     events: list[Event] = field(default_factory=list)
 
 
-def collect(cfg: Config, clock: Clock, timeout: float,
-            only: Sequence[str] | None = None) -> Collected:
+def collect(
+    cfg: Config, clock: Clock, timeout: float, only: Sequence[str] | None = None
+) -> Collected:
     """Build the enabled sources and poll each once, in parallel, within `timeout`."""
     deadline = clock.monotonic() + timeout
     state = State()
@@ -143,21 +160,29 @@ def collect(cfg: Config, clock: Clock, timeout: float,
         gpus = nvml.status.get("gpus") if nvml is not None else None
         return gpus if isinstance(gpus, Mapping) else {}
 
-    ctx = SourceContext(clock=clock, log=logging.getLogger("gpuwatchd.sources"),
-                        gpu_index=gpu_index)
+    ctx = SourceContext(
+        clock=clock, log=logging.getLogger("gpuwatchd.sources"), gpu_index=gpu_index
+    )
     built: list[Source] = []
 
     def build() -> None:
-        built.extend(s for s in build_sources(cfg, ctx)
-                     if s.name not in SKIPPED and (only is None or s.name in only))
+        built.extend(
+            s
+            for s in build_sources(cfg, ctx)
+            if s.name not in SKIPPED and (only is None or s.name in only)
+        )
 
     _within(build, deadline, clock)
     runner = Runner(built, state, clock)
     threads = []
     for source in built:
         polled = out.polled[source.name] = Polled(source.name)
-        t = threading.Thread(target=_poll, args=(runner, source, polled, deadline, clock),
-                             name=f"check-{source.name}", daemon=True)
+        t = threading.Thread(
+            target=_poll,
+            args=(runner, source, polled, deadline, clock),
+            name=f"check-{source.name}",
+            daemon=True,
+        )
         t.start()
         threads.append((t, polled))
     for t, polled in threads:
@@ -166,8 +191,7 @@ def collect(cfg: Config, clock: Clock, timeout: float,
             polled.error = f"no answer within {timeout:g}s"
         if polled.snapshot is None:
             # The rules must see the source as failing (e.g. NVML hung with GPUs expected).
-            state.publish(SourceSnapshot(polled.name, (), False, "timeout",
-                                         timestamp=clock.time()))
+            state.publish(SourceSnapshot(polled.name, (), False, "timeout", timestamp=clock.time()))
     for source in built:
         if out.polled[source.name].snapshot is not None:
             _close_quietly(source)
@@ -251,8 +275,14 @@ def check(cfg: Config, clock: Clock | None = None, timeout: float = 30.0) -> Ver
     got = collect(cfg, clock, timeout)
     notes: list[str] = []
     xids = _xid_conditions(cfg, got.events, notes)
-    engine = HealthEngine(one_shot_config(cfg), clock, None, xids=lambda now: xids,
-                          baseline_gpus=_stored_baseline(cfg, notes), log_transitions=False)
+    engine = HealthEngine(
+        one_shot_config(cfg),
+        clock,
+        None,
+        xids=lambda now: xids,
+        baseline_gpus=_stored_baseline(cfg, notes),
+        log_transitions=False,
+    )
     snap = got.state.snapshot()
     stamps = [s.timestamp for s in snap.sources.values() if s.timestamp]
     findings = engine.evaluate(snap, now=max(stamps, default=clock.time()))
@@ -283,8 +313,11 @@ def _xid_conditions(cfg: Config, events: Sequence[Event], notes: list[str]) -> l
     store = _open_store(cfg, notes)
     if store is not None:
         try:
-            clears = [Clear(r.time, r.who, r.pci_bus_id, r.code, r.kind, r.reason, r.reset)
-                      for r in store.clears_since(0.0) if r.boot_id in (boot, "")]
+            clears = [
+                Clear(r.time, r.who, r.pci_bus_id, r.code, r.kind, r.reason, r.reset)
+                for r in store.clears_since(0.0)
+                if r.boot_id in (boot, "")
+            ]
         finally:
             store.close()
     tracker.restore([e for e in events if e.kind in ("xid", "sxid")], clears)
@@ -332,8 +365,10 @@ def render_text(v: Verdict, cfg: Config) -> str:
     """The human report: verdict, what to do first, each condition, the sources."""
     crit = sum(f.severity >= Severity.CRITICAL for f in v.findings)
     warn = sum(f.severity == Severity.WARNING for f in v.findings)
-    lines = [f"gpuwatchd check: {v.status} - {crit} critical, {warn} warning "
-             f"(node {v.node}, {v.gpus} GPU(s))"]
+    lines = [
+        f"gpuwatchd check: {v.status} - {crit} critical, {warn} warning "
+        f"(node {v.node}, {v.gpus} GPU(s))"
+    ]
     if v.findings:
         first = v.findings[0]
         lines.append(f"First: {first.remediation or alerts.summary(first)}")
@@ -343,8 +378,11 @@ def render_text(v: Verdict, cfg: Config) -> str:
     for f in v.findings:
         subject = dict(f.subject)
         bus = f" ({subject['pci_bus_id']})" if subject.get("pci_bus_id") else ""
-        where = (f"GPU {subject['gpu']}{bus}" if subject.get("gpu")
-                 else ", ".join(f"{k}={val}" for k, val in f.subject if val) or "node")
+        where = (
+            f"GPU {subject['gpu']}{bus}"
+            if subject.get("gpu")
+            else ", ".join(f"{k}={val}" for k, val in f.subject if val) or "node"
+        )
         lines += [
             "",
             f"  {str(f.severity).upper():<9}{f.alertname}  {where}",
@@ -365,8 +403,9 @@ def render_json(v: Verdict) -> str:
         "node": v.node,
         "gpus": v.gpus,
         "conditions": [finding_json(f) for f in v.findings],
-        "sources": {p.name: {"readable": p.readable, "detail": p.describe()}
-                    for p in v.polled.values()},
+        "sources": {
+            p.name: {"readable": p.readable, "detail": p.describe()} for p in v.polled.values()
+        },
         "notes": v.notes,
     }
     return json.dumps(data, indent=1) + "\n"
@@ -395,8 +434,9 @@ def _run_check(args: argparse.Namespace) -> int:
     try:
         verdict = check(cfg, timeout=args.timeout)
     except GpuwatchdError as exc:
-        verdict = Verdict("UNKNOWN", [], {}, cfg.daemon.node_name or os.uname().nodename, 0,
-                          [str(exc)])
+        verdict = Verdict(
+            "UNKNOWN", [], {}, cfg.daemon.node_name or os.uname().nodename, 0, [str(exc)]
+        )
     if fmt == "npd":
         code, line = render_npd(verdict, Severity.parse(args.npd_problem))
         print(line)
@@ -434,8 +474,10 @@ def resolve_gpu(cfg: Config, target: str, timeout: float = 15.0) -> str:
     for bus, info in gpus.items() if isinstance(gpus, Mapping) else ():
         if isinstance(info, Mapping) and target in (str(info.get("gpu")), info.get("uuid")):
             return norm_bus_id(str(bus))
-    raise GpuwatchdError(f"no GPU {target!r} known to NVML or the event store; "
-                         "pass its PCI bus id (e.g. 0000:3b:00.0)")
+    raise GpuwatchdError(
+        f"no GPU {target!r} known to NVML or the event store; "
+        "pass its PCI bus id (e.g. 0000:3b:00.0)"
+    )
 
 
 def _run_clear(args: argparse.Namespace) -> int:
@@ -444,21 +486,30 @@ def _run_clear(args: argparse.Namespace) -> int:
 
     cfg = config.load(args.config)
     if args.state_dir:
-        cfg = dataclasses.replace(cfg, daemon=dataclasses.replace(cfg.daemon,
-                                                                  state_dir=args.state_dir))
+        cfg = dataclasses.replace(
+            cfg, daemon=dataclasses.replace(cfg.daemon, state_dir=args.state_dir)
+        )
     bus = "" if args.all else resolve_gpu(cfg, args.gpu)
-    store = EventStore(os.path.join(cfg.daemon.state_dir, DB_NAME), cfg.store.max_events,
-                       cfg.store.max_age_days)
+    store = EventStore(
+        os.path.join(cfg.daemon.state_dir, DB_NAME), cfg.store.max_events, cfg.store.max_age_days
+    )
     try:
-        row = store.add_clear(operator(), pci_bus_id=bus, code=args.xid, reason=args.reason,
-                              boot_id=read_boot_id(cfg.paths.boot_id))
+        row = store.add_clear(
+            operator(),
+            pci_bus_id=bus,
+            code=args.xid,
+            reason=args.reason,
+            boot_id=read_boot_id(cfg.paths.boot_id),
+        )
     finally:
         store.close()
     what = f"GPU {args.gpu} ({bus})" if bus else "all GPUs"
     if args.xid is not None:
         what += f", Xid {args.xid} only"
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row.time))
-    print(f"cleared {what}: recorded as clear #{row.id} by {row.who} at {when}"
-          f"{' (' + args.reason + ')' if args.reason else ''}.")
+    print(
+        f"cleared {what}: recorded as clear #{row.id} by {row.who} at {when}"
+        f"{' (' + args.reason + ')' if args.reason else ''}."
+    )
     print("A running gpuwatchd applies it within a few seconds.")
     return 0

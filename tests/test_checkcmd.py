@@ -29,8 +29,9 @@ def kmsg_registered(monkeypatch: pytest.MonkeyPatch) -> None:
     from gpuwatchd.sources import kmsg
 
     if "kmsg" not in registry():
-        monkeypatch.setitem(registry(), "kmsg",
-                            SourceSpec(kmsg.KmsgSource.from_config, True, kmsg.METRICS))
+        monkeypatch.setitem(
+            registry(), "kmsg", SourceSpec(kmsg.KmsgSource.from_config, True, kmsg.METRICS)
+        )
 
 
 def run(argv: list[str]) -> int:
@@ -72,7 +73,8 @@ def test_healthy_node_is_ok(write_config, capsys) -> None:
     assert run(["check", "--config", str(write_config(NO_XID))]) == 0
     out = capsys.readouterr().out
     assert out.startswith(
-        "gpuwatchd check: OK - 0 critical, 0 warning (node gpu-node-17, 2 GPU(s))")
+        "gpuwatchd check: OK - 0 critical, 0 warning (node gpu-node-17, 2 GPU(s))"
+    )
     assert "nvml ok" in out and "kmsg ok" in out
 
 
@@ -106,8 +108,20 @@ def test_xid31_configured_critical_is_critical(write_config, capsys) -> None:
 def test_npd_ok_and_warning_threshold(write_config, capsys) -> None:
     assert run(["check", "--format", "npd", "--config", str(write_config(XID31))]) == 0
     assert capsys.readouterr().out == "healthy: 2 GPU(s)\n"
-    assert run(["check", "--format", "npd", "--npd-problem", "warning", "--config",
-                str(write_config(XID31))]) == 1
+    assert (
+        run(
+            [
+                "check",
+                "--format",
+                "npd",
+                "--npd-problem",
+                "warning",
+                "--config",
+                str(write_config(XID31)),
+            ]
+        )
+        == 1
+    )
     assert capsys.readouterr().out.startswith("GpuXidWarning: Xid 31 on GPU 0")
 
 
@@ -142,8 +156,7 @@ def test_hung_nvml_init_is_bounded_by_the_deadline(write_config, tmp_path, capsy
     hung = _hanging(tmp_path, {"call": "init", "hang": True})
     started = time.monotonic()
     extra = "health: {expected_gpus: 2}\n"
-    rc = run(["check", "--timeout", "3", "--config",
-              str(write_config(NO_XID, extra, nvml=hung))])
+    rc = run(["check", "--timeout", "3", "--config", str(write_config(NO_XID, extra, nvml=hung))])
     out = capsys.readouterr().out
     assert time.monotonic() - started < 6, out
     assert rc == 2, out  # GPUs expected but NVML does not answer
@@ -159,14 +172,27 @@ def test_clear_ends_a_critical_xid_and_records_who(write_config, monkeypatch, ca
     assert run(["check", "--format", "npd", "--config", str(cfg)]) == 1
     assert capsys.readouterr().out == "GpuXidCritical: Critical Xid 109 on GPU 0000:cb:00.0\n"
     monkeypatch.setenv("SUDO_USER", "alice")
-    assert run(["clear", "--gpu", "0000:CB:00.0", "--reason", "GPU reset after Xid 109",
-                "--config", str(cfg)]) == 0
+    assert (
+        run(
+            [
+                "clear",
+                "--gpu",
+                "0000:CB:00.0",
+                "--reason",
+                "GPU reset after Xid 109",
+                "--config",
+                str(cfg),
+            ]
+        )
+        == 0
+    )
     assert "recorded as clear #1 by alice" in capsys.readouterr().out
     state_db = Path(config.load(str(cfg)).daemon.state_dir) / "gpuwatchd.db"
     with sqlite3.connect(state_db) as db:
         rows = db.execute("SELECT who, pci_bus_id, reason, boot_id FROM clears").fetchall()
-    assert rows == [("alice", "0000:cb:00.0", "GPU reset after Xid 109",
-                     "0f3c1f7e-8a2b-4c6d-9e10-1234567890ab")]
+    assert rows == [
+        ("alice", "0000:cb:00.0", "GPU reset after Xid 109", "0f3c1f7e-8a2b-4c6d-9e10-1234567890ab")
+    ]
     assert run(["check", "--config", str(cfg)]) == 0, capsys.readouterr().out
 
 

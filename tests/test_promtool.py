@@ -25,8 +25,9 @@ needs_promtool = pytest.mark.skipif(promtool is None, reason="promtool not insta
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
     assert promtool is not None
-    return subprocess.run([promtool, *args], cwd=RULES.parent, capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run(
+        [promtool, *args], cwd=RULES.parent, capture_output=True, text=True, timeout=60
+    )
 
 
 @needs_promtool
@@ -90,9 +91,11 @@ def _seconds(text: str) -> float:
 
 def test_for_durations_match_daemon_defaults() -> None:
     health = HealthConfig()
-    expected = {**health.for_seconds,
-                "GpuwatchdCollectorFailed": health.collector_failure_seconds,
-                "GpuStuckSuspected": health.stuck.min_duration_seconds}
+    expected = {
+        **health.for_seconds,
+        "GpuwatchdCollectorFailed": health.collector_failure_seconds,
+        "GpuStuckSuspected": health.stuck.min_duration_seconds,
+    }
     for rule in _alert_rules():
         if rule["alert"] in expected and "for" in rule:
             assert _seconds(rule["for"]) == expected[rule["alert"]], rule["alert"]

@@ -36,99 +36,168 @@ class AlertInfo:
 
 _W, _C = Severity.WARNING, Severity.CRITICAL
 ALERTS: dict[str, AlertInfo] = {
-    "GpuXidCritical": AlertInfo(_C, "kmsg", Action.RESET_GPU, "Critical Xid {xid} on GPU {gpu}",
-                                "", (*GPU_LABELS, "xid")),
-    "GpuXidWarning": AlertInfo(_W, "kmsg", Action.RESTART_APP, "Xid {xid} on GPU {gpu}", "",
-                               (*GPU_LABELS, "xid")),
-    "NvswitchSxidCritical": AlertInfo(_C, "kmsg", Action.REBOOT_NODE,
-                                      "Critical SXid {sxid} on NVSwitch {pci_bus_id}", "",
-                                      ("pci_bus_id", "sxid")),
-    "NvswitchSxidWarning": AlertInfo(_W, "kmsg", Action.NONE, "SXid {sxid} on NVSwitch"
-                                     " {pci_bus_id}", "", ("pci_bus_id", "sxid")),
+    "GpuXidCritical": AlertInfo(
+        _C, "kmsg", Action.RESET_GPU, "Critical Xid {xid} on GPU {gpu}", "", (*GPU_LABELS, "xid")
+    ),
+    "GpuXidWarning": AlertInfo(
+        _W, "kmsg", Action.RESTART_APP, "Xid {xid} on GPU {gpu}", "", (*GPU_LABELS, "xid")
+    ),
+    "NvswitchSxidCritical": AlertInfo(
+        _C,
+        "kmsg",
+        Action.REBOOT_NODE,
+        "Critical SXid {sxid} on NVSwitch {pci_bus_id}",
+        "",
+        ("pci_bus_id", "sxid"),
+    ),
+    "NvswitchSxidWarning": AlertInfo(
+        _W, "kmsg", Action.NONE, "SXid {sxid} on NVSwitch {pci_bus_id}", "", ("pci_bus_id", "sxid")
+    ),
     "GpuEccUncorrectable": AlertInfo(
-        _C, "nvml", Action.RESET_GPU, "Uncorrectable ECC errors on GPU {gpu}",
+        _C,
+        "nvml",
+        Action.RESET_GPU,
+        "Uncorrectable ECC errors on GPU {gpu}",
         "Drain the GPU; after the jobs on it ended, reset it so the bad rows are remapped. "
         "Check row-remap status afterwards; if errors keep coming, run DCGM diagnostics.",
     ),
     "GpuRowRemapFailure": AlertInfo(
-        _C, "nvml", Action.CONTACT_SUPPORT, "Row remapping failed on GPU {gpu}",
+        _C,
+        "nvml",
+        Action.CONTACT_SUPPORT,
+        "Row remapping failed on GPU {gpu}",
         "The GPU has no spare rows left for a bad memory row. Drain it, keep it out of "
         "service and open an RMA case with nvidia-bug-report output.",
     ),
     "GpuRowRemapPending": AlertInfo(
-        _W, "nvml", Action.RESET_GPU, "Memory repair pending on GPU {gpu}",
+        _W,
+        "nvml",
+        Action.RESET_GPU,
+        "Memory repair pending on GPU {gpu}",
         "A row remap or page retirement waits for a GPU reset. Drain the GPU and reset it "
         "(nvidia-smi -r) or reboot the node at the next opportunity.",
     ),
     "GpuNvlinkDown": AlertInfo(
-        _C, "nvml", Action.DRAIN_AND_INSPECT, "NVLink down on GPU {gpu}",
+        _C,
+        "nvml",
+        Action.DRAIN_AND_INSPECT,
+        "NVLink down on GPU {gpu}",
         "A link that was up is down; NCCL falls back to slower paths or fails. Drain the "
         "node, check nvidia-smi nvlink -s and Fabric Manager, reset the GPUs or reboot.",
     ),
     "GpuNvlinkErrors": AlertInfo(
-        _W, "nvml", Action.DRAIN_AND_INSPECT, "NVLink errors rising on GPU {gpu}",
+        _W,
+        "nvml",
+        Action.DRAIN_AND_INSPECT,
+        "NVLink errors rising on GPU {gpu}",
         "Watch the link: rising CRC/replay/recovery counts point at a marginal link. If it "
         "keeps rising, drain the node and run DCGM NVLink diagnostics.",
     ),
     "GpuTemperatureHigh": AlertInfo(
-        _W, "nvml", Action.NONE, "GPU {gpu} close to its slowdown temperature",
+        _W,
+        "nvml",
+        Action.NONE,
+        "GPU {gpu} close to its slowdown temperature",
         "Check airflow, fans and inlet temperature of the node before the GPU slows down.",
     ),
     "GpuThermalSlowdown": AlertInfo(
-        _W, "nvml", Action.DRAIN_AND_INSPECT, "GPU {gpu} clocks slowed down by hardware",
+        _W,
+        "nvml",
+        Action.DRAIN_AND_INSPECT,
+        "GPU {gpu} clocks slowed down by hardware",
         "The GPU is throttled for temperature or power. Check cooling, power supplies and "
         "power-brake signals; a single slow GPU slows the whole job.",
     ),
     "GpuPcieDegraded": AlertInfo(
-        _W, "nvml", Action.DRAIN_AND_INSPECT, "PCIe link of GPU {gpu} degraded",
+        _W,
+        "nvml",
+        Action.DRAIN_AND_INSPECT,
+        "PCIe link of GPU {gpu} degraded",
         "The link trained below its width/generation or replays packets. Drain the node, "
         "reseat the GPU or riser, and check the slot's link status with lspci -vv.",
     ),
     "GpuRecoveryActionRequired": AlertInfo(
-        _C, "nvml", Action.RESET_GPU, "Driver asks for recovery of GPU {gpu}",
+        _C,
+        "nvml",
+        Action.RESET_GPU,
+        "Driver asks for recovery of GPU {gpu}",
         "The driver set a recovery action for this GPU. Drain it and do what it asks "
         "(GPU reset, node reboot, or drain peer-to-peer traffic).",
     ),
     "GpuLost": AlertInfo(
-        _C, "nvml", Action.REBOOT_NODE, "GPU {gpu} is lost",
+        _C,
+        "nvml",
+        Action.REBOOT_NODE,
+        "GPU {gpu} is lost",
         "The GPU no longer answers (fallen off the bus). Drain the node and reboot it; if "
         "it happens again, inspect seating, power and the PCIe slot.",
     ),
     "NvmlUnresponsive": AlertInfo(
-        _C, "nvml", Action.REBOOT_NODE, "NVML not answering{for_gpu}",
+        _C,
+        "nvml",
+        Action.REBOOT_NODE,
+        "NVML not answering{for_gpu}",
         "NVML calls hang or fail, so the GPUs cannot be monitored or managed. Check "
         "nvidia-smi and the kernel log; drain and reboot the node if it does not recover.",
     ),
     "GpuCountLow": AlertInfo(
-        _C, "nvml", Action.REBOOT_NODE, "Fewer GPUs visible than expected",
+        _C,
+        "nvml",
+        Action.REBOOT_NODE,
+        "Fewer GPUs visible than expected",
         "A GPU is missing from NVML. Check lspci and the kernel log for Xid 79; drain the "
         "node and reboot. If a GPU was removed on purpose, set health.expected_gpus.",
         (),
     ),
     "GpuwatchdCollectorFailed": AlertInfo(
-        _W, "daemon", Action.NONE, "gpuwatchd collector {collector} failing",
+        _W,
+        "daemon",
+        Action.NONE,
+        "gpuwatchd collector {collector} failing",
         "Part of the node is not monitored. Read the daemon log (journalctl -u gpuwatchd) "
         "for the collector's error.",
         ("collector",),
     ),
     # Raised by health/stuck.py and health/node_rules.py (their own text and actions).
     "GpuStuckSuspected": AlertInfo(
-        _W, "nvml", Action.RESTART_APP, "GPU {gpu} looks stuck (suspected NCCL hang)", ""),
+        _W, "nvml", Action.RESTART_APP, "GPU {gpu} looks stuck (suspected NCCL hang)", ""
+    ),
     "ShmNearlyFull": AlertInfo(_W, "shm", Action.NONE, "/dev/shm nearly full", "", ()),
-    "ShmStaleSegments": AlertInfo(_W, "shm", Action.NONE, "Stale NCCL segments in /dev/shm",
-                                  "", ()),
+    "ShmStaleSegments": AlertInfo(
+        _W, "shm", Action.NONE, "Stale NCCL segments in /dev/shm", "", ()
+    ),
     "InfinibandPortDown": AlertInfo(
-        _C, "infiniband", Action.DRAIN_AND_INSPECT, "InfiniBand port {device}/{port} down", "",
-        PORT_LABELS),
+        _C,
+        "infiniband",
+        Action.DRAIN_AND_INSPECT,
+        "InfiniBand port {device}/{port} down",
+        "",
+        PORT_LABELS,
+    ),
     "InfinibandPhysicalStateNotLinkUp": AlertInfo(
-        _W, "infiniband", Action.DRAIN_AND_INSPECT,
-        "InfiniBand port {device}/{port} physical link not up", "", PORT_LABELS),
+        _W,
+        "infiniband",
+        Action.DRAIN_AND_INSPECT,
+        "InfiniBand port {device}/{port} physical link not up",
+        "",
+        PORT_LABELS,
+    ),
     "InfinibandRateDegraded": AlertInfo(
-        _W, "infiniband", Action.DRAIN_AND_INSPECT,
-        "InfiniBand port {device}/{port} below its expected rate", "", PORT_LABELS),
+        _W,
+        "infiniband",
+        Action.DRAIN_AND_INSPECT,
+        "InfiniBand port {device}/{port} below its expected rate",
+        "",
+        PORT_LABELS,
+    ),
     "InfinibandErrorsRising": AlertInfo(
-        _W, "infiniband", Action.NONE, "InfiniBand port {device}/{port} errors rising", "",
-        PORT_LABELS),
+        _W,
+        "infiniband",
+        Action.NONE,
+        "InfiniBand port {device}/{port} errors rising",
+        "",
+        PORT_LABELS,
+    ),
 }
 
 
@@ -138,8 +207,15 @@ def summary(f: Finding) -> str:
     if info is None:
         return f.reason
     given = {k: v for k, v in (*f.subject, *f.labels) if v}
-    values = {"xid": "?", "sxid": "?", "pci_bus_id": "?", "collector": "?", "device": "?",
-              "port": "?", **given}
+    values = {
+        "xid": "?",
+        "sxid": "?",
+        "pci_bus_id": "?",
+        "collector": "?",
+        "device": "?",
+        "port": "?",
+        **given,
+    }
     values.setdefault("gpu", given.get("pci_bus_id", "?"))  # an Xid of a GPU NVML lacks
     values["for_gpu"] = f" for GPU {values['gpu']}" if "gpu" in dict(f.subject) else ""
     return info.summary.format(**values)

@@ -108,8 +108,10 @@ def store_clears(store: Any) -> ClearFetcher:
     """A ClearFetcher over the event store (sinks/store.py `clears_since`)."""
 
     def fetch(since: float) -> list[Clear]:
-        return [Clear(r.id, r.time, r.pci_bus_id, r.who, r.reason, r.code)
-                for r in store.clears_since(since)]
+        return [
+            Clear(r.id, r.time, r.pci_bus_id, r.who, r.reason, r.code)
+            for r in store.clears_since(since)
+        ]
 
     return fetch
 
@@ -119,14 +121,23 @@ def xid_condition(a: ActiveXid | XidCondition) -> XidCondition:
     if isinstance(a, XidCondition):
         return a
     ev = a.event
-    who = " ".join(x for x in (ev.attr("pid") and f"pid {ev.attr('pid')}",
-                               ev.attr("process")) if x)
-    parts = [p for p in (who, ev.attr("detail"), a.event.attr("escalated"),
-                         f"active until {a.until}") if p]
+    who = " ".join(x for x in (ev.attr("pid") and f"pid {ev.attr('pid')}", ev.attr("process")) if x)
+    parts = [
+        p
+        for p in (who, ev.attr("detail"), a.event.attr("escalated"), f"active until {a.until}")
+        if p
+    ]
     return XidCondition(
-        code=a.code, pci_bus_id=a.pci_bus_id, severity=a.info.severity, action=a.info.action,
-        name=a.info.name, remediation=a.info.remediation, since=a.since, kind=a.kind,
-        count=a.count, detail="; ".join(parts),
+        code=a.code,
+        pci_bus_id=a.pci_bus_id,
+        severity=a.info.severity,
+        action=a.info.action,
+        name=a.info.name,
+        remediation=a.info.remediation,
+        since=a.since,
+        kind=a.kind,
+        count=a.count,
+        detail="; ".join(parts),
     )
 
 
@@ -208,8 +219,9 @@ class HealthEngine:
             self._for = {**HealthConfig().for_seconds, **cfg.health.for_seconds}
             # Rules of other modules that keep their own state between polls.
             self._node_rules = NodeRules(cfg)
-            self._stuck = StuckDetector(StuckThresholds.from_config(cfg), self._clock,
-                                        proc_describer(cfg.paths.procfs))
+            self._stuck = StuckDetector(
+                StuckThresholds.from_config(cfg), self._clock, proc_describer(cfg.paths.procfs)
+            )
 
     def add_listener(self, listener: Listener) -> None:
         """Call `listener(open_findings, now)` whenever the open set or its text changes."""
@@ -334,8 +346,14 @@ class HealthEngine:
                 since = min(f.since, first) if f.since else first
                 if self._log_transitions:
                     level = logging.ERROR if f.severity >= Severity.CRITICAL else logging.WARNING
-                    log.log(level, "%s: %s %s: %s", f.severity, f.alertname,
-                            _fmt(f.subject + f.labels), f.reason)
+                    log.log(
+                        level,
+                        "%s: %s %s: %s",
+                        f.severity,
+                        f.alertname,
+                        _fmt(f.subject + f.labels),
+                        f.reason,
+                    )
             self._open[k] = _with_since(f, since)
         return tuple(sorted(self._open.values(), key=lambda f: (-f.severity, _key(f))))
 
@@ -365,12 +383,15 @@ class HealthEngine:
             if not clear.target and view is not None:
                 h.max_gpus = len(view.gpus)  # a GPU removed on purpose: new baseline
                 self._save_baseline()
-            for ok in [ok for ok in self._open if gpu_key(dict(ok[1])) in keys or
-                       not clear.target]:
+            for ok in [ok for ok in self._open if gpu_key(dict(ok[1])) in keys or not clear.target]:
                 self._open.pop(ok, None)
                 self._pending.pop(ok, None)
-            log.warning("clear %s by %s: %s", clear.target or "all", clear.who or "?",
-                        clear.reason or "(no reason)")
+            log.warning(
+                "clear %s by %s: %s",
+                clear.target or "all",
+                clear.who or "?",
+                clear.reason or "(no reason)",
+            )
         for hook in self._clear_hooks:
             hook(clear)
         if evaluate:
@@ -420,8 +441,9 @@ class HealthEngine:
         present = set(view.snapshot.sources) if view else set()
         return [c for c in COMPONENTS if c in present or c in self._expected or c == "daemon"]
 
-    def samples(self, current: Sequence[Finding] | None = None,
-                view: View | None = None) -> list[Sample]:
+    def samples(
+        self, current: Sequence[Finding] | None = None, view: View | None = None
+    ) -> list[Sample]:
         """gpuwatchd_health and friends (see METRICS)."""
         roll = self.rollup()
         view = view or self._last_view
@@ -437,11 +459,14 @@ class HealthEngine:
         for f in current if current is not None else self.open_findings():
             if f.severity >= Severity.WARNING:
                 counts[str(f.severity)] += 1
-        out.extend(Sample.of("gpuwatchd_health_conditions", n, severity=s)
-                   for s, n in counts.items())
+        out.extend(
+            Sample.of("gpuwatchd_health_conditions", n, severity=s) for s, n in counts.items()
+        )
         with self._lock:
-            out.extend(Sample.of("gpuwatchd_health_rule_errors_total", n, rule=r)
-                       for r, n in self._rule_errors.items())
+            out.extend(
+                Sample.of("gpuwatchd_health_rule_errors_total", n, rule=r)
+                for r, n in self._rule_errors.items()
+            )
             expected = self.cfg.health.expected_gpus or self.history.max_gpus
         if expected:
             out.append(Sample.of("gpuwatchd_gpus_expected", expected))
@@ -457,7 +482,9 @@ class HealthEngine:
             "components": {c: str(h) for c, h in roll.components.items()},
             "gpus": {
                 (gpus[k].index if k in gpus else k): {
-                    "uuid": gpus[k].uuid if k in gpus else k, "health": str(h)}
+                    "uuid": gpus[k].uuid if k in gpus else k,
+                    "health": str(h),
+                }
                 for k, h in roll.gpus.items()
             },
             "conditions": [finding_json(f) for f in self.open_findings()],
@@ -483,16 +510,32 @@ def finding_json(f: Finding) -> dict[str, object]:
 
 def _health(scope: str, component: str, subject: Labels | None, h: Health) -> Sample:
     labels: Mapping[str, str] = dict(subject or ())
-    return Sample.of("gpuwatchd_health", int(h), scope=scope, component=component,
-                     gpu=labels.get("gpu", ""), uuid=labels.get("uuid", ""),
-                     pci_bus_id=labels.get("pci_bus_id", ""))
+    return Sample.of(
+        "gpuwatchd_health",
+        int(h),
+        scope=scope,
+        component=component,
+        gpu=labels.get("gpu", ""),
+        uuid=labels.get("uuid", ""),
+        pci_bus_id=labels.get("pci_bus_id", ""),
+    )
 
 
 def _with_since(f: Finding, since: float) -> Finding:
     if f.since == since:
         return f
-    return Finding(f.rule, f.alertname, f.scope, f.subject, f.severity, f.reason, f.action,
-                   f.remediation, f.labels, since)
+    return Finding(
+        f.rule,
+        f.alertname,
+        f.scope,
+        f.subject,
+        f.severity,
+        f.reason,
+        f.action,
+        f.remediation,
+        f.labels,
+        since,
+    )
 
 
 def _ids(h: History, view: View | None, key: str) -> set[str]:

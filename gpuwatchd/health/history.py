@@ -86,8 +86,7 @@ class View:
     def series(self, name: str, **match: str) -> list[Sample]:
         """Samples of `name` whose labels include every `match` pair."""
         return [
-            s for s in self._by_name.get(name, ())
-            if all(s.label(k) == v for k, v in match.items())
+            s for s in self._by_name.get(name, ()) if all(s.label(k) == v for k, v in match.items())
         ]
 
     def names(self, prefix: str) -> list[str]:
@@ -176,9 +175,9 @@ class History:
         """Average per-second increase over the window (increase / window)."""
         return self.increase(name, labels, now) / self.window
 
-    def rose_within(self, name: str, labels: Labels, now: float, hold: float) -> tuple[
-        float, float, float
-    ] | None:
+    def rose_within(
+        self, name: str, labels: Labels, now: float, hold: float
+    ) -> tuple[float, float, float] | None:
         """(time, before, after) of the counter's last rise if it was within `hold`."""
         rise = self.last_rise.get((name, labels))
         if rise is not None and now - rise[0] <= hold:

@@ -118,8 +118,11 @@ def xid(inp: Inputs) -> list[Finding]:
         critical = x.severity >= Severity.CRITICAL
         if x.kind == "sxid":
             name = "NvswitchSxidCritical" if critical else "NvswitchSxidWarning"
-            subject, scope, labels = labels_of({"pci_bus_id": x.pci_bus_id}), "node", (
-                ("sxid", str(x.code)),)
+            subject, scope, labels = (
+                labels_of({"pci_bus_id": x.pci_bus_id}),
+                "node",
+                (("sxid", str(x.code)),),
+            )
         else:
             name = "GpuXidCritical" if critical else "GpuXidWarning"
             gpu = inp.view.gpu_by_bus(x.pci_bus_id)
@@ -128,9 +131,20 @@ def xid(inp: Inputs) -> list[Finding]:
         times = f" ({x.count} times)" if x.count > 1 else ""
         detail = f": {x.detail}" if x.detail else ""
         reason = f"{x.kind.capitalize()} {x.code} ({x.name}){times}{detail}"
-        out.append(finding(name, subject, reason, "xid", scope=scope, labels=labels,
-                           severity=x.severity, action=x.action, remediation=x.remediation,
-                           since=x.since))
+        out.append(
+            finding(
+                name,
+                subject,
+                reason,
+                "xid",
+                scope=scope,
+                labels=labels,
+                severity=x.severity,
+                action=x.action,
+                remediation=x.remediation,
+                since=x.since,
+            )
+        )
     return out
 
 
@@ -144,8 +158,10 @@ def ecc_uncorrectable(inp: Inputs) -> list[Finding]:
         if gpu is None or rise is None or gpu in out:
             continue
         t, before, after = rise
-        reason = (f"{s.label('scope')} uncorrected ECC errors rose from {before:g} to "
-                  f"{after:g} {inp.now - t:.0f}s ago")
+        reason = (
+            f"{s.label('scope')} uncorrected ECC errors rose from {before:g} to "
+            f"{after:g} {inp.now - t:.0f}s ago"
+        )
         out[gpu] = finding("GpuEccUncorrectable", gpu.subject, reason, "ecc_uncorrectable")
     return list(out.values())
 
@@ -155,16 +171,26 @@ def row_remap(inp: Inputs) -> list[Finding]:
     out = []
     for gpu, v in _gpus_with(inp, "gpuwatchd_gpu_row_remap_failure"):
         if v >= 1:
-            out.append(finding("GpuRowRemapFailure", gpu.subject,
-                               "row remapping failure reported by NVML", "row_remap"))
+            out.append(
+                finding(
+                    "GpuRowRemapFailure",
+                    gpu.subject,
+                    "row remapping failure reported by NVML",
+                    "row_remap",
+                )
+            )
     pending: dict[Gpu, list[str]] = {}
-    for name, what in (("gpuwatchd_gpu_row_remap_pending", "row remap pending"),
-                       ("gpuwatchd_gpu_retired_pages_pending", "retired pages pending")):
+    for name, what in (
+        ("gpuwatchd_gpu_row_remap_pending", "row remap pending"),
+        ("gpuwatchd_gpu_retired_pages_pending", "retired pages pending"),
+    ):
         for gpu, v in _gpus_with(inp, name):
             if v >= 1:
                 pending.setdefault(gpu, []).append(what)
-    out.extend(finding("GpuRowRemapPending", gpu.subject, f"{' and '.join(w)}: reset needed",
-                       "row_remap") for gpu, w in pending.items())
+    out.extend(
+        finding("GpuRowRemapPending", gpu.subject, f"{' and '.join(w)}: reset needed", "row_remap")
+        for gpu, w in pending.items()
+    )
     return out
 
 
@@ -176,8 +202,12 @@ def nvlink(inp: Inputs) -> list[Finding]:
         if gpu and s.value < 1 and (gpu.key, s.label("link")) in inp.history.links_up:
             down.setdefault(gpu, []).append(s.label("link"))
     out = [
-        finding("GpuNvlinkDown", gpu.subject,
-                f"NVLink {', '.join(sorted(links, key=_num_key))} down (was up)", "nvlink")
+        finding(
+            "GpuNvlinkDown",
+            gpu.subject,
+            f"NVLink {', '.join(sorted(links, key=_num_key))} down (was up)",
+            "nvlink",
+        )
         for gpu, links in down.items()
     ]
     limit = inp.cfg.health.nvlink_error_rate
@@ -189,9 +219,12 @@ def nvlink(inp: Inputs) -> list[Finding]:
             worst[gpu] = (rate, f"link {s.label('link')} {s.label('error')}")
     window = inp.cfg.health.rate_window_seconds
     out.extend(
-        finding("GpuNvlinkErrors", gpu.subject,
-                f"{what} errors at {rate:.3g}/s over {window:.0f}s (threshold {limit:g}/s)",
-                "nvlink")
+        finding(
+            "GpuNvlinkErrors",
+            gpu.subject,
+            f"{what} errors at {rate:.3g}/s over {window:.0f}s (threshold {limit:g}/s)",
+            "nvlink",
+        )
         for gpu, (rate, what) in worst.items()
     )
     return out
@@ -204,12 +237,19 @@ def thermal(inp: Inputs) -> list[Finding]:
     for gpu in inp.view.gpus.values():
         for sensor, threshold in (("gpu", "slowdown"), ("memory", "memory_max")):
             temp = inp.view.gpu_value("gpuwatchd_gpu_temperature_celsius", gpu, sensor=sensor)
-            limit = inp.view.gpu_value("gpuwatchd_gpu_temperature_threshold_celsius", gpu,
-                                       threshold=threshold)
+            limit = inp.view.gpu_value(
+                "gpuwatchd_gpu_temperature_threshold_celsius", gpu, threshold=threshold
+            )
             if temp is not None and limit is not None and temp >= limit - margin:
-                out.append(finding("GpuTemperatureHigh", gpu.subject,
-                                   f"{sensor} temperature {temp:g} C, {threshold} threshold "
-                                   f"{limit:g} C (margin {margin:g} C)", "thermal"))
+                out.append(
+                    finding(
+                        "GpuTemperatureHigh",
+                        gpu.subject,
+                        f"{sensor} temperature {temp:g} C, {threshold} threshold "
+                        f"{limit:g} C (margin {margin:g} C)",
+                        "thermal",
+                    )
+                )
                 break
     active: dict[Gpu, list[str]] = {}
     wanted = set(inp.cfg.health.slowdown_reasons)
@@ -217,8 +257,15 @@ def thermal(inp: Inputs) -> list[Finding]:
         owner = inp.view.gpu_of(s)
         if owner and s.value >= 1 and s.label("reason") in wanted:
             active.setdefault(owner, []).append(s.label("reason"))
-    out.extend(finding("GpuThermalSlowdown", g.subject, f"clock events active: "
-                       f"{', '.join(sorted(r))}", "thermal") for g, r in active.items())
+    out.extend(
+        finding(
+            "GpuThermalSlowdown",
+            g.subject,
+            f"clock events active: {', '.join(sorted(r))}",
+            "thermal",
+        )
+        for g, r in active.items()
+    )
     return out
 
 
@@ -239,8 +286,7 @@ def pcie(inp: Inputs) -> list[Finding]:
         busy = util is not None and util >= h.pcie_gen_min_utilization
         if gen is not None and max_gen is not None and 0 < gen < max_gen and busy:
             problems.append(f"generation {gen:g} of {max_gen:g} while {util:.0%} busy")
-        for s in inp.view.series("gpuwatchd_gpu_pcie_replays_total", uuid=gpu.uuid,
-                                 gpu=gpu.index):
+        for s in inp.view.series("gpuwatchd_gpu_pcie_replays_total", uuid=gpu.uuid, gpu=gpu.index):
             rate = inp.history.rate(s.name, s.labels, inp.now)
             if rate > h.pcie_replay_rate:
                 problems.append(f"replays at {rate:.3g}/s (threshold {h.pcie_replay_rate:g}/s)")
@@ -251,16 +297,25 @@ def pcie(inp: Inputs) -> list[Finding]:
 
 def recovery_action(inp: Inputs) -> list[Finding]:
     """The driver's own verdict (NVML GPU recovery action) is not `none`."""
-    actions = {1: ("GPU reset", Action.RESET_GPU), 2: ("node reboot", Action.REBOOT_NODE),
-               3: ("drain peer-to-peer", Action.DRAIN_AND_INSPECT),
-               4: ("drain and reset", Action.RESET_GPU)}
+    actions = {
+        1: ("GPU reset", Action.RESET_GPU),
+        2: ("node reboot", Action.REBOOT_NODE),
+        3: ("drain peer-to-peer", Action.DRAIN_AND_INSPECT),
+        4: ("drain and reset", Action.RESET_GPU),
+    }
     out = []
     for gpu, v in _gpus_with(inp, "gpuwatchd_gpu_recovery_action"):
         if v >= 1:
             what, action = actions.get(int(v), (f"action {v:g}", Action.REBOOT_NODE))
-            out.append(finding("GpuRecoveryActionRequired", gpu.subject,
-                               f"NVML recovery action: {what}", "recovery_action",
-                               action=action))
+            out.append(
+                finding(
+                    "GpuRecoveryActionRequired",
+                    gpu.subject,
+                    f"NVML recovery action: {what}",
+                    "recovery_action",
+                    action=action,
+                )
+            )
     return out
 
 
@@ -270,12 +325,16 @@ def gpu_presence(inp: Inputs) -> list[Finding]:
     view, hist, h = inp.view, inp.history, inp.cfg.health
     for gpu, v in _gpus_with(inp, "gpuwatchd_gpu_nvml_state"):
         if v == NVML_LOST:
-            out.append(finding("GpuLost", gpu.subject, "NVML reports GPU_IS_LOST",
-                               "gpu_presence"))
+            out.append(finding("GpuLost", gpu.subject, "NVML reports GPU_IS_LOST", "gpu_presence"))
         elif v == NVML_UNRESPONSIVE:
-            out.append(finding("NvmlUnresponsive", gpu.subject,
-                               "an NVML call for this GPU did not return in time",
-                               "gpu_presence"))
+            out.append(
+                finding(
+                    "NvmlUnresponsive",
+                    gpu.subject,
+                    "an NVML call for this GPU did not return in time",
+                    "gpu_presence",
+                )
+            )
     nvml = view.source("nvml")
     expected = h.expected_gpus or hist.max_gpus
     if nvml is None:
@@ -283,19 +342,34 @@ def gpu_presence(inp: Inputs) -> list[Finding]:
     if not nvml.ok:
         failing = hist.failing_for("nvml", inp.now)
         if expected and failing >= h.collector_failure_seconds:
-            out.append(finding("NvmlUnresponsive", (), f"NVML collector failing for "
-                               f"{failing:.0f}s: {nvml.error}", "gpu_presence", scope="node"))
+            out.append(
+                finding(
+                    "NvmlUnresponsive",
+                    (),
+                    f"NVML collector failing for {failing:.0f}s: {nvml.error}",
+                    "gpu_presence",
+                    scope="node",
+                )
+            )
         return out
     for key, gpu in hist.gpus_seen.items():
         if key not in view.gpus and gpu.uuid:
-            out.append(finding("GpuLost", gpu.subject, "GPU no longer listed by NVML",
-                               "gpu_presence"))
+            out.append(
+                finding("GpuLost", gpu.subject, "GPU no longer listed by NVML", "gpu_presence")
+            )
     visible = [s.value for s in view.series("gpuwatchd_gpus_visible")]
     count = int(visible[0]) if visible else len(view.gpus)
     if expected and count < expected:
         basis = "health.expected_gpus" if h.expected_gpus else "GPUs seen at first start"
-        out.append(finding("GpuCountLow", (), f"{count} GPU(s) visible, {expected} expected "
-                           f"({basis})", "gpu_presence", scope="node"))
+        out.append(
+            finding(
+                "GpuCountLow",
+                (),
+                f"{count} GPU(s) visible, {expected} expected ({basis})",
+                "gpu_presence",
+                scope="node",
+            )
+        )
     return out
 
 
@@ -315,8 +389,15 @@ def collectors(inp: Inputs) -> list[Finding]:
             why = f"no poll finished for {stale:.0f}s"
         else:
             continue
-        out.append(finding("GpuwatchdCollectorFailed", labels_of({"collector": name}),
-                           f"collector {name} {why}", "collectors", scope="component"))
+        out.append(
+            finding(
+                "GpuwatchdCollectorFailed",
+                labels_of({"collector": name}),
+                f"collector {name} {why}",
+                "collectors",
+                scope="component",
+            )
+        )
     return out
 
 
@@ -329,8 +410,17 @@ def _num_key(text: str) -> tuple[int, str]:
     return (int(text), "") if text.isdigit() else (1 << 30, text)
 
 
-RULES: list[Rule] = [xid, ecc_uncorrectable, row_remap, nvlink, thermal, pcie, recovery_action,
-                     gpu_presence, collectors]
+RULES: list[Rule] = [
+    xid,
+    ecc_uncorrectable,
+    row_remap,
+    nvlink,
+    thermal,
+    pcie,
+    recovery_action,
+    gpu_presence,
+    collectors,
+]
 
 
 def register(rule: Rule, alerts: dict[str, AlertInfo] | None = None) -> None:

@@ -89,15 +89,21 @@ def validate_config(cfg: Config, file: str = "") -> None:
             raise ConfigError(file, f"alertmanager.static_labels.{name}", "reserved label name")
         if not value:
             raise ConfigError(file, f"alertmanager.static_labels.{name}", "empty value")
-    for key in ("tls_ca_file", "tls_cert_file", "tls_key_file", "basic_auth_password_file",
-                "bearer_token_file"):
+    for key in (
+        "tls_ca_file",
+        "tls_cert_file",
+        "tls_key_file",
+        "basic_auth_password_file",
+        "bearer_token_file",
+    ):
         path = getattr(am, key)
         if path:
             try:
                 open(path, "rb").close()
             except OSError as exc:
-                raise ConfigError(file, f"alertmanager.{key}", f"cannot read {path}: "
-                                  f"{exc.strerror or exc}") from None
+                raise ConfigError(
+                    file, f"alertmanager.{key}", f"cannot read {path}: {exc.strerror or exc}"
+                ) from None
     if am.basic_auth_user and am.bearer_token_file:
         raise ConfigError(file, "alertmanager.bearer_token_file", "use basic auth or a token")
 
@@ -205,8 +211,11 @@ class AlertSink:
         if result.dropped:
             with self._lock:
                 self._dropped["queue_full"] += result.dropped
-            log.error("alert queue full (%d): %d new alert(s) dropped", self._am.max_alerts,
-                      result.dropped)
+            log.error(
+                "alert queue full (%d): %d new alert(s) dropped",
+                self._am.max_alerts,
+                result.dropped,
+            )
         self._outbox.prune([r.url for r in self._receivers], now)
         if result.fired or result.resolved:
             for r in self._receivers:
@@ -383,16 +392,33 @@ class AlertSink:
         out = [Sample.of("gpuwatchd_alerts_firing", n, severity=s) for s, n in firing.items()]
         for r in self._receivers:
             for result, n in r.results.items():
-                out.append(Sample.of("gpuwatchd_alertmanager_notifications_total", n,
-                                     alertmanager=r.url, result=result))
+                out.append(
+                    Sample.of(
+                        "gpuwatchd_alertmanager_notifications_total",
+                        n,
+                        alertmanager=r.url,
+                        result=result,
+                    )
+                )
             if r.last_success:
-                out.append(Sample.of("gpuwatchd_alertmanager_last_success_timestamp_seconds",
-                                     r.last_success, alertmanager=r.url))
-        out.append(Sample.of("gpuwatchd_alertmanager_queue_length",
-                             self._outbox.undelivered([r.url for r in self._receivers])))
+                out.append(
+                    Sample.of(
+                        "gpuwatchd_alertmanager_last_success_timestamp_seconds",
+                        r.last_success,
+                        alertmanager=r.url,
+                    )
+                )
+        out.append(
+            Sample.of(
+                "gpuwatchd_alertmanager_queue_length",
+                self._outbox.undelivered([r.url for r in self._receivers]),
+            )
+        )
         with self._lock:
-            out.extend(Sample.of("gpuwatchd_alertmanager_dropped_alerts_total", n, reason=k)
-                       for k, n in self._dropped.items())
+            out.extend(
+                Sample.of("gpuwatchd_alertmanager_dropped_alerts_total", n, reason=k)
+                for k, n in self._dropped.items()
+            )
         return out
 
     def publish(self) -> None:
@@ -406,23 +432,30 @@ class AlertSink:
         alerts = []
         for a in self._outbox.alerts():
             marks = deliveries.get(a.fingerprint, {})
-            alerts.append({
-                "fingerprint": a.fingerprint,
-                "status": "firing" if a.firing else "resolved",
-                "labels": dict(a.labels),
-                "annotations": dict(a.annotations),
-                "startsAt": _iso(a.starts_at),
-                "endsAt": _iso(a.resolved_at) if a.resolved_at is not None else None,
-                "delivered": {r.url: marks.get(r.url, (0, 0.0))[0] >= a.version
-                              for r in self._receivers},
-            })
+            alerts.append(
+                {
+                    "fingerprint": a.fingerprint,
+                    "status": "firing" if a.firing else "resolved",
+                    "labels": dict(a.labels),
+                    "annotations": dict(a.annotations),
+                    "startsAt": _iso(a.starts_at),
+                    "endsAt": _iso(a.resolved_at) if a.resolved_at is not None else None,
+                    "delivered": {
+                        r.url: marks.get(r.url, (0, 0.0))[0] >= a.version for r in self._receivers
+                    },
+                }
+            )
         return {
             "node": self._node,
             "generated_at": _iso(now),
             "resolved_kept_seconds": RESOLVED_RETENTION,
             "alertmanagers": [
-                {"url": r.url, "consecutive_failures": r.failures, "last_error": r.last_error,
-                 "last_success": _iso(r.last_success) if r.last_success else None}
+                {
+                    "url": r.url,
+                    "consecutive_failures": r.failures,
+                    "last_error": r.last_error,
+                    "last_success": _iso(r.last_success) if r.last_success else None,
+                }
                 for r in self._receivers
             ],
             "alerts": alerts,
@@ -433,8 +466,11 @@ class AlertSink:
         data = self.status()
         want = (query.get("state") or [""])[0]
         if want in ("firing", "resolved"):
-            data["alerts"] = [a for a in data["alerts"]  # type: ignore[attr-defined]
-                              if a["status"] == want]
+            data["alerts"] = [
+                a
+                for a in data["alerts"]  # type: ignore[attr-defined]
+                if a["status"] == want
+            ]
         return 200, "application/json", json.dumps(data, indent=1).encode() + b"\n"
 
 

@@ -156,8 +156,15 @@ class Outbox:
                         (now, now, fp),
                     )
                     resolved.append(
-                        StoredAlert(fp, old.labels, old.annotations, old.starts_at, now,
-                                    old.version + 1, now)
+                        StoredAlert(
+                            fp,
+                            old.labels,
+                            old.annotations,
+                            old.starts_at,
+                            now,
+                            old.version + 1,
+                            now,
+                        )
                     )
         return SyncResult(tuple(fired), tuple(resolved), dropped)
 

@@ -81,8 +81,10 @@ def run_check(cfg: config.Config) -> dict[str, Any]:
         "status": verdict.status,
         "seconds": round(time.monotonic() - started, 2),
         "gpus": verdict.gpus,
-        "conditions": [f"{f.severity} {f.alertname} {dict(f.subject)} {dict(f.labels)}: "
-                       f"{f.reason}" for f in verdict.findings],
+        "conditions": [
+            f"{f.severity} {f.alertname} {dict(f.subject)} {dict(f.labels)}: {f.reason}"
+            for f in verdict.findings
+        ],
         "sources": {p.name: p.describe() for p in verdict.polled.values()},
         "report": checkcmd.render_text(verdict, cfg),
     }
@@ -114,16 +116,19 @@ def main() -> int:
         time.sleep(1.0)
     result["after_xid31_critical"] = run_check(critical)
 
-    clear = argparse.Namespace(gpu="0", all=False, xid=None, reason="check_xid31.py drill",
-                               config=None, state_dir=state)
+    clear = argparse.Namespace(
+        gpu="0", all=False, xid=None, reason="check_xid31.py drill", config=None, state_dir=state
+    )
     cfg_file = Path(state) / "config.yaml"
     cfg_file.write_text(f"daemon: {{state_dir: {state}}}\n")
     clear.config = str(cfg_file)
     result["clear_exit_code"] = checkcmd._run_clear(clear)
     result["after_clear_critical"] = run_check(critical)
 
-    codes = [result[k]["exit_code"] for k in
-             ("healthy", "after_xid31_default", "after_xid31_critical", "after_clear_critical")]
+    codes = [
+        result[k]["exit_code"]
+        for k in ("healthy", "after_xid31_default", "after_xid31_critical", "after_clear_critical")
+    ]
     result["exit_codes"] = codes
     result["ok"] = codes == [0, 1, 2, 0] and result["cuda"]["synchronize"] == 700
     text = json.dumps(result, indent=1, default=str)

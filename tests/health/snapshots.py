@@ -15,20 +15,41 @@ from types import MappingProxyType
 from gpuwatchd.model import Sample, SourceSnapshot, labels_of
 from gpuwatchd.state import NodeSnapshot
 
-GPU0 = {"gpu": "0", "uuid": "GPU-544a204b-219a-29ac-8147-ab3c8c9d52c6",
-        "pci_bus_id": "0000:00:06.0"}
-GPU1 = {"gpu": "1", "uuid": "GPU-cb99ac69-31a4-2508-9794-b7f3ed611416",
-        "pci_bus_id": "0000:00:07.0"}
+GPU0 = {
+    "gpu": "0",
+    "uuid": "GPU-544a204b-219a-29ac-8147-ab3c8c9d52c6",
+    "pci_bus_id": "0000:00:06.0",
+}
+GPU1 = {
+    "gpu": "1",
+    "uuid": "GPU-cb99ac69-31a4-2508-9794-b7f3ed611416",
+    "pci_bus_id": "0000:00:07.0",
+}
 T0 = 1_700_000_000.0
 
 
 def gpu_samples(gpu: Mapping[str, str], **over: float) -> list[Sample]:
     """A healthy H200 as the capture shows it; `over` replaces readings by short key."""
     v = {
-        "temp": 34, "mem_temp": 35, "slowdown": 89, "memory_max": 95, "util": 0.0,
-        "ecc_unc_vol": 0, "ecc_unc_agg": 0, "remap_pending": 0, "remap_failure": 0,
-        "gen": 5, "max_gen": 5, "width": 16, "max_width": 16, "replays": 0,
-        "recovery": 0, "nvml_state": 0, "link3_crc": 2, "link3_up": 1, "hw_slowdown": 0,
+        "temp": 34,
+        "mem_temp": 35,
+        "slowdown": 89,
+        "memory_max": 95,
+        "util": 0.0,
+        "ecc_unc_vol": 0,
+        "ecc_unc_agg": 0,
+        "remap_pending": 0,
+        "remap_failure": 0,
+        "gen": 5,
+        "max_gen": 5,
+        "width": 16,
+        "max_width": 16,
+        "replays": 0,
+        "recovery": 0,
+        "nvml_state": 0,
+        "link3_crc": 2,
+        "link3_up": 1,
+        "hw_slowdown": 0,
         **over,
     }
     g = dict(gpu)
@@ -44,10 +65,18 @@ def gpu_samples(gpu: Mapping[str, str], **over: float) -> list[Sample]:
         s("gpuwatchd_gpu_temperature_threshold_celsius", v["slowdown"], threshold="slowdown"),
         s("gpuwatchd_gpu_temperature_threshold_celsius", v["memory_max"], threshold="memory_max"),
         s("gpuwatchd_gpu_utilization_ratio", v["util"], engine="gpu"),
-        s("gpuwatchd_gpu_ecc_errors_total", v["ecc_unc_vol"], error="uncorrected",
-          scope="volatile"),
-        s("gpuwatchd_gpu_ecc_errors_total", v["ecc_unc_agg"], error="uncorrected",
-          scope="aggregate"),
+        s(
+            "gpuwatchd_gpu_ecc_errors_total",
+            v["ecc_unc_vol"],
+            error="uncorrected",
+            scope="volatile",
+        ),
+        s(
+            "gpuwatchd_gpu_ecc_errors_total",
+            v["ecc_unc_agg"],
+            error="uncorrected",
+            scope="aggregate",
+        ),
         s("gpuwatchd_gpu_ecc_errors_total", 0, error="corrected", scope="volatile"),
         s("gpuwatchd_gpu_row_remap_pending", v["remap_pending"]),
         s("gpuwatchd_gpu_row_remap_failure", v["remap_failure"]),
@@ -95,15 +124,25 @@ class Node:
         return NodeSnapshot(sources=MappingProxyType(sources))
 
 
-def source(name: str, samples: Iterable[Sample], t: float, ok: bool = True,
-           error: str = "") -> SourceSnapshot:
-    return SourceSnapshot(name, tuple(samples), ok, error, timestamp=t,
-                          last_success=t if ok else 0.0)
+def source(
+    name: str, samples: Iterable[Sample], t: float, ok: bool = True, error: str = ""
+) -> SourceSnapshot:
+    return SourceSnapshot(
+        name, tuple(samples), ok, error, timestamp=t, last_success=t if ok else 0.0
+    )
 
 
-def ib_port(device: str = "mlx5_0", port: str = "1", *, state: int = 4, phys: int = 5,
-            rate: float = 50e9, expected: float = 50e9, expected_up: int = 1,
-            symbol_errors: float = 0) -> list[Sample]:
+def ib_port(
+    device: str = "mlx5_0",
+    port: str = "1",
+    *,
+    state: int = 4,
+    phys: int = 5,
+    rate: float = 50e9,
+    expected: float = 50e9,
+    expected_up: int = 1,
+    symbol_errors: float = 0,
+) -> list[Sample]:
     """One InfiniBand port as the infiniband source exports it (NDR 400 Gb/s = 50e9 B/s)."""
     lab = {"device": device, "port": port}
     return [

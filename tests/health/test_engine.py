@@ -35,8 +35,11 @@ def make(cfg: Config | None = None, **kw: object) -> tuple[HealthEngine, State, 
 
 
 def health_samples(state: State) -> dict[tuple[str, str, str], float]:
-    return {(s.label("scope"), s.label("component"), s.label("gpu")): s.value
-            for s in state.snapshot().extra["health"] if s.name == "gpuwatchd_health"}
+    return {
+        (s.label("scope"), s.label("component"), s.label("gpu")): s.value
+        for s in state.snapshot().extra["health"]
+        if s.name == "gpuwatchd_health"
+    }
 
 
 def test_healthy_node_publishes_health() -> None:
@@ -113,8 +116,17 @@ def test_startup_grace_releases_listener() -> None:
 
 
 def test_xids_from_tracker_and_clear_hooks() -> None:
-    active = [XidCondition(79, "0000:00:07.0", Severity.CRITICAL, Action.REBOOT_NODE,
-                           "GPU has fallen off the bus", "reboot", since=T0 - 30)]
+    active = [
+        XidCondition(
+            79,
+            "0000:00:07.0",
+            Severity.CRITICAL,
+            Action.REBOOT_NODE,
+            "GPU has fallen off the bus",
+            "reboot",
+            since=T0 - 30,
+        )
+    ]
     cleared: list[Clear] = []
     engine, state, clock = make(xids=lambda now: list(active))
     engine.on_clear(cleared.append)
@@ -158,8 +170,11 @@ def test_a_raising_rule_is_counted_not_fatal(monkeypatch: pytest.MonkeyPatch) ->
     engine, state, clock = make()
     publish(state, Node(gpus={U0: {"remap_failure": 1}, U1: {}}), clock)
     assert [f.alertname for f in state.snapshot().findings] == ["GpuRowRemapFailure"]
-    errors = [s for s in state.snapshot().extra["health"]
-              if s.name == "gpuwatchd_health_rule_errors_total"]
+    errors = [
+        s
+        for s in state.snapshot().extra["health"]
+        if s.name == "gpuwatchd_health_rule_errors_total"
+    ]
     assert [(s.label("rule"), s.value) for s in errors] == [("broken", 1)]
 
 
@@ -183,9 +198,12 @@ def test_concurrent_publishers() -> None:
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(sick, 50)) for _ in range(4)]
-    threads.append(threading.Thread(
-        target=worker, args=(Node(extra_sources={"shm": []}, gpus={U0: {"remap_failure": 1},
-                                                                 U1: {}}), 50)))
+    threads.append(
+        threading.Thread(
+            target=worker,
+            args=(Node(extra_sources={"shm": []}, gpus={U0: {"remap_failure": 1}, U1: {}}), 50),
+        )
+    )
     for t in threads:
         t.start()
     for t in threads:
@@ -200,10 +218,12 @@ def test_node_rules_and_stuck_detector_run_in_the_engine() -> None:
     from tests.health.snapshots import ib_port
 
     engine, state, clock = make()
-    full = [Sample.of("gpuwatchd_shm_size_bytes", 64 * 2**20),
-            Sample.of("gpuwatchd_shm_available_bytes", 0),
-            Sample.of("gpuwatchd_shm_segments", 3, state="stale"),
-            Sample.of("gpuwatchd_shm_segment_bytes", 60 * 2**20, state="stale")]
+    full = [
+        Sample.of("gpuwatchd_shm_size_bytes", 64 * 2**20),
+        Sample.of("gpuwatchd_shm_available_bytes", 0),
+        Sample.of("gpuwatchd_shm_segments", 3, state="stale"),
+        Sample.of("gpuwatchd_shm_segment_bytes", 60 * 2**20, state="stale"),
+    ]
     node = Node(extra_sources={"shm": full, "infiniband": ib_port(state=1, phys=3)})
     publish(state, node, clock)
     names = {f.alertname for f in state.snapshot().findings}
@@ -219,20 +239,23 @@ def test_gpu_count_baseline_survives_restart(tmp_path) -> None:
 
     sink = AlertSink(Config(), str(tmp_path / "db"), FakeClock(T0), "n")
     clock, state = FakeClock(T0), State()
-    first = HealthEngine(Config(), clock, state, baseline_gpus=sink.baseline_gpus(),
-                         on_baseline=sink.save_baseline)
+    first = HealthEngine(
+        Config(), clock, state, baseline_gpus=sink.baseline_gpus(), on_baseline=sink.save_baseline
+    )
     state.subscribe(first.on_publish)
     publish(state, Node(), clock)
     assert sink.baseline_gpus() == 2
     # The daemon restarts after a GPU fell off the bus.
     state = State()
-    second = HealthEngine(Config(), clock, state, baseline_gpus=sink.baseline_gpus(),
-                          on_baseline=sink.save_baseline)
+    second = HealthEngine(
+        Config(), clock, state, baseline_gpus=sink.baseline_gpus(), on_baseline=sink.save_baseline
+    )
     state.subscribe(second.on_publish)
     publish(state, Node(gpus={U0: {}}), clock)
     assert [f.alertname for f in state.snapshot().findings] == ["GpuCountLow"]
-    expected = [s.value for s in state.snapshot().extra["health"]
-                if s.name == "gpuwatchd_gpus_expected"]
+    expected = [
+        s.value for s in state.snapshot().extra["health"] if s.name == "gpuwatchd_gpus_expected"
+    ]
     assert expected == [2]
     sink.stop()
 

@@ -21,8 +21,12 @@ def cfg_with(**health: object) -> Config:
     return dataclasses.replace(Config(), health=dataclasses.replace(HealthConfig(), **health))
 
 
-def run(steps: Sequence[Node], cfg: Config | None = None, xids: Sequence[XidCondition] = (),
-        dt: float = 10.0) -> list[Finding]:
+def run(
+    steps: Sequence[Node],
+    cfg: Config | None = None,
+    xids: Sequence[XidCondition] = (),
+    dt: float = 10.0,
+) -> list[Finding]:
     """Feed each node state as one poll, `dt` apart; findings of the last evaluation."""
     cfg = cfg or Config()
     hist = History(cfg.health.rate_window_seconds)
@@ -39,94 +43,224 @@ def ids(found: Sequence[Finding]) -> set[tuple[str, str]]:
     out = set()
     for f in found:
         s = dict(f.subject)
-        out.add((f.alertname, s.get("gpu") or s.get("collector") or
-                 "/".join(filter(None, (s.get("device"), s.get("port")))) or "node"))
+        out.add(
+            (
+                f.alertname,
+                s.get("gpu")
+                or s.get("collector")
+                or "/".join(filter(None, (s.get("device"), s.get("port"))))
+                or "node",
+            )
+        )
     return out
 
 
-def node(g0: dict[str, float] | None = None, g1: dict[str, float] | None = None,
-         **kw: object) -> Node:
+def node(
+    g0: dict[str, float] | None = None, g1: dict[str, float] | None = None, **kw: object
+) -> Node:
     return Node(gpus={U0: g0 or {}, U1: g1 or {}}, **kw)  # type: ignore[arg-type]
 
 
-def xid(code: int, severity: Severity, action: Action, bus: str = "0000:00:06.0",
-        kind: str = "xid") -> XidCondition:
-    return XidCondition(code=code, pci_bus_id=bus, severity=severity, action=action,
-                        name=f"code {code}", remediation="do the thing", since=T0 - 5, kind=kind)
+def xid(
+    code: int, severity: Severity, action: Action, bus: str = "0000:00:06.0", kind: str = "xid"
+) -> XidCondition:
+    return XidCondition(
+        code=code,
+        pci_bus_id=bus,
+        severity=severity,
+        action=action,
+        name=f"code {code}",
+        remediation="do the thing",
+        since=T0 - 5,
+        kind=kind,
+    )
 
 
 CASES = [
     # id, steps, cfg, xids, expected
     ("healthy", [node(), node()], None, (), set()),
-    ("ecc uncorrectable rises", [node(), node({"ecc_unc_vol": 1, "ecc_unc_agg": 1})], None, (),
-     {("GpuEccUncorrectable", "0")}),
-    ("ecc already nonzero at start is not a rise", [node({"ecc_unc_agg": 7}),
-                                                    node({"ecc_unc_agg": 7})], None, (), set()),
-    ("ecc hold expires", [node(), node({"ecc_unc_vol": 1})] + [node({"ecc_unc_vol": 1})] * 3,
-     cfg_with(ecc_hold_seconds=15.0), (), set()),
-    ("ecc after reset counts", [node({"ecc_unc_vol": 4}), node({"ecc_unc_vol": 1})], None, (),
-     {("GpuEccUncorrectable", "0")}),
-    ("row remap failure", [node(g1={"remap_failure": 1})], None, (),
-     {("GpuRowRemapFailure", "1")}),
+    (
+        "ecc uncorrectable rises",
+        [node(), node({"ecc_unc_vol": 1, "ecc_unc_agg": 1})],
+        None,
+        (),
+        {("GpuEccUncorrectable", "0")},
+    ),
+    (
+        "ecc already nonzero at start is not a rise",
+        [node({"ecc_unc_agg": 7}), node({"ecc_unc_agg": 7})],
+        None,
+        (),
+        set(),
+    ),
+    (
+        "ecc hold expires",
+        [node(), node({"ecc_unc_vol": 1})] + [node({"ecc_unc_vol": 1})] * 3,
+        cfg_with(ecc_hold_seconds=15.0),
+        (),
+        set(),
+    ),
+    (
+        "ecc after reset counts",
+        [node({"ecc_unc_vol": 4}), node({"ecc_unc_vol": 1})],
+        None,
+        (),
+        {("GpuEccUncorrectable", "0")},
+    ),
+    ("row remap failure", [node(g1={"remap_failure": 1})], None, (), {("GpuRowRemapFailure", "1")}),
     ("row remap pending", [node({"remap_pending": 1})], None, (), {("GpuRowRemapPending", "0")}),
-    ("retired pages pending (older GPU)", [node({"retired_pending": 1})], None, (),
-     {("GpuRowRemapPending", "0")}),
-    ("nvlink down that was up", [node(), node({"link3_up": 0})], None, (),
-     {("GpuNvlinkDown", "0")}),
-    ("nvlink never up is not an alert", [node({"link3_up": 0}), node({"link3_up": 0})], None, (),
-     set()),
-    ("nvlink errors fast", [node({"link3_crc": 2}), node({"link3_crc": 100})], None, (),
-     {("GpuNvlinkErrors", "0")}),
+    (
+        "retired pages pending (older GPU)",
+        [node({"retired_pending": 1})],
+        None,
+        (),
+        {("GpuRowRemapPending", "0")},
+    ),
+    (
+        "nvlink down that was up",
+        [node(), node({"link3_up": 0})],
+        None,
+        (),
+        {("GpuNvlinkDown", "0")},
+    ),
+    (
+        "nvlink never up is not an alert",
+        [node({"link3_up": 0}), node({"link3_up": 0})],
+        None,
+        (),
+        set(),
+    ),
+    (
+        "nvlink errors fast",
+        [node({"link3_crc": 2}), node({"link3_crc": 100})],
+        None,
+        (),
+        {("GpuNvlinkErrors", "0")},
+    ),
     ("nvlink errors slow", [node({"link3_crc": 2}), node({"link3_crc": 20})], None, (), set()),
     ("temperature near slowdown", [node({"temp": 85})], None, (), {("GpuTemperatureHigh", "0")}),
     ("temperature below margin", [node({"temp": 83})], None, (), set()),
-    ("memory temperature near max", [node(g1={"mem_temp": 92})], None, (),
-     {("GpuTemperatureHigh", "1")}),
+    (
+        "memory temperature near max",
+        [node(g1={"mem_temp": 92})],
+        None,
+        (),
+        {("GpuTemperatureHigh", "1")},
+    ),
     ("hw slowdown active", [node({"hw_slowdown": 1})], None, (), {("GpuThermalSlowdown", "0")}),
-    ("hw slowdown not configured", [node({"hw_slowdown": 1})],
-     cfg_with(slowdown_reasons=["hw_power_brake_slowdown"]), (), set()),
+    (
+        "hw slowdown not configured",
+        [node({"hw_slowdown": 1})],
+        cfg_with(slowdown_reasons=["hw_power_brake_slowdown"]),
+        (),
+        set(),
+    ),
     ("pcie width degraded", [node({"width": 8})], None, (), {("GpuPcieDegraded", "0")}),
     ("pcie gen low while idle is normal", [node({"gen": 1})], None, (), set()),
-    ("pcie gen low while busy", [node({"gen": 3, "util": 0.9})], None, (),
-     {("GpuPcieDegraded", "0")}),
-    ("pcie replays rising", [node({"replays": 0}), node({"replays": 500})], None, (),
-     {("GpuPcieDegraded", "0")}),
-    ("recovery action set", [node(g1={"recovery": 2})], None, (),
-     {("GpuRecoveryActionRequired", "1")}),
+    (
+        "pcie gen low while busy",
+        [node({"gen": 3, "util": 0.9})],
+        None,
+        (),
+        {("GpuPcieDegraded", "0")},
+    ),
+    (
+        "pcie replays rising",
+        [node({"replays": 0}), node({"replays": 500})],
+        None,
+        (),
+        {("GpuPcieDegraded", "0")},
+    ),
+    (
+        "recovery action set",
+        [node(g1={"recovery": 2})],
+        None,
+        (),
+        {("GpuRecoveryActionRequired", "1")},
+    ),
     ("gpu lost state", [node({"nvml_state": 2})], None, (), {("GpuLost", "0")}),
     ("gpu unresponsive", [node({"nvml_state": 1})], None, (), {("NvmlUnresponsive", "0")}),
-    ("gpu disappears", [node(), Node(gpus={U0: {}})], None, (),
-     {("GpuLost", "1"), ("GpuCountLow", "node")}),
-    ("expected gpus from config", [Node(gpus={U0: {}})], cfg_with(expected_gpus=8), (),
-     {("GpuCountLow", "node")}),
-    ("nvml down with gpus expected", [node(), Node(nvml_ok=False, nvml_error="driver_not_loaded")]
-     + [Node(nvml_ok=False, nvml_error="driver_not_loaded")] * 13, None, (),
-     {("NvmlUnresponsive", "node")}),
-    ("nvml down on a gpu-less node", [Node(gpus={}, nvml_ok=False, nvml_error="lib")] * 14, None,
-     (), {("GpuwatchdCollectorFailed", "nvml")}),
-    ("collector failing briefly", [node(extra_sources={"shm": []}, failing={"shm": "io"})] * 3,
-     None, (), set()),
-    ("xid critical", [node()], None, [xid(79, Severity.CRITICAL, Action.REBOOT_NODE)],
-     {("GpuXidCritical", "0")}),
-    ("xid warning on 2nd gpu (NVML-style bus id)", [node()], None,
-     [xid(31, Severity.WARNING, Action.RESTART_APP, bus="00000000:00:07.0")],
-     {("GpuXidWarning", "1")}),
+    (
+        "gpu disappears",
+        [node(), Node(gpus={U0: {}})],
+        None,
+        (),
+        {("GpuLost", "1"), ("GpuCountLow", "node")},
+    ),
+    (
+        "expected gpus from config",
+        [Node(gpus={U0: {}})],
+        cfg_with(expected_gpus=8),
+        (),
+        {("GpuCountLow", "node")},
+    ),
+    (
+        "nvml down with gpus expected",
+        [node(), Node(nvml_ok=False, nvml_error="driver_not_loaded")]
+        + [Node(nvml_ok=False, nvml_error="driver_not_loaded")] * 13,
+        None,
+        (),
+        {("NvmlUnresponsive", "node")},
+    ),
+    (
+        "nvml down on a gpu-less node",
+        [Node(gpus={}, nvml_ok=False, nvml_error="lib")] * 14,
+        None,
+        (),
+        {("GpuwatchdCollectorFailed", "nvml")},
+    ),
+    (
+        "collector failing briefly",
+        [node(extra_sources={"shm": []}, failing={"shm": "io"})] * 3,
+        None,
+        (),
+        set(),
+    ),
+    (
+        "xid critical",
+        [node()],
+        None,
+        [xid(79, Severity.CRITICAL, Action.REBOOT_NODE)],
+        {("GpuXidCritical", "0")},
+    ),
+    (
+        "xid warning on 2nd gpu (NVML-style bus id)",
+        [node()],
+        None,
+        [xid(31, Severity.WARNING, Action.RESTART_APP, bus="00000000:00:07.0")],
+        {("GpuXidWarning", "1")},
+    ),
     ("xid info is no finding", [node()], None, [xid(43, Severity.INFO, Action.NONE)], set()),
-    ("xid on unknown gpu keeps bus id", [node()], None,
-     [xid(48, Severity.CRITICAL, Action.RESET_GPU, bus="0000:9a:00.0")],
-     {("GpuXidCritical", "node")}),
-    ("sxid critical", [node()], None,
-     [xid(12028, Severity.CRITICAL, Action.REBOOT_NODE, bus="0000:05:00.0", kind="sxid")],
-     {("NvswitchSxidCritical", "node")}),
-    ("disabled rule", [node({"width": 8})], cfg_with(disabled_rules=["GpuPcieDegraded"]), (),
-     set()),
+    (
+        "xid on unknown gpu keeps bus id",
+        [node()],
+        None,
+        [xid(48, Severity.CRITICAL, Action.RESET_GPU, bus="0000:9a:00.0")],
+        {("GpuXidCritical", "node")},
+    ),
+    (
+        "sxid critical",
+        [node()],
+        None,
+        [xid(12028, Severity.CRITICAL, Action.REBOOT_NODE, bus="0000:05:00.0", kind="sxid")],
+        {("NvswitchSxidCritical", "node")},
+    ),
+    (
+        "disabled rule",
+        [node({"width": 8})],
+        cfg_with(disabled_rules=["GpuPcieDegraded"]),
+        (),
+        set(),
+    ),
 ]
 
 
-@pytest.mark.parametrize(("steps", "cfg", "xids", "expected"),
-                         [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_rule_table(steps: list[Node], cfg: Config | None, xids: list[XidCondition],
-                    expected: set[tuple[str, str]]) -> None:
+@pytest.mark.parametrize(
+    ("steps", "cfg", "xids", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_rule_table(
+    steps: list[Node], cfg: Config | None, xids: list[XidCondition], expected: set[tuple[str, str]]
+) -> None:
     assert ids(run(steps, cfg, xids)) == expected
 
 

@@ -39,20 +39,31 @@ def config(urls: list[str], **am: Any) -> Config:
 
 def xid_finding(code: int = 79, gpu: dict[str, str] = GPU0, since: float = 0.0) -> Finding:
     return Finding(
-        rule="xid", alertname="GpuXidCritical", scope="gpu", subject=labels_of(gpu),
-        severity=Severity.CRITICAL, reason=f"Xid {code} (GPU has fallen off the bus)",
+        rule="xid",
+        alertname="GpuXidCritical",
+        scope="gpu",
+        subject=labels_of(gpu),
+        severity=Severity.CRITICAL,
+        reason=f"Xid {code} (GPU has fallen off the bus)",
         action=Action.REBOOT_NODE,
         remediation="Drain the node and reboot it; reseat the GPU if it repeats.",
-        labels=(("xid", str(code)),), since=since or time.time(),
+        labels=(("xid", str(code)),),
+        since=since or time.time(),
     )
 
 
 def ecc_finding(gpu: dict[str, str] = GPU1) -> Finding:
-    return Finding(rule="ecc", alertname="GpuEccUncorrectable", scope="gpu",
-                   subject=labels_of(gpu), severity=Severity.CRITICAL,
-                   reason="volatile uncorrected ECC errors rose from 0 to 2",
-                   action=Action.RESET_GPU, remediation="Drain and reset the GPU.",
-                   since=time.time())
+    return Finding(
+        rule="ecc",
+        alertname="GpuEccUncorrectable",
+        scope="gpu",
+        subject=labels_of(gpu),
+        severity=Severity.CRITICAL,
+        reason="volatile uncorrected ECC errors rose from 0 to 2",
+        action=Action.RESET_GPU,
+        remediation="Drain and reset the GPU.",
+        since=time.time(),
+    )
 
 
 def wait_for(pred: Any, timeout: float = 15.0) -> bool:
@@ -74,16 +85,24 @@ def unique_node() -> str:
 
 def test_fire_shows_in_alertmanager_then_resolves(am: AlertmanagerServer, tmp_path: Path) -> None:
     node = unique_node()
-    cfg = config([am.url], runbook_base_url="https://runbooks.example/gpuwatchd/",
-                 static_labels={"cluster": "c1", "rack": "r7"})
+    cfg = config(
+        [am.url],
+        runbook_base_url="https://runbooks.example/gpuwatchd/",
+        static_labels={"cluster": "c1", "rack": "r7"},
+    )
     sink = AlertSink(cfg, str(tmp_path / "gpuwatchd.db"), SystemClock(), node, listen_port=10370)
     f = xid_finding()
     sink.update([f])
     assert sink.flush()
     [alert] = am.alerts(node=node)
     assert alert["labels"] == {
-        "alertname": "GpuXidCritical", "severity": "critical", "node": node, "xid": "79",
-        "cluster": "c1", "rack": "r7", **GPU0,
+        "alertname": "GpuXidCritical",
+        "severity": "critical",
+        "node": node,
+        "xid": "79",
+        "cluster": "c1",
+        "rack": "r7",
+        **GPU0,
     }
     ann = alert["annotations"]
     assert ann["remediation"] == f.remediation
@@ -134,16 +153,20 @@ def test_outage_then_every_alert_arrives(tmp_path: Path) -> None:
         sink.update([a, b])
         time.sleep(1.0)
         sink.update([b])  # a fired and resolved while Alertmanager was away
-        assert wait_for(lambda: _metric(state, "gpuwatchd_alertmanager_notifications_total",
-                                        result="failure") >= 2)
+        assert wait_for(
+            lambda: (
+                _metric(state, "gpuwatchd_alertmanager_notifications_total", result="failure") >= 2
+            )
+        )
         assert _metric(state, "gpuwatchd_alertmanager_queue_length") == 2
         server.start()
         assert wait_for(lambda: len(server.alerts(node=node)) == 1)
         [firing] = server.alerts(node=node)
         assert firing["labels"]["alertname"] == "GpuEccUncorrectable"  # type: ignore[index]
         # The resolved one arrived too (Alertmanager does not list resolved alerts).
-        assert wait_for(lambda: server.metric("alertmanager_alerts_received_total",
-                                              status="resolved") >= 1)
+        assert wait_for(
+            lambda: server.metric("alertmanager_alerts_received_total", status="resolved") >= 1
+        )
         assert wait_for(lambda: _metric(state, "gpuwatchd_alertmanager_queue_length") == 0)
         assert _metric(state, "gpuwatchd_alertmanager_dropped_alerts_total") == 0
     finally:
@@ -166,7 +189,9 @@ def test_restart_neither_duplicates_nor_loses(am: AlertmanagerServer, tmp_path: 
     second = AlertSink(config([am.url]), db, SystemClock(), node)
     assert second.flush()  # what was queued goes out before any new evaluation
     assert {x["labels"]["alertname"] for x in am.alerts(node=node)} == {  # type: ignore[index]
-        "GpuXidCritical", "GpuEccUncorrectable"}
+        "GpuXidCritical",
+        "GpuEccUncorrectable",
+    }
     # The restarted engine sees the same conditions with a later `since`.
     second.update([xid_finding(since=time.time()), ecc_finding()])
     assert second.flush()
@@ -246,8 +271,7 @@ def test_non_2xx_body_is_logged_and_only_the_bad_alert_dropped(
             assert sink.flush()
         assert "answered 400: bad alert: GpuXidCritical" in caplog.text
         assert len(_Rejecting.posts) == 3  # the batch, then each alert alone
-        assert _metric(state, "gpuwatchd_alertmanager_dropped_alerts_total",
-                       reason="rejected") == 1
+        assert _metric(state, "gpuwatchd_alertmanager_dropped_alerts_total", reason="rejected") == 1
     finally:
         sink.stop()
         server.shutdown()
@@ -273,9 +297,12 @@ def test_tls_and_basic_auth(tmp_path: Path) -> None:
     server.start()
     try:
         node = unique_node()
-        cfg = config([server.url], tls_ca_file=str(tmp_path / "ca.pem"),
-                     basic_auth_user="gpuwatchd",
-                     basic_auth_password_file=str(tmp_path / "password"))
+        cfg = config(
+            [server.url],
+            tls_ca_file=str(tmp_path / "ca.pem"),
+            basic_auth_user="gpuwatchd",
+            basic_auth_password_file=str(tmp_path / "password"),
+        )
         sink = AlertSink(cfg, str(tmp_path / "db"), SystemClock(), node)
         sink.update([xid_finding()])
         assert sink.flush()
@@ -285,8 +312,7 @@ def test_tls_and_basic_auth(tmp_path: Path) -> None:
         sink = AlertSink(cfg, str(tmp_path / "db2"), SystemClock(), node, state)
         sink.update([ecc_finding()])
         assert not sink.flush()
-        assert _metric(state, "gpuwatchd_alertmanager_notifications_total",
-                       result="failure") == 1
+        assert _metric(state, "gpuwatchd_alertmanager_notifications_total", result="failure") == 1
         # A 401 is our configuration's fault: the alert stays queued, nothing is dropped.
         assert _metric(state, "gpuwatchd_alertmanager_queue_length") == 1
         assert _metric(state, "gpuwatchd_alertmanager_dropped_alerts_total") == 0
@@ -316,20 +342,41 @@ def _metric(state: State, name: str, **labels: str) -> float:
 def test_alert_labels_keep_only_declared_labels() -> None:
     from gpuwatchd.sinks.alertmanager import alert_labels
 
-    port = Finding(rule="ib", alertname="InfinibandPortDown", scope="port",
-                   subject=(("device", "mlx5_0"), ("port", "1")), severity=Severity.CRITICAL,
-                   reason="down", labels=(("gpus", "0,1"),))
+    port = Finding(
+        rule="ib",
+        alertname="InfinibandPortDown",
+        scope="port",
+        subject=(("device", "mlx5_0"), ("port", "1")),
+        severity=Severity.CRITICAL,
+        reason="down",
+        labels=(("gpus", "0,1"),),
+    )
     assert alert_labels(port, "n1", {"cluster": "c"}) == {
-        "alertname": "InfinibandPortDown", "severity": "critical", "node": "n1",
-        "device": "mlx5_0", "port": "1", "cluster": "c"}
-    shm = Finding(rule="shm", alertname="ShmNearlyFull", scope="node",
-                  subject=(("path", "/dev/shm"),), severity=Severity.WARNING, reason="full")
-    assert alert_labels(shm, "n1", {}) == {"alertname": "ShmNearlyFull", "severity": "warning",
-                                           "node": "n1"}
+        "alertname": "InfinibandPortDown",
+        "severity": "critical",
+        "node": "n1",
+        "device": "mlx5_0",
+        "port": "1",
+        "cluster": "c",
+    }
+    shm = Finding(
+        rule="shm",
+        alertname="ShmNearlyFull",
+        scope="node",
+        subject=(("path", "/dev/shm"),),
+        severity=Severity.WARNING,
+        reason="full",
+    )
+    assert alert_labels(shm, "n1", {}) == {
+        "alertname": "ShmNearlyFull",
+        "severity": "warning",
+        "node": "n1",
+    }
 
 
-def test_real_xid_line_to_alertmanager_and_operator_clear(am: AlertmanagerServer,
-                                                          tmp_path: Path) -> None:
+def test_real_xid_line_to_alertmanager_and_operator_clear(
+    am: AlertmanagerServer, tmp_path: Path
+) -> None:
     """kernel log line -> Xid pipeline -> health engine -> sink -> Alertmanager, and back."""
     from gpuwatchd import config as configmod
     from gpuwatchd.health.engine import Clear, HealthEngine
@@ -363,15 +410,21 @@ def test_real_xid_line_to_alertmanager_and_operator_clear(am: AlertmanagerServer
         return dict(nvml.status.get("gpus", {})) if nvml else {}
 
     ctx = SourceContext(clock=clock, gpu_index=gpu_index)
-    runner = Runner([NvmlSource.from_config(cfg, ctx), KmsgSource.from_config(cfg, ctx)],
-                    state, clock)
+    runner = Runner(
+        [NvmlSource.from_config(cfg, ctx), KmsgSource.from_config(cfg, ctx)], state, clock
+    )
     try:
         runner.poll_once("nvml")
         runner.poll_once("kmsg")
         assert sink.flush()
         [alert] = am.alerts(node=node)
-        assert alert["labels"] == {"alertname": "GpuXidCritical", "severity": "critical",
-                                   "node": node, "xid": "31", **GPU0}
+        assert alert["labels"] == {
+            "alertname": "GpuXidCritical",
+            "severity": "critical",
+            "node": node,
+            "xid": "31",
+            **GPU0,
+        }
         ann = alert["annotations"]
         assert ann["remediation"].startswith("A process accessed a GPU virtual address")
         assert ann["action"] == "reset_gpu"
