@@ -297,8 +297,15 @@ def check(cfg: Config, clock: Clock | None = None, timeout: float = 30.0) -> Ver
     else:
         status = "OK"
     gpus = engine.gpu_count()
-    node = cfg.daemon.node_name or os.uname().nodename
+    node = _node(cfg)
     return Verdict(status, findings, got.polled, node, gpus, notes)
+
+
+def _node(cfg: Config) -> str:
+    """The node name the daemon would use (imported late: daemon.py pulls in the HTTP stack)."""
+    from gpuwatchd.daemon import node_name
+
+    return node_name(cfg)
 
 
 def _xid_conditions(cfg: Config, events: Sequence[Event], notes: list[str]) -> list[Any]:
@@ -435,7 +442,7 @@ def _run_check(args: argparse.Namespace) -> int:
         verdict = check(cfg, timeout=args.timeout)
     except GpuwatchdError as exc:
         verdict = Verdict(
-            "UNKNOWN", [], {}, cfg.daemon.node_name or os.uname().nodename, 0, [str(exc)]
+            "UNKNOWN", [], {}, _node(cfg), 0, [str(exc)]
         )
     if fmt == "npd":
         code, line = render_npd(verdict, Severity.parse(args.npd_problem))
