@@ -149,6 +149,15 @@ class XidPipeline:
         pipeline.restore()
         return pipeline
 
+    def reconfigure(self, cfg: Config) -> None:
+        """Apply a reloaded config (catalog overrides, policies, windows), keeping the state."""
+        with self._lock:
+            self.tracker.catalog = xid.from_config(cfg)
+            self.tracker.settings = TrackerSettings.from_config(cfg)
+            self.merger.window = cfg.xid.nvml_merge_window
+            self.merger.hold = cfg.xid.nvml_hold
+            self._publish(self.clock.time())
+
     def restore(self) -> None:
         """Replay stored events and this boot's clears into the tracker."""
         if self.store is None:

@@ -192,6 +192,10 @@ class KmsgSource:
         except ReaderError as exc:
             self._fail(exc)
             return self._samples()
+        except Exception as exc:  # a reader bug: back off like any failure, never spin
+            log.exception("kernel log reader %s", reader.name)
+            self._fail(ReaderError("bug", f"{type(exc).__name__}: {exc}"))
+            return self._samples()
         self._parser.year = time.localtime(now).tm_year
         index = self._gpu_index()
         events: list[Sample | Event] = []

@@ -17,8 +17,8 @@ from gpuwatchd.state import State
 BOOT = "9d1f6a0e-1111-4222-8333-444455556666"
 
 
-def raw(seq: int, msg: str) -> str:
-    return f"3,{seq},{seq * 1_000_000},-;{msg}\n"
+def raw(seq: int, msg: str, usec: int | None = None) -> str:
+    return f"3,{seq},{seq * 1_000_000 if usec is None else usec},-;{msg}\n"
 
 
 def xid(code: int, bus: str = "0000:00:06", pid: int = 650) -> str:
@@ -166,4 +166,23 @@ def test_metrics_cover_every_published_sample(tmp_path: Path) -> None:
     node.poll()
     names = {m.name for m in METRICS}
     assert {s.name for s in node.state.snapshot().extra["xid"]} <= names
+    node.stop()
+
+
+def test_reconfigure_keeps_state_and_applies_new_policy(tmp_path: Path) -> None:
+    from gpuwatchd import config
+
+    clock = FakeClock()
+    # FakeClock's monotonic time is 1000 s: these records are seconds old, not minutes
+    (tmp_path / "kmsg").write_text(raw(1, xid(13), usec=999_000_000))
+    node = Node(tmp_path, clock)
+    node.poll()
+    assert [a.info.severity.name for a in node.pipeline.active()] == ["WARNING"]
+    cfg = config.load_text("xid:\n  overrides:\n    13: {severity: critical}\n")
+    node.pipeline.reconfigure(cfg)
+    with (tmp_path / "kmsg").open("a") as f:
+        f.write(raw(2, xid(13), usec=999_500_000))
+    node.poll()
+    assert [a.info.severity.name for a in node.pipeline.active()] == ["CRITICAL"]
+    assert len(node.store.recent()) == 1  # same burst, one row
     node.stop()

@@ -668,3 +668,36 @@ def test_layering_holds() -> None:
     text = Path(mod.__file__).read_text()
     assert "gpuwatchd.health" not in text and "sqlite3" not in text
     assert os.path.basename(mod.__file__) == "kmsg.py"
+
+
+def test_a_reader_bug_backs_off_instead_of_spinning(tmp_path: Path) -> None:
+    class Broken:
+        name = "kmsg"
+
+        def read(self, timeout: float) -> list:
+            raise ValueError("bug in a reader")
+
+        def cursor(self) -> str:
+            return ""
+
+        def take_lost(self) -> int:
+            return 0
+
+        def close(self) -> None:
+            pass
+
+    cfg = kmsg_config(tmp_path, tmp_path / "kmsg")
+    clock = FakeClock()
+    opened: list[str | None] = []
+
+    def opener(cursor: str | None) -> Broken:
+        opened.append(cursor)
+        return Broken()
+
+    src = KmsgSource(cfg, SourceContext(clock=clock), opener=opener, sleep=lambda s: None)
+    out = src.poll(0.0)
+    assert sample(out, "gpuwatchd_kmsg_reader_up", backend="kmsg") == 0
+    assert "bug in a reader" in str(src.status()["error"])
+    src.poll(0.0)
+    src.poll(0.0)
+    assert len(opened) == 1  # no reopen before the backoff
