@@ -14,7 +14,7 @@ from gpuwatchd.errors import ConfigError
 __all__ = ["main"]
 
 # Modules that add a subcommand through `register(subparsers)`.
-COMMANDS: tuple[str, ...] = ("gpuwatchd.record",)
+COMMANDS: tuple[str, ...] = ("gpuwatchd.record", "gpuwatchd.xidcmd", "gpuwatchd.checkcmd")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

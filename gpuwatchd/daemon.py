@@ -24,10 +24,12 @@ from prometheus_client.exposition import _SilentHandler
 from gpuwatchd import __version__, config, logs
 from gpuwatchd.clock import Clock, SystemClock
 from gpuwatchd.config import Config
-from gpuwatchd.errors import ConfigError
+from gpuwatchd.errors import ConfigError, StoreError
 from gpuwatchd.model import MetricSpec
 from gpuwatchd.runner import Runner
-from gpuwatchd.sinks import webconfig
+from gpuwatchd.services import METRICS as SERVICE_METRICS
+from gpuwatchd.services import Services
+from gpuwatchd.sinks import alertmanager, webconfig
 from gpuwatchd.sinks.prometheus import (
     Route,
     SnapshotCollector,
@@ -35,7 +37,7 @@ from gpuwatchd.sinks.prometheus import (
     make_app,
     write_textfile,
 )
-from gpuwatchd.sources import SourceContext, all_metrics, build_sources
+from gpuwatchd.sources import SourceContext, all_metrics, build_sources, enabled, registry
 from gpuwatchd.state import State
 from gpuwatchd.systemd import Notifier
 
@@ -99,26 +101,34 @@ def check_state_dir(cfg: Config, source: str) -> None:
         raise ConfigError(source, "daemon.state_dir", f"{path} is not writable")
 
 
+def source_names(cfg: Config) -> list[str]:
+    return [name for name in registry() if enabled(cfg, name)]
+
+
 class Pipeline:
     """Sources, runner and the sinks that read the state, built from one config."""
 
-    def __init__(self, cfg: Config, state: State, clock: Clock) -> None:
+    def __init__(
+        self, cfg: Config, state: State, clock: Clock, services: Services | None = None
+    ) -> None:
         self.cfg = cfg
         self.state = state
         self.clock = clock
+        self.services = services
         self.started = clock.time()
         ctx = SourceContext(
             clock=clock,
             log=logging.getLogger("gpuwatchd.sources"),
             nudge=self._nudge,
             gpu_index=self._gpu_index,
+            load_cursor=services.load_cursor if services else (lambda name: None),
         )
         self.sources = build_sources(cfg, ctx)
         self.runner = Runner(self.sources, state, clock)
-        self.extra_metrics: list[MetricSpec] = []
         self.routes: dict[str, Route] = {
             "/status": json_route(self.status),
             "/healthz": self.healthz,
+            **(services.routes() if services else {}),
         }
 
     def _nudge(self, name: str) -> None:
@@ -130,7 +140,7 @@ class Pipeline:
         return gpus if isinstance(gpus, Mapping) else {}
 
     def metric_specs(self) -> list[MetricSpec]:
-        return [*all_metrics(), *self.extra_metrics]
+        return [*all_metrics(), *(SERVICE_METRICS if self.services else ())]
 
     def start(self) -> None:
         self.runner.start()
@@ -162,6 +172,7 @@ class Pipeline:
                 for name, s in snap.sources.items()
             },
             "findings": [_finding_json(f) for f in snap.findings],
+            **(self.services.status() if self.services else {}),
         }
 
     def summary(self) -> str:
@@ -213,11 +224,13 @@ class Daemon:
         self.registry = CollectorRegistry(auto_describe=False)
         self._collector: SnapshotCollector | None = None
         self.web: webconfig.WebConfig | None = None
+        self.services: Services | None = None
 
     def load_config(self) -> Config:
         cfg = apply_overrides(config.load(self.cfg_path), self.overrides)
         source = self.cfg_path or "<defaults>"
         config.check_paths(cfg, source)
+        alertmanager.validate_config(cfg, source)
         check_state_dir(cfg, source)
         if cfg.http.web_config_file:
             self.web = webconfig.load(cfg.http.web_config_file)
@@ -231,13 +244,26 @@ class Daemon:
             return EX_CONFIG
         logs.setup(cfg.daemon.log_level)
         self._install_signals()
+        try:
+            self.services = Services(
+                cfg,
+                self.state,
+                self.clock,
+                node_name(cfg),
+                split_listen(cfg.http.listen)[1],
+                source_names(cfg),
+            )
+        except StoreError as exc:
+            log.error("%s", exc)
+            return 1
         pipeline = self._build(cfg)
         try:
             self.httpd = self._serve(cfg)
         except OSError as exc:
             log.error("cannot listen on %s: %s", cfg.http.listen, exc.strerror or exc)
-            pipeline.stop()
+            self.services.stop()
             return 1
+        self.services.start()
         pipeline.start()
         if not pipeline.runner.wait_first_polls(FIRST_POLL_TIMEOUT):
             log.warning("some sources did not finish a first poll in %.0fs", FIRST_POLL_TIMEOUT)
@@ -252,7 +278,7 @@ class Daemon:
     # --- internals -----------------------------------------------------------
 
     def _build(self, cfg: Config) -> Pipeline:
-        self.pipeline = Pipeline(cfg, self.state, self.clock)
+        self.pipeline = Pipeline(cfg, self.state, self.clock, self.services)
         if self._collector is not None:
             self.registry.unregister(self._collector)
         self._collector = SnapshotCollector(self.state, self.pipeline.metric_specs())
@@ -296,6 +322,11 @@ class Daemon:
     def _housekeeping(self, watchdog: float | None) -> None:
         assert self.pipeline is not None
         cfg = self.pipeline.cfg
+        if self.services is not None:
+            try:
+                self.services.tick()
+            except Exception:  # a bug here must not stop the watchdog or the loop
+                log.exception("health tick")
         if watchdog:
             stale = self.pipeline.runner.stale(max(30.0, watchdog * 2))
             if stale:
@@ -324,6 +355,8 @@ class Daemon:
             cfg = dataclasses.replace(cfg, http=old.cfg.http)
         logs.setup(cfg.daemon.log_level)
         old.stop()
+        if self.services is not None:
+            self.services.reconfigure(cfg)
         new = self._build(cfg)
         new.start()
         new.runner.wait_first_polls(FIRST_POLL_TIMEOUT)
@@ -337,6 +370,8 @@ class Daemon:
             self.httpd.server_close()
         if self.pipeline is not None:
             self.pipeline.stop()
+        if self.services is not None:
+            self.services.stop()  # flushes alerts (bounded); the rest stays queued on disk
         log.info("stopped")
 
 
