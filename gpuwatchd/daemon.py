@@ -143,7 +143,8 @@ class Pipeline:
         return [*all_metrics(), *(SERVICE_METRICS if self.services else ())]
 
     def start(self) -> None:
-        self.runner.start()
+        # NVML's first poll is bounded by its deadlines: init plus one device call each.
+        self.runner.start(first=("nvml",), first_timeout=2 * self.cfg.sources.nvml.call_timeout + 1)
 
     def stop(self) -> None:
         self.runner.stop()

@@ -48,14 +48,33 @@ class Runner:
     def sources(self) -> list[Source]:
         return [slot.source for slot in self._slots.values()]
 
-    def start(self) -> None:
-        now = self._clock.monotonic()
-        for name, slot in self._slots.items():
-            slot.heartbeat = now
-            slot.thread = threading.Thread(
-                target=self._loop, args=(slot,), name=f"source-{name}", daemon=True
+    def start(self, first: Sequence[str] = (), first_timeout: float = 0.0) -> None:
+        """Start every source loop; those in `first` start alone and get up to
+        `first_timeout` seconds to finish a poll before the others start.
+
+        The NVML source goes first so that events the kernel log replays at
+        start-up already find the bus id -> GPU index map.
+        """
+        early = [n for n in first if n in self._slots]
+        for name in early:
+            self._spawn(name)
+        if early and not self._wait(early, first_timeout):
+            log.warning(
+                "%s did not finish a first poll in %.0fs; starting the others",
+                ", ".join(early),
+                first_timeout,
             )
-            slot.thread.start()
+        for name in self._slots:
+            if name not in early:
+                self._spawn(name)
+
+    def _spawn(self, name: str) -> None:
+        slot = self._slots[name]
+        slot.heartbeat = self._clock.monotonic()
+        slot.thread = threading.Thread(
+            target=self._loop, args=(slot,), name=f"source-{name}", daemon=True
+        )
+        slot.thread.start()
 
     def poll_once(self, name: str) -> SourceSnapshot:
         """Poll one source in the caller's thread (used by --once and `check`)."""
@@ -69,9 +88,12 @@ class Runner:
 
     def wait_first_polls(self, timeout: float) -> bool:
         """Wait until each source has polled once; False if some did not in time."""
+        return self._wait(list(self._slots), timeout)
+
+    def _wait(self, names: Sequence[str], timeout: float) -> bool:
         deadline = self._clock.monotonic() + timeout
         with self._first:
-            while any(s.polls == 0 for s in self._slots.values()):
+            while any(self._slots[n].polls == 0 for n in names):
                 left = deadline - self._clock.monotonic()
                 if left <= 0:
                     return False
