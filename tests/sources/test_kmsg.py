@@ -222,6 +222,7 @@ CASES = [
         ),
     ),
     ("logger-injected-xid74.txt", 1, dict(kind="xid", code=74, link=14, pci_bus_id="0000:d8:00.0")),
+    ("dmesg-x-userspace-drill.txt", 3, dict(kind="xid", code=31, origin="user")),
     ("redacted-and-malformed.txt", 1, dict(kind="unparsed")),
     ("redacted-and-malformed.txt", 2, dict(kind="unparsed")),
 ]
