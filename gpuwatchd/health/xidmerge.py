@@ -14,12 +14,15 @@ from collections import deque
 from dataclasses import replace
 
 from gpuwatchd.model import Event
+from gpuwatchd.sources.kmsg_parse import normalize_bus_id
 
 __all__ = ["XidMerger", "richer", "same_report"]
 
 
 def _gpu(ev: Event) -> tuple[str, str]:
-    return ev.pci_bus_id, ev.attr("uuid")
+    # NVML says 00000000:06:00.0, the driver's line PCI:0000:06:00: compare one form
+    bus = normalize_bus_id(ev.pci_bus_id) if ev.pci_bus_id else ""
+    return bus or ev.pci_bus_id, ev.attr("uuid")
 
 
 def same_report(a: Event, b: Event, window: float) -> bool:

@@ -22,6 +22,7 @@ def nvml_ev(code: int = 31, t: float = T + 1.6, bus: str = "0000:00:06.0") -> Ev
 def test_same_report_rules() -> None:
     assert same_report(log_ev(), nvml_ev(), 10)
     assert not same_report(log_ev(), nvml_ev(code=13), 10)
+    assert same_report(log_ev(), nvml_ev(bus="00000000:00:06.0"), 10)  # NVML's 8-digit domain
     assert not same_report(log_ev(), nvml_ev(bus="0000:00:07.0"), 10)
     assert not same_report(log_ev(), nvml_ev(t=T + 30), 10)
     no_bus = Event("xid", "nvml", T, 31, "", attrs=(("uuid", "GPU-1"),))
