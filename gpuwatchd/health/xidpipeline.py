@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -30,6 +31,7 @@ from gpuwatchd.health.xidtracker import (
 )
 from gpuwatchd.model import Event, MetricSpec, Sample, SourceSnapshot
 from gpuwatchd.sources.kmsg import read_boot_id
+from gpuwatchd.sources.kmsg_parse import normalize_bus_id
 
 if TYPE_CHECKING:
     from gpuwatchd.config import Config
@@ -201,6 +203,9 @@ class XidPipeline:
             mono, now = self.clock.monotonic(), self.clock.time()
             passed: list[Event] = []
             for ev in events:
+                bus = normalize_bus_id(ev.pci_bus_id) if ev.pci_bus_id else ""
+                if bus and bus != ev.pci_bus_id:  # one form for every producer (NVML: 8 digits)
+                    ev = replace(ev, pci_bus_id=bus)
                 passed += self.merger.offer(ev, mono)
             passed += self.merger.due(mono)
             records = []

@@ -123,13 +123,14 @@ def test_nvml_only_xid_is_stored_after_the_hold(tmp_path: Path) -> None:
     clock = FakeClock()
     (tmp_path / "kmsg").write_text("")
     node = Node(tmp_path, clock)
-    nvml = Event("xid", "nvml", clock.time(), 79, "0000:00:06.0", attrs=(("gpu", "0"),))
+    nvml = Event("xid", "nvml", clock.time(), 79, "00000000:00:06.0", attrs=(("gpu", "0"),))
     node.state.publish(SourceSnapshot("nvml", (), True), [nvml])
     assert node.store.recent() == []
     clock.advance(3)
     node.pipeline.tick()
     (row,) = node.store.recent()
     assert (row["code"], row["source"], row["severity"]) == (79, "nvml", "critical")
+    assert row["pci_bus_id"] == "0000:00:06.0"
     node.stop()
 
 
