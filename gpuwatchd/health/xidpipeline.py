@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import replace
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
 from gpuwatchd.clock import Clock
