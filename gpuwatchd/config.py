@@ -90,6 +90,9 @@ class NvmlConfig:
         5.0, "an NVML call slower than this marks the GPU unresponsive", min=0.05, max=600
     )
     replay: str = opt("", "serve NVML from this recorded capture instead of the driver")
+    xid_events: bool = opt(
+        True, "also take Xids from NVML's event API (needs no kernel log access)"
+    )
     processes: bool = opt(True, "list compute processes per GPU (pid, memory)")
     init_retry_max: float = opt(
         300.0, "longest wait between NVML initialisation retries (exponential backoff)", min=1
@@ -225,28 +228,32 @@ class HealthConfig:
         3600.0, "an uncorrectable ECC error keeps GpuEccUncorrectable active this long", min=0
     )
     rate_window_seconds: float = opt(
-        300.0, "window over which error-counter rates (NVLink, PCIe, InfiniBand) are taken",
-        min=10, max=86400,
+        300.0,
+        "window over which error-counter rates (NVLink, PCIe, InfiniBand) are taken",
+        min=10,
+        max=86400,
     )
     nvlink_error_rate: float = opt(
-        0.1, "NVLink errors per second on one link (any counter) that raise GpuNvlinkErrors",
+        0.1,
+        "NVLink errors per second on one link (any counter) that raise GpuNvlinkErrors",
         min=0,
     )
-    pcie_replay_rate: float = opt(
-        0.1, "PCIe replays per second that raise GpuPcieDegraded", min=0
-    )
+    pcie_replay_rate: float = opt(0.1, "PCIe replays per second that raise GpuPcieDegraded", min=0)
     pcie_gen_min_utilization: float = opt(
         0.5,
         "PCIe generation below max counts only while the GPU is at least this busy"
         " (idle GPUs downshift); above 1 disables the generation check",
-        min=0, max=2,
+        min=0,
+        max=2,
     )
     collector_failure_seconds: float = opt(
         120.0, "a collector failing for this long raises GpuwatchdCollectorFailed", min=0
     )
     startup_grace_seconds: float = opt(
-        60.0, "after a start, wait this long for every source before resolving old alerts",
-        min=0, max=3600,
+        60.0,
+        "after a start, wait this long for every source before resolving old alerts",
+        min=0,
+        max=3600,
     )
     stuck: StuckConfig = section(StuckConfig, "stuck GPU (suspected NCCL hang) detector")
 
@@ -273,8 +280,10 @@ class AlertmanagerConfig:
     basic_auth_password_file: str = opt("", "file holding the basic auth password")
     bearer_token_file: str = opt("", "file holding a bearer token (re-read on every send)")
     max_alerts: int = opt(
-        10000, "bound of the durable alert queue; beyond it new alerts are dropped and counted",
-        min=10, max=10_000_000,
+        10000,
+        "bound of the durable alert queue; beyond it new alerts are dropped and counted",
+        min=10,
+        max=10_000_000,
     )
     retry_max_seconds: float = opt(
         60.0, "longest wait between retries to an unreachable Alertmanager", min=1, max=3600

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -27,6 +27,7 @@ from gpuwatchd.deadline import CallTimeout, DeadlineRunner, StuckError
 from gpuwatchd.errors import ConfigError, NvmlError, SourceError
 from gpuwatchd.model import Event, Sample, labels_of
 from gpuwatchd.sources.nvml_client import NvmlClient, NvmlDevice, Pynvml, XidEventSet
+from gpuwatchd.sources.nvml_events import XidListener
 from gpuwatchd.sources.nvml_metrics import METRICS
 from gpuwatchd.sources.nvml_read import DeviceReader, Identity, Reading, sorted_processes
 
@@ -87,6 +88,8 @@ class NvmlSource:
         processes: bool = True,
         nvlink_error_interval: float = 0.0,
         clock: Clock | None = None,
+        xid_events: bool = False,
+        nudge: Callable[[], None] = lambda: None,
     ) -> None:
         self.interval = interval
         self.client = client
@@ -105,6 +108,9 @@ class NvmlSource:
         self._init_failures = 0
         self._next_init = float("-inf")
         self._gpu_map: Mapping[str, Mapping[str, str]] = {}
+        self._want_xid_events = xid_events
+        self._nudge = nudge
+        self._xid_listener: XidListener | None = None
 
     @classmethod
     def from_config(cls, cfg: Config, ctx: SourceContext) -> NvmlSource:
@@ -126,6 +132,8 @@ class NvmlSource:
             processes=nc.processes,
             nvlink_error_interval=nc.nvlink_error_interval,
             clock=ctx.clock,
+            xid_events=nc.xid_events,
+            nudge=lambda: ctx.nudge(cls.name),
         )
 
     # --- polling ---------------------------------------------------------------
@@ -154,6 +162,29 @@ class NvmlSource:
             for g in self._gpus
             if g.identity is not None
         }
+        out.extend(self._xid_events())
+        return out
+
+    def _xid_events(self) -> list[Event]:
+        """Start the NVML Xid event listener once the GPUs are known; drain it."""
+        if self._want_xid_events and self._xid_listener is None and self._gpus:
+            try:
+                events = self.open_xid_events()
+            except (NvmlError, CallTimeout, StuckError) as exc:
+                log.info("NVML Xid events unavailable (%s); the kernel log still reports Xids", exc)
+                self._want_xid_events = False
+            else:
+                if events is not None:
+                    self._xid_listener = XidListener(events, self._nudge)
+        if self._xid_listener is None:
+            return []
+        out = []
+        for ev in self._xid_listener.drain():
+            gpu = self._gpu_map.get(ev.pci_bus_id, {})
+            attrs = dict(ev.attrs)
+            attrs.setdefault("gpu", gpu.get("gpu", ""))
+            attrs["uuid"] = attrs.get("uuid") or gpu.get("uuid", "")
+            out.append(replace(ev, attrs=labels_of(attrs)))
         return out
 
     def _system(self, name: str) -> object:
@@ -343,6 +374,9 @@ class NvmlSource:
 
     def close(self) -> None:
         """Shut NVML down (best effort, bounded) and stop the worker threads."""
+        if self._xid_listener is not None:
+            self._xid_listener.close()
+            self._xid_listener = None
         if self._ready:
             try:
                 self._deadline.call("nvml", self.client.shutdown, min(self._timeout, 1.0))
