@@ -147,6 +147,7 @@ StartResponse = Callable[..., Any]
 
 _REASONS = {
     200: "OK",
+    400: "Bad Request",
     401: "Unauthorized",
     404: "Not Found",
     405: "Method Not Allowed",
