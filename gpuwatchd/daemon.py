@@ -288,7 +288,7 @@ class Daemon:
 
     def _serve(self, cfg: Config) -> WSGIServer:
         host, port = split_listen(cfg.http.listen)
-        app = make_app(self.registry, _LiveRoutes(self))
+        app = make_app(self.registry, _LiveRoutes(self), lambda: self.state.snapshot().generation)
         httpd, _thread = webconfig.serve(app, host, port, self.web, handler_class=_SilentHandler)
         return httpd
 

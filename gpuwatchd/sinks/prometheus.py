@@ -12,6 +12,7 @@ import logging
 import os
 import platform
 import tempfile
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -159,8 +160,27 @@ _REASONS = {
 def make_app(
     registry: CollectorRegistry,
     routes: Mapping[str, Route],
+    generation: Callable[[], int] | None = None,
 ) -> Callable[[dict[str, Any], StartResponse], Sequence[bytes]]:
-    """A WSGI app: /metrics plus the given JSON routes; anything else is 404."""
+    """A WSGI app: /metrics plus the given JSON routes; anything else is 404.
+
+    With `generation` (the snapshot's counter), the exposition is rendered once
+    per snapshot and reused by every scrape until the next publish.
+    """
+    cache: list[tuple[int, bytes]] = []
+    cache_lock = threading.Lock()
+
+    def exposition() -> bytes:
+        if generation is None:
+            return generate_latest(registry)
+        gen = generation()
+        with cache_lock:
+            if cache and cache[0][0] == gen:
+                return cache[0][1]
+        body = generate_latest(registry)
+        with cache_lock:
+            cache[:] = [(gen, body)]
+        return body
 
     def app(environ: dict[str, Any], start_response: StartResponse) -> Sequence[bytes]:
         path = environ.get("PATH_INFO", "/") or "/"
@@ -169,7 +189,7 @@ def make_app(
             return _reply(start_response, 405, "text/plain", b"method not allowed\n")
         query = parse_qs(environ.get("QUERY_STRING", ""))
         if path == "/metrics":
-            body = generate_latest(registry)
+            body = exposition()
             status, ctype = 200, "text/plain; version=0.0.4; charset=utf-8"
         elif path in routes:
             try:

@@ -114,3 +114,14 @@ def test_scrape_is_not_blocked_by_a_hung_nvml_call(start_daemon, tmp_path) -> No
         worst = max(worst, time.monotonic() - t0)
     assert worst < 1.0, f"a scrape took {worst:.3f}s while NVML was hung"
     assert http_get(d.url + "/healthz")[0] == 200
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_promtool_on_exposition_from_a_real_h200() -> None:
+    # Scraped from `gpuwatchd run` on a real H200 (docs/gpu-testing.md).
+    real = FIXTURES / "gpu-runs" / "h200-metrics-2026-11-21.txt"
+    res = subprocess.run(
+        ["promtool", "check", "metrics"], input=real.read_bytes(), capture_output=True
+    )
+    assert res.returncode == 0, res.stderr.decode()
+    assert b"gpuwatchd_gpu_recovery_action{" in real.read_bytes()

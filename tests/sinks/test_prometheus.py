@@ -111,3 +111,26 @@ def test_promtool_accepts_exposition() -> None:
     text = generate_latest(_registry(state))
     res = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True)
     assert res.returncode == 0 and not res.stdout.strip() and not res.stderr.strip(), res
+
+
+def test_exposition_rendered_once_per_snapshot() -> None:
+    state = State()
+    calls = []
+
+    class Counting(SnapshotCollector):
+        def collect(self):  # type: ignore[no-untyped-def]
+            calls.append(1)
+            return super().collect()
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(Counting(state, SPECS))
+    app = make_app(reg, {}, lambda: state.snapshot().generation)
+
+    def scrape() -> bytes:
+        return b"".join(app({"PATH_INFO": "/metrics", "REQUEST_METHOD": "GET"}, lambda s, h: None))
+
+    first = scrape()
+    assert scrape() == first and len(calls) == 1
+    _publish(state, [Sample.of("gpuwatchd_gpu_energy_joules_total", 9, gpu=0)])
+    assert b'gpuwatchd_gpu_energy_joules_total{gpu="0"} 9.0' in scrape()
+    assert len(calls) == 2
