@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -127,6 +128,7 @@ class ShmConfig:
     patterns: list[str] = opt(
         ["nccl-*"],
         "file name globs of NCCL segments in /dev/shm (NCCL names them nccl-XXXXXX)",
+        filename=True,
     )
     grace_seconds: float = opt(
         300.0, "a segment nobody holds is stale only once older than this", min=0
@@ -147,8 +149,12 @@ class ShmConfig:
 class InfinibandConfig:
     enabled: bool = opt(True, "watch InfiniBand/RoCE ports in sysfs")
     interval: float = opt(15.0, "seconds between polls", min=0.1, max=3600)
-    device_include: str = opt("", "regex: watch only devices whose name matches; empty = all")
-    device_exclude: str = opt("", "regex: skip devices whose name matches; empty = none")
+    device_include: str = opt(
+        "", "regex: watch only devices whose name matches; empty = all", regex=True
+    )
+    device_exclude: str = opt(
+        "", "regex: skip devices whose name matches; empty = none", regex=True
+    )
     hw_counters: bool = opt(True, "export the driver's hw_counters/ (RDMA retransmits, CNPs...)")
     expected_rate_gbps: dict[str, float] = opt(
         {},
@@ -158,6 +164,7 @@ class InfinibandConfig:
     expected_up: str = opt(
         "",
         "regex on device/port: ports that must be up even if never seen ACTIVE since start",
+        regex=True,
     )
 
 
@@ -439,7 +446,8 @@ def _convert(tp: Any, value: object, file: str, path: str, meta: Any) -> Any:
         (item,) = typing.get_args(tp)
         if not isinstance(value, list):
             raise ConfigError(file, path, f"must be a list, got {_tname(value)}")
-        return [_convert(item, v, file, f"{path}[{i}]", {}) for i, v in enumerate(value)]
+        # A list's checks (choices, regex, filename) apply to each item.
+        return [_convert(item, v, file, f"{path}[{i}]", meta) for i, v in enumerate(value)]
     if origin is dict:
         _k, item = typing.get_args(tp)
         if not isinstance(value, dict):
@@ -467,6 +475,13 @@ def _convert(tp: Any, value: object, file: str, path: str, meta: Any) -> Any:
         choices = meta.get("choices")
         if choices and value not in choices:
             raise ConfigError(file, path, f"must be one of {', '.join(choices)}, got {value!r}")
+        if meta.get("regex") and value:
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ConfigError(file, path, f"bad regex: {exc}") from None
+        if meta.get("filename") and ("/" in value or value in ("", ".", "..")):
+            raise ConfigError(file, path, f"must be a file name pattern without '/', got {value!r}")
         return value
     raise ConfigError(file, path, f"unsupported type {tp!r}")  # a bug in this module
 

@@ -356,9 +356,16 @@ class Daemon:
             cfg = dataclasses.replace(cfg, http=old.cfg.http)
         logs.setup(cfg.daemon.log_level)
         old.stop()
+        try:
+            new = self._build(cfg)
+        except ConfigError as exc:  # a source refused the new settings
+            log.error("reload rejected, keeping the running config: %s", exc)
+            new = self._build(old.cfg)
+            new.start()
+            self.notifier.ready(new.summary())
+            return
         if self.services is not None:
             self.services.reconfigure(cfg)
-        new = self._build(cfg)
         new.start()
         new.runner.wait_first_polls(FIRST_POLL_TIMEOUT)
         log.info("reloaded: %s", new.summary())
