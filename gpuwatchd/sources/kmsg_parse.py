@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import NamedTuple
 
+from gpuwatchd.sources.pci import normalize_bus_id
+
 __all__ = [
     "KmsgParser",
     "KmsgRecord",
@@ -81,34 +83,6 @@ class KmsgRecord(NamedTuple):
 
 
 # --- bus ids -------------------------------------------------------------------
-
-_HEX = frozenset("0123456789abcdefABCDEF")
-
-
-@functools.lru_cache(maxsize=4096)  # a node has a handful of bus ids; reports repeat them
-def normalize_bus_id(text: str) -> str:
-    """`PCI:0000:00:06` / `00:06.0` / `0000:D8:00.0` -> `0000:00:06.0`; "" if not a bus id.
-
-    NVML's form, lowercased, with a 4-digit domain. The driver's Xid lines
-    print no function number: GPUs are function 0.
-    """
-    s = text.strip()
-    if s[:4].upper() == "PCI:":
-        s = s[4:]
-    dev_part, dot, fn = s.partition(".")
-    parts = dev_part.split(":")
-    if len(parts) == 2:
-        parts.insert(0, "0")
-    if len(parts) != 3 or (dot and not fn):
-        return ""
-    fn = fn or "0"
-    for p, low, high in ((parts[0], 1, 8), (parts[1], 2, 2), (parts[2], 2, 2), (fn, 1, 1)):
-        if not low <= len(p) <= high or not set(p) <= _HEX:
-            return ""
-    dom, bus, dev, func = (int(p, 16) for p in (*parts, fn))
-    if dev > 0x1F or func > 7:
-        return ""
-    return f"{dom:04x}:{bus:02x}:{dev:02x}.{func:x}"
 
 
 # --- regexes (only ever run on lines that passed the substring test) ------------

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from typing import Any, NamedTuple, Protocol
 
 from gpuwatchd.errors import NvmlError
+from gpuwatchd.sources.pci import normalize_bus_id
 
 __all__ = [
     "DEVICE_CALLS",
@@ -152,18 +153,6 @@ def code_name(value: int) -> str:
 def nvml_error(code: str, message: str = "") -> NvmlError:
     """An NvmlError for a symbolic code, with NVML's numeric value when it has one."""
     return NvmlError(code, NVML_ERROR_CODES.get(code, -1), message or code)
-
-
-def normalize_bus_id(bus_id: str) -> str:
-    """`00000000:1B:00.0` (NVML) -> `0000:1b:00.0` (sysfs, kernel log)."""
-    text = bus_id.strip().lower()
-    domain, sep, rest = text.partition(":")
-    if not sep or rest.count(":") != 1:
-        return text
-    try:
-        return f"{int(domain, 16):04x}:{rest}"
-    except ValueError:
-        return text
 
 
 @contextmanager

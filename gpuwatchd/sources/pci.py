@@ -12,6 +12,7 @@ common bridge is PHB; only the same NUMA node is NODE.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Mapping
@@ -20,19 +21,34 @@ from dataclasses import dataclass
 __all__ = ["AFFINITIES", "PciPlace", "gpu_affinity", "normalize_bus_id", "pci_place", "relation"]
 
 AFFINITIES = ("pcie_switch", "host_bridge", "numa_node")
+_HEX = frozenset("0123456789abcdefABCDEF")
 _ADDR = re.compile(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 
 
-def normalize_bus_id(bus_id: str) -> str:
-    """`00000000:1B:00.0` (NVML) -> `0000:1b:00.0` (sysfs)."""
-    text = bus_id.strip().lower()
-    domain, sep, rest = text.partition(":")
-    if not sep or rest.count(":") != 1:
-        return text
-    try:
-        return f"{int(domain, 16):04x}:{rest}"
-    except ValueError:
-        return text
+@functools.lru_cache(maxsize=4096)  # a node has a handful of bus ids; reports repeat them
+def normalize_bus_id(text: str) -> str:
+    """`PCI:0000:00:06` / `00:06.0` / `0000:D8:00.0` -> `0000:00:06.0`; "" if not a bus id.
+
+    NVML's form, lowercased, with a 4-digit domain. The driver's Xid lines
+    print no function number: GPUs are function 0.
+    """
+    s = text.strip()
+    if s[:4].upper() == "PCI:":
+        s = s[4:]
+    dev_part, dot, fn = s.partition(".")
+    parts = dev_part.split(":")
+    if len(parts) == 2:
+        parts.insert(0, "0")
+    if len(parts) != 3 or (dot and not fn):
+        return ""
+    fn = fn or "0"
+    for p, low, high in ((parts[0], 1, 8), (parts[1], 2, 2), (parts[2], 2, 2), (fn, 1, 1)):
+        if not low <= len(p) <= high or not set(p) <= _HEX:
+            return ""
+    dom, bus, dev, func = (int(p, 16) for p in (*parts, fn))
+    if dev > 0x1F or func > 7:
+        return ""
+    return f"{dom:04x}:{bus:02x}:{dev:02x}.{func:x}"
 
 
 @dataclass(frozen=True)

@@ -204,7 +204,7 @@ def test_gpu_info_carries_identity(rigs: list[Rig]) -> None:
         ("00000000:1B:00.0", "0000:1b:00.0"),
         ("0000:AF:00.0", "0000:af:00.0"),
         ("00000001:00:1E.0", "0001:00:1e.0"),
-        ("garbage", "garbage"),
+        ("garbage", ""),  # not a bus id: no label value rather than a made-up one
     ],
 )
 def test_bus_ids_are_normalised(raw: str, expected: str) -> None:
