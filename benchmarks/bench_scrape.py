@@ -98,7 +98,21 @@ def main() -> int:
     ap.add_argument("--peer-scrapes", type=int, default=50)
     ap.add_argument("--section", default="", help="docs/benchmarks.md section name")
     ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument(
+        "--hang",
+        action="store_true",
+        help="with --replay: every NVML call on GPU 0 blocks forever from the 2nd poll on",
+    )
     args = ap.parse_args()
+    label = args.replay or "real NVML"
+    if args.hang:
+        if not args.replay:
+            raise SystemExit("--hang needs --replay")
+        capture = json.loads(Path(args.replay).read_text())
+        capture["script"] = [{"device": 0, "call": "*", "from_poll": 2, "hang": True}]
+        hung = Path(tempfile.mkdtemp(prefix="gpuwatchd-hang-")) / "hung.json"
+        hung.write_text(json.dumps(capture))
+        args.replay = str(hung)
 
     port = free_port()
     state = tempfile.mkdtemp(prefix="gpuwatchd-bench-")
@@ -116,6 +130,10 @@ def main() -> int:
     ]
     if args.replay:
         cmd += ["--nvml-replay", args.replay]
+    if args.hang:
+        cfg = Path(state) / "config.yaml"
+        cfg.write_text("sources:\n  nvml:\n    interval: 0.5\n    call_timeout: 1\n")
+        cmd += ["--config", str(cfg)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
@@ -127,7 +145,7 @@ def main() -> int:
                 if time.monotonic() > deadline or proc.poll() is not None:
                     raise SystemExit("daemon did not come up") from None
                 time.sleep(0.1)
-        time.sleep(2)  # let every source finish its first poll
+        time.sleep(4 if args.hang else 2)  # first polls; with --hang, GPU 0 is hung by now
         for _ in range(20):
             scrape(port)  # warm-up
         lat, size = [], 0
@@ -147,7 +165,7 @@ def main() -> int:
         "mean_ms": statistics.fmean(lat) * 1e3,
         "exposition_bytes": size,
         "rss_mib": rss / 2**20,
-        "source": args.replay or "real NVML",
+        "source": label,
     }
     if args.peer and shutil.which("nvidia-smi"):
         peer = [peer_scrape() for _ in range(args.peer_scrapes)]
@@ -161,7 +179,9 @@ def main() -> int:
         rows = [
             "| figure | value |",
             "| --- | --- |",
-            f"| NVML data | {fig['source']} |",
+            f"| NVML data | {fig['source']}"
+            + (" with every call on GPU 0 hung (never returns)" if args.hang else "")
+            + " |",
             f"| scrapes | {args.scrapes} (new connection each) |",
             f"| /metrics latency p50 | {fig['p50_ms']:.2f} ms |",
             f"| /metrics latency p99 | {fig['p99_ms']:.2f} ms |",
