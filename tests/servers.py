@@ -20,13 +20,14 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 __all__ = [
     "AlertmanagerServer",
+    "LoopbackServer",
     "PrometheusServer",
     "alertmanager_binary",
     "alertmanager_server",
@@ -54,50 +55,35 @@ def alertmanager_binary() -> str | None:
     return shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
 
 
-class AlertmanagerServer:
-    """One Alertmanager process; `url` stays the same across stop()/start()."""
+class LoopbackServer:
+    """A server binary run on 127.0.0.1 with its files in `workdir`."""
 
-    def __init__(self, workdir: Path, web_config: str = "", scheme: str = "http") -> None:
-        binary = alertmanager_binary()
-        if binary is None:
-            pytest.skip("alertmanager not installed (Debian package prometheus-alertmanager)")
+    name = "server"
+
+    def __init__(self, workdir: Path, binary: str, scheme: str = "http") -> None:
         self.binary = binary
         self.workdir = workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.url = f"{scheme}://127.0.0.1:{self.port}"
-        self.config = workdir / "alertmanager.yml"
-        self.config.write_text(MINIMAL_CONFIG)
-        self.web_config = web_config
+        self.log = workdir / f"{self.name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
-        self.log = workdir / "alertmanager.log"
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
-    def start(self, timeout: float = 20.0) -> None:
-        args = [
-            self.binary,
-            f"--config.file={self.config}",
-            f"--storage.path={self.workdir / 'data'}",
-            f"--web.listen-address=127.0.0.1:{self.port}",
-            "--cluster.listen-address=",
-            "--log.level=warn",
-        ]
-        if self.web_config:
-            args.append(f"--web.config.file={self.web_config}")
+    def _launch(self, args: list[str], ready: Callable[[], bool], timeout: float) -> None:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"alertmanager exited: {self.log.read_text()[-2000:]}")
+                raise RuntimeError(f"{self.name} exited: {self.log.read_text()[-2000:]}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                    if self.web_config or self._get("/-/ready")[0] == 200:
-                        return
+                if ready():
+                    return
             except OSError:
                 pass
             time.sleep(0.1)
-        raise RuntimeError("alertmanager did not become ready")
+        raise RuntimeError(f"{self.name} did not become ready")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -111,10 +97,43 @@ class AlertmanagerServer:
 
     def _get(self, path: str) -> tuple[int, bytes]:
         try:
-            with self._opener.open(self.url + path, timeout=5) as resp:
+            with self._opener.open(self.url + path, timeout=10) as resp:
                 return int(resp.status), bytes(resp.read())
         except urllib.error.HTTPError as exc:
             return int(exc.code), bytes(exc.read())
+
+
+class AlertmanagerServer(LoopbackServer):
+    """One Alertmanager process; `url` stays the same across stop()/start()."""
+
+    name = "alertmanager"
+
+    def __init__(self, workdir: Path, web_config: str = "", scheme: str = "http") -> None:
+        binary = alertmanager_binary()
+        if binary is None:
+            pytest.skip("alertmanager not installed (Debian package prometheus-alertmanager)")
+        super().__init__(workdir, binary, scheme)
+        self.config = workdir / "alertmanager.yml"
+        self.config.write_text(MINIMAL_CONFIG)
+        self.web_config = web_config
+
+    def start(self, timeout: float = 20.0) -> None:
+        args = [
+            self.binary,
+            f"--config.file={self.config}",
+            f"--storage.path={self.workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            "--cluster.listen-address=",
+            "--log.level=warn",
+        ]
+        if self.web_config:
+            args.append(f"--web.config.file={self.web_config}")
+
+        def ready() -> bool:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                return bool(self.web_config) or self._get("/-/ready")[0] == 200
+
+        self._launch(args, ready, timeout)
 
     def alerts(self, **match: str) -> list[dict[str, object]]:
         """Active alerts (API v2) whose labels equal every `match` pair."""
@@ -151,27 +170,22 @@ def alertmanager_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Al
         server.stop()
 
 
-class PrometheusServer:
+class PrometheusServer(LoopbackServer):
     """One Prometheus process with a throwaway TSDB, scraping what `config` says.
 
     `config` is the prometheus.yml text; rule files it names are read as is.
     Use as a context manager or call start()/stop().
     """
 
+    name = "prometheus"
+
     def __init__(self, workdir: Path, config: str) -> None:
         binary = shutil.which("prometheus")
         if binary is None:
             pytest.skip("prometheus not installed (Debian package prometheus)")
-        self.binary = binary
-        self.workdir = workdir
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(workdir, binary)
         self.config = workdir / "prometheus.yml"
         self.config.write_text(config)
-        self.log = workdir / "prometheus.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     def start(self, timeout: float = 30.0) -> PrometheusServer:
         args = [
@@ -182,42 +196,14 @@ class PrometheusServer:
             "--storage.tsdb.retention.time=1h",
             "--log.level=warn",
         ]
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited: {self.log.read_text()[-2000:]}")
-            try:
-                if self._get("/-/ready")[0] == 200:
-                    return self
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError("prometheus did not become ready")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.proc = None
+        self._launch(args, lambda: self._get("/-/ready")[0] == 200, timeout)
+        return self
 
     def __enter__(self) -> PrometheusServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-    def _get(self, path: str) -> tuple[int, bytes]:
-        try:
-            with self._opener.open(self.url + path, timeout=10) as resp:
-                return int(resp.status), bytes(resp.read())
-        except urllib.error.HTTPError as exc:
-            return int(exc.code), bytes(exc.read())
 
     def api(self, path: str, **params: str) -> dict[str, object]:
         """GET /api/v1/<path>; returns the decoded body (status "success" or "error")."""
