@@ -22,6 +22,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,6 +57,48 @@ def scrape(port: int) -> tuple[float, int]:
     body = conn.getresponse().read()
     conn.close()
     return time.perf_counter() - t0, len(body)
+
+
+@contextmanager
+def running_daemon(
+    replay: str | None, config: str = ""
+) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """`gpuwatchd run` on a free loopback port, up and answering; stopped on exit."""
+    port = free_port()
+    state = tempfile.mkdtemp(prefix="gpuwatchd-bench-")
+    cmd = [
+        sys.executable,
+        "-m",
+        "gpuwatchd",
+        "run",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--state-dir",
+        state,
+        "--log-level",
+        "warning",
+    ]
+    if replay:
+        cmd += ["--nvml-replay", replay]
+    if config:
+        (Path(state) / "config.yaml").write_text(config)
+        cmd += ["--config", str(Path(state) / "config.yaml")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                scrape(port)
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise SystemExit("daemon did not come up") from None
+                time.sleep(0.1)
+        yield proc, port
+    finally:
+        proc.terminate()
+        proc.wait(15)
+        shutil.rmtree(state, ignore_errors=True)
 
 
 def rss_bytes(pid: int) -> int:
@@ -114,37 +158,8 @@ def main() -> int:
         hung.write_text(json.dumps(capture))
         args.replay = str(hung)
 
-    port = free_port()
-    state = tempfile.mkdtemp(prefix="gpuwatchd-bench-")
-    cmd = [
-        sys.executable,
-        "-m",
-        "gpuwatchd",
-        "run",
-        "--listen",
-        f"127.0.0.1:{port}",
-        "--state-dir",
-        state,
-        "--log-level",
-        "warning",
-    ]
-    if args.replay:
-        cmd += ["--nvml-replay", args.replay]
-    if args.hang:
-        cfg = Path(state) / "config.yaml"
-        cfg.write_text("sources:\n  nvml:\n    interval: 0.5\n    call_timeout: 1\n")
-        cmd += ["--config", str(cfg)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                scrape(port)
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise SystemExit("daemon did not come up") from None
-                time.sleep(0.1)
+    config = "sources:\n  nvml:\n    interval: 0.5\n    call_timeout: 1\n" if args.hang else ""
+    with running_daemon(args.replay, config) as (proc, port):
         time.sleep(4 if args.hang else 2)  # first polls; with --hang, GPU 0 is hung by now
         for _ in range(20):
             scrape(port)  # warm-up
@@ -153,10 +168,6 @@ def main() -> int:
             t, size = scrape(port)
             lat.append(t)
         rss = rss_bytes(proc.pid)
-    finally:
-        proc.terminate()
-        proc.wait(15)
-        shutil.rmtree(state, ignore_errors=True)
 
     fig = {
         "scrapes": args.scrapes,
