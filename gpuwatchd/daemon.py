@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.exposition import _SilentHandler
 
 from gpuwatchd import __version__, config, logs
@@ -223,6 +223,8 @@ class Daemon:
         self.pipeline: Pipeline | None = None
         self.httpd: WSGIServer | None = None
         self.registry = CollectorRegistry(auto_describe=False)
+        # process_* (CPU, RSS, open fds) so the daemon's own cost is watched too.
+        ProcessCollector(registry=self.registry)
         self._collector: SnapshotCollector | None = None
         self.web: webconfig.WebConfig | None = None
         self.services: Services | None = None

@@ -20,8 +20,8 @@ CAPTURE = FIXTURES / "nvml" / "h200x2-record.json"
 GOLDEN = FIXTURES / "e2e-output.txt"
 # Series whose values depend on the machine or the moment, not on the inputs.
 VOLATILE = re.compile(
-    r"^gpuwatchd_(build_info|\w+_duration_seconds|\w+_timestamp_seconds|shm_\w+|udev_\w+|"
-    r"kmsg_\w+|process_\w+)"
+    r"^(process_\w+|gpuwatchd_(build_info|\w+_duration_seconds|\w+_timestamp_seconds|shm_\w+|"
+    r"udev_\w+|kmsg_\w+))"
 )
 
 
