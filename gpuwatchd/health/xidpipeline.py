@@ -235,6 +235,8 @@ class XidPipeline:
             ev.severity,
             ev.attr("action"),
             ev.message,
+            # Upper-case extras become journal fields under systemd (logs.py).
+            extra=journal_fields(ev),
         )
 
     def _publish(self, now: float) -> None:
@@ -311,3 +313,17 @@ class XidPipeline:
 
 def _clear(r: StoredClear) -> Clear:
     return Clear(r.time, r.who, r.pci_bus_id, r.code, r.kind, r.reason, r.reset)
+
+
+def journal_fields(ev: Event) -> dict[str, str]:
+    """Structured fields for the journal entry of an Xid/SXid report."""
+    fields = {
+        "XID" if ev.kind == "xid" else "SXID": str(ev.code),
+        "PCI_BUS_ID": ev.pci_bus_id,
+        "GPU_UUID": ev.attr("uuid"),
+        "GPU_INDEX": ev.attr("gpu"),
+        "XID_SEVERITY": str(ev.severity),
+        "XID_ACTION": ev.attr("action"),
+        "XID_PID": ev.attr("pid"),
+    }
+    return {k: v for k, v in fields.items() if v}

@@ -187,3 +187,17 @@ def test_reconfigure_keeps_state_and_applies_new_policy(tmp_path: Path) -> None:
     assert [a.info.severity.name for a in node.pipeline.active()] == ["CRITICAL"]
     assert len(node.store.recent()) == 1  # same burst, one row
     node.stop()
+
+
+def test_xid_log_entry_carries_journal_fields(tmp_path: Path, caplog) -> None:
+    # Upper-case extras on the record are what systemd's JournalHandler sends as fields.
+    (tmp_path / "kmsg").write_text(raw(1, xid(79, pid=4242)))
+    node = Node(tmp_path, FakeClock())
+    with caplog.at_level("WARNING", logger="gpuwatchd.health.xid"):
+        node.poll()
+    node.stop()
+    rec = next(r for r in caplog.records if "Xid 79" in r.getMessage())
+    assert rec.XID == "79"
+    assert rec.PCI_BUS_ID == "0000:00:06.0"
+    assert rec.XID_PID == "4242"
+    assert rec.XID_SEVERITY == "critical"
