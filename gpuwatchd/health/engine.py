@@ -203,6 +203,8 @@ class HealthEngine:
         self._last_sent: tuple[Finding, ...] | None = None
         self._last_view: View | None = None
         self._fetch_clears = clears
+        self._last_inputs: dict[str, tuple[bool, tuple[Sample, ...]]] = {}
+        self._last_eval = float("-inf")
         self._clears_seen: set[int] = set()
         # The GPU count seen at first start survives restarts through `on_baseline`.
         self.history.restore(baseline_gpus)
@@ -240,9 +242,23 @@ class HealthEngine:
     # --- input -----------------------------------------------------------------
 
     def on_publish(
-        self, snap: NodeSnapshot, _source: SourceSnapshot | None, _events: tuple[Event, ...]
+        self, snap: NodeSnapshot, source: SourceSnapshot | None, events: tuple[Event, ...]
     ) -> None:
-        """State listener: evaluate with the snapshot just published."""
+        """State listener: evaluate with the snapshot just published.
+
+        A publish that changes nothing within a second of the last evaluation
+        (the kernel log source publishes every half second while the log is
+        quiet) is skipped: nothing a rule reads has moved, and time-based
+        rules are covered by the next publish or the daemon's 1 s tick.
+        """
+        if source is not None and not events:
+            key = (source.ok, source.samples)
+            now = self._clock.time()
+            with self._lock:
+                same = self._last_inputs.get(source.source) == key
+                self._last_inputs[source.source] = key
+                if same and now - self._last_eval < 1.0:
+                    return
         self.evaluate(snap)
 
     def evaluate(self, snap: NodeSnapshot | None = None, now: float | None = None) -> list[Finding]:
@@ -251,6 +267,7 @@ class HealthEngine:
             now = self._clock.time() if now is None else now
             if snap is None:
                 snap = self._state.snapshot() if self._state is not None else NodeSnapshot()
+            self._last_eval = now
             view = View(snap)
             self._last_view = view
             self.history.observe(view, now)

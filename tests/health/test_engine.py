@@ -275,3 +275,28 @@ def test_tick_applies_clears_written_to_the_store(tmp_path) -> None:
     assert engine.tick() == []
     assert engine.tick() == []  # applied once, stays applied
     store.close()
+
+
+def test_quiet_repeat_publish_is_not_re_evaluated_within_a_second() -> None:
+    engine, state, clock = make()
+    runs: list[float] = []
+    original = engine.evaluate
+
+    def counting(*a, **k):  # type: ignore[no-untyped-def]
+        runs.append(clock.time())
+        return original(*a, **k)
+
+    engine.evaluate = counting  # type: ignore[method-assign]
+    node = Node()
+    publish(state, node, clock)
+    first = len(runs)
+    clock.advance(0.5)
+    publish(state, node, clock)  # same samples, half a second later: skipped
+    assert len(runs) == first
+    clock.advance(1.0)
+    publish(state, node, clock)  # same samples, but a second has passed: evaluated
+    assert len(runs) > first
+    hot = Node(gpus={U0: {"remap_pending": 1}, U1: {}})
+    n = len(runs)
+    publish(state, hot, clock)  # changed samples: evaluated at once
+    assert len(runs) > n
