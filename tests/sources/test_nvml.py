@@ -642,7 +642,7 @@ def test_real_xid_event_set_waits_and_times_out() -> None:
         source.close()
 
 
-# --- captures recorded with `gpuwatchd record` on the lent machines -------------------
+# --- captures recorded with `gpuwatchd record` on real GPU machines --------------------
 
 H200X2_RECORD = FIXTURES / "h200x2-record.json"
 H100_RECORD = FIXTURES / "h100-record.json"
