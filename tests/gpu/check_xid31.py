@@ -17,9 +17,7 @@ configured critical, 0 after the clear).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
-import os
 import sys
 import tempfile
 import time
@@ -29,48 +27,16 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
+from faults import illegal_write_ptx  # noqa: E402  (tests/gpu is on sys.path)
+
 from gpuwatchd import checkcmd, config  # noqa: E402
 from gpuwatchd.sources import SourceSpec, registry  # noqa: E402
-
-PTX = b"""
-.version 7.0
-.target sm_70
-.address_size 64
-.visible .entry scribble(.param .u64 where)
-{
-    .reg .u64 %rd<2>;
-    .reg .u32 %r<2>;
-    ld.param.u64 %rd1, [where];
-    mov.u32 %r1, 31;
-    st.global.u32 [%rd1], %r1;
-    ret;
-}
-"""
-UNMAPPED = 0x7F_0000_0000  # no allocation lives here in a fresh context
 
 
 def cuda_illegal_write() -> dict[str, Any]:
     """Launch one thread that stores to an unmapped GPU address; returns CUDA's verdict."""
-    cuda = ctypes.CDLL("libcuda.so.1")
-
-    def ok(name: str, *args: Any) -> int:
-        rc = int(getattr(cuda, name)(*args))
-        if rc != 0:
-            raise RuntimeError(f"{name} returned CUresult {rc}")
-        return rc
-
-    ok("cuInit", 0)
-    dev, ctx, mod, fn = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-    ok("cuDeviceGet", ctypes.byref(dev), 0)
-    ok("cuCtxCreate_v2", ctypes.byref(ctx), 0, dev)
-    ok("cuModuleLoadData", ctypes.byref(mod), ctypes.c_char_p(PTX))
-    ok("cuModuleGetFunction", ctypes.byref(fn), mod, b"scribble")
-    where = ctypes.c_uint64(UNMAPPED)
-    params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.byref(where), ctypes.c_void_p))
-    launched = time.time()
-    launch = int(cuda.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, None, params, None))
-    sync = int(cuda.cuCtxSynchronize())
-    return {"launch": launch, "synchronize": sync, "launched_at": launched, "pid": os.getpid()}
+    r = illegal_write_ptx()
+    return {k: r[k] for k in ("launch", "synchronize", "launched_at", "pid")}
 
 
 def run_check(cfg: config.Config) -> dict[str, Any]:

@@ -30,7 +30,6 @@ record -> metric latency was under --max-latency (default 1 s).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import re
@@ -47,22 +46,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-UNMAPPED = 0x7F_0000_0000  # nothing is mapped here in a fresh CUDA context
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from faults import UNMAPPED, illegal_write_ptx  # noqa: E402
 
-PTX = b"""
-.version 7.0
-.target sm_70
-.address_size 64
-.visible .entry scribble(.param .u64 where)
-{
-    .reg .u64 %rd<2>;
-    .reg .u32 %r<2>;
-    ld.param.u64 %rd1, [where];
-    mov.u32 %r1, 31;
-    st.global.u32 [%rd1], %r1;
-    ret;
-}
-"""
 CUPY_SOURCE = r"""
 extern "C" __global__ void scribble(unsigned int* where) { *where = 31u; }
 """
@@ -71,41 +57,15 @@ extern "C" __global__ void scribble(unsigned int* where) { *where = 31u; }
 # --- the faulting child -------------------------------------------------------------------
 
 
-def _bus_of_device0_ctypes(cuda: Any) -> str:
-    buf = ctypes.create_string_buffer(64)
-    dev = ctypes.c_int()
-    cuda.cuDeviceGet(ctypes.byref(dev), 0)
-    cuda.cuDeviceGetPCIBusId(buf, 64, dev)
-    return buf.value.decode()
-
-
 def fault_ptx() -> dict[str, Any]:
-    cuda = ctypes.CDLL("libcuda.so.1")
-
-    def ok(name: str, *args: Any) -> None:
-        rc = int(getattr(cuda, name)(*args))
-        if rc != 0:
-            raise RuntimeError(f"{name} returned CUresult {rc}")
-
-    ok("cuInit", 0)
-    dev, ctx, mod, fn = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-    ok("cuDeviceGet", ctypes.byref(dev), 0)
-    ok("cuCtxCreate_v2", ctypes.byref(ctx), 0, dev)
-    ok("cuModuleLoadData", ctypes.byref(mod), ctypes.c_char_p(PTX))
-    ok("cuModuleGetFunction", ctypes.byref(fn), mod, b"scribble")
-    bus = _bus_of_device0_ctypes(cuda)
-    where = ctypes.c_uint64(UNMAPPED)
-    params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.byref(where), ctypes.c_void_p))
-    launched = time.monotonic()
-    launch = int(cuda.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, None, params, None))
-    sync = int(cuda.cuCtxSynchronize())
+    r = illegal_write_ptx()
     return {
         "via": "ptx",
-        "bus": bus,
-        "launch_rc": launch,
-        "sync_rc": sync,
-        "launched_mono": launched,
-        "illegal_address": sync == 700,
+        "bus": r["bus"],
+        "launch_rc": r["launch"],
+        "sync_rc": r["synchronize"],
+        "launched_mono": r["launched_mono"],
+        "illegal_address": r["synchronize"] == 700,
     }
 
 
