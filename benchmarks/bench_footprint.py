@@ -10,7 +10,6 @@ Prometheus would, then reports the CPU it used (utime + stime from
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -20,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_scrape import rss_bytes, running_daemon, scrape  # noqa: E402
-from benchmarks.report import update_section  # noqa: E402
+from benchmarks.report import publish  # noqa: E402
 
 
 def cpu_seconds(pid: int) -> float:
@@ -48,25 +47,13 @@ def main() -> int:
         "rss_end_mib": rss1 / 2**20,
         "source": args.replay or "real NVML",
     }
-    print(json.dumps(fig, indent=1))
-    if args.section:
-        update_section(
-            args.section,
-            "\n".join(
-                [
-                    f"## Steady-state footprint ({args.section})",
-                    "",
-                    "| figure | value |",
-                    "| --- | --- |",
-                    f"| NVML data | {fig['source']} |",
-                    f"| run | {fig['seconds']:.0f} s, all sources at default intervals, "
-                    "a scrape every 15 s |",
-                    f"| CPU | {fig['cpu_share_of_one_core'] * 100:.2f} % of one core |",
-                    f"| RSS at start / end | {fig['rss_start_mib']:.1f} / "
-                    f"{fig['rss_end_mib']:.1f} MiB |",
-                ]
-            ),
-        )
+    rows = [
+        f"| NVML data | {fig['source']} |",
+        f"| run | {fig['seconds']:.0f} s, all sources at default intervals, a scrape every 15 s |",
+        f"| CPU | {fig['cpu_share_of_one_core'] * 100:.2f} % of one core |",
+        f"| RSS at start / end | {fig['rss_start_mib']:.1f} / {fig['rss_end_mib']:.1f} MiB |",
+    ]
+    publish(fig, "Steady-state footprint", rows, args.section)
     return 0
 
 

@@ -3,7 +3,7 @@
 Measures NvmlSource.poll() wall time over N polls in two modes: a regular
 poll (NVLink error counters skipped, as between their own 60 s interval) and
 a full poll that also reads every NVLink error counter. Also times one
-`nvidia-smi --query-gpu=... --format=csv` run, the call an nvidia-smi based
+`nvidia-smi --query-gpu=...` scrape (query + render), what an nvidia-smi based
 exporter makes per scrape, and gives the ratio.
 
     python benchmarks/bench_poll.py --section poll-h200       # on a GPU machine
@@ -13,10 +13,8 @@ exporter makes per scrape, and gives the ratio.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,8 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_scrape import SMI_FIELDS, pct  # noqa: E402
-from benchmarks.report import update_section  # noqa: E402
+from benchmarks.bench_scrape import pct, peer_scrape  # noqa: E402
+from benchmarks.report import publish  # noqa: E402
 from gpuwatchd.sources.nvml import NvmlSource  # noqa: E402
 from gpuwatchd.sources.nvml_client import Pynvml  # noqa: E402
 
@@ -73,38 +71,23 @@ def main() -> int:
         "regular_poll_ms_mean": statistics.fmean(reg) * 1e3,
     }
     if shutil.which("nvidia-smi") and not args.replay:
-        smi = []
-        for _ in range(10):
-            t0 = time.perf_counter()
-            subprocess.run(
-                ["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv"],
-                capture_output=True,
-                check=True,
-            )
-            smi.append(time.perf_counter() - t0)
+        smi = [peer_scrape() for _ in range(10)]  # the query an nvidia-smi exporter runs
         fig["nvidia_smi_ms_p50"] = pct(smi, 0.5) * 1e3
         fig["ratio_smi_over_regular_poll"] = fig["nvidia_smi_ms_p50"] / fig["regular_poll_ms_p50"]
-    print(json.dumps(fig, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(fig, indent=1))
-    if args.section:
-        rows = [
-            "| figure | value |",
-            "| --- | --- |",
-            f"| GPUs | {gpus} ({'replay ' + args.replay if args.replay else 'real NVML'}) |",
-            f"| regular poll, all GPUs (p50 of {args.polls}) | "
-            f"{fig['regular_poll_ms_p50']:.2f} ms |",
-            f"| regular poll per GPU | {fig['regular_poll_ms_per_gpu']:.2f} ms |",
-            f"| full poll incl. every NVLink error counter, per GPU | "
-            f"{fig['full_poll_ms_per_gpu']:.1f} ms |",
+    rows = [
+        f"| GPUs | {gpus} ({'replay ' + args.replay if args.replay else 'real NVML'}) |",
+        f"| regular poll, all GPUs (p50 of {args.polls}) | {fig['regular_poll_ms_p50']:.2f} ms |",
+        f"| regular poll per GPU | {fig['regular_poll_ms_per_gpu']:.2f} ms |",
+        f"| full poll incl. every NVLink error counter, per GPU | "
+        f"{fig['full_poll_ms_per_gpu']:.1f} ms |",
+    ]
+    if "nvidia_smi_ms_p50" in fig:
+        rows += [
+            f"| nvidia-smi exporter scrape, query + render (p50 of 10) | "
+            f"{fig['nvidia_smi_ms_p50']:.1f} ms |",
+            f"| ratio nvidia-smi / regular poll | {fig['ratio_smi_over_regular_poll']:.0f}x |",
         ]
-        if "nvidia_smi_ms_p50" in fig:
-            rows += [
-                f"| one `nvidia-smi --query-gpu` run (p50 of 10) | "
-                f"{fig['nvidia_smi_ms_p50']:.1f} ms |",
-                f"| ratio nvidia-smi / regular poll | {fig['ratio_smi_over_regular_poll']:.0f}x |",
-            ]
-        update_section(args.section, f"## NVML poll cost ({args.section})\n\n" + "\n".join(rows))
+    publish(fig, "NVML poll cost", rows, args.section, args.json or "")
     return 0
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import update_section  # noqa: E402
+from benchmarks.report import publish  # noqa: E402
 
 # The fields nvidia_gpu_exporter asks nvidia-smi for (a representative subset of its default).
 SMI_FIELDS = (
@@ -183,29 +183,23 @@ def main() -> int:
         fig["peer_p50_ms"] = pct(peer, 0.50) * 1e3
         fig["peer_p99_ms"] = pct(peer, 0.99) * 1e3
         fig["ratio_p50"] = fig["peer_p50_ms"] / fig["p50_ms"]
-    print(json.dumps(fig, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(fig, indent=1))
-    if args.section:
-        rows = [
-            "| figure | value |",
-            "| --- | --- |",
-            f"| NVML data | {fig['source']}"
-            + (" with every call on GPU 0 hung (never returns)" if args.hang else "")
-            + " |",
-            f"| scrapes | {args.scrapes} (new connection each) |",
-            f"| /metrics latency p50 | {fig['p50_ms']:.2f} ms |",
-            f"| /metrics latency p99 | {fig['p99_ms']:.2f} ms |",
-            f"| exposition size | {size} bytes |",
-            f"| daemon RSS after the run | {fig['rss_mib']:.1f} MiB |",
+    rows = [
+        f"| NVML data | {fig['source']}"
+        + (" with every call on GPU 0 hung (never returns)" if args.hang else "")
+        + " |",
+        f"| scrapes | {args.scrapes} (new connection each) |",
+        f"| /metrics latency p50 | {fig['p50_ms']:.2f} ms |",
+        f"| /metrics latency p99 | {fig['p99_ms']:.2f} ms |",
+        f"| exposition size | {size} bytes |",
+        f"| daemon RSS after the run | {fig['rss_mib']:.1f} MiB |",
+    ]
+    if "peer_p50_ms" in fig:
+        rows += [
+            f"| nvidia-smi exporter scrape p50 | {fig['peer_p50_ms']:.1f} ms |",
+            f"| nvidia-smi exporter scrape p99 | {fig['peer_p99_ms']:.1f} ms |",
+            f"| ratio (nvidia-smi p50 / gpuwatchd p50) | {fig['ratio_p50']:.0f}x |",
         ]
-        if "peer_p50_ms" in fig:
-            rows += [
-                f"| nvidia-smi exporter scrape p50 | {fig['peer_p50_ms']:.1f} ms |",
-                f"| nvidia-smi exporter scrape p99 | {fig['peer_p99_ms']:.1f} ms |",
-                f"| ratio (nvidia-smi p50 / gpuwatchd p50) | {fig['ratio_p50']:.0f}x |",
-            ]
-        update_section(args.section, f"## Scrape latency ({args.section})\n\n" + "\n".join(rows))
+    publish(fig, "Scrape latency", rows, args.section, args.json or "")
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import re
@@ -50,3 +51,16 @@ def update_section(name: str, body: str, doc: Path = DOC) -> None:
         text = text.rstrip() + "\n\n" + block + "\n"
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text)
+
+
+def publish(
+    fig: dict[str, object], title: str, rows: list[str], section: str = "", json_path: str = ""
+) -> None:
+    """Print the figures as JSON, optionally save them, and write a table section."""
+    text = json.dumps(fig, indent=1)
+    print(text)
+    if json_path:
+        Path(json_path).write_text(text)
+    if section:
+        table = ["| figure | value |", "| --- | --- |", *rows]
+        update_section(section, f"## {title} ({section})\n\n" + "\n".join(table))
