@@ -35,9 +35,9 @@ from gpuwatchd.clock import SystemClock  # noqa: E402
 from gpuwatchd.config import Config, PathsConfig  # noqa: E402
 from gpuwatchd.model import Event  # noqa: E402
 from gpuwatchd.sources import SourceContext  # noqa: E402
-from gpuwatchd.sources.kmsg import KmsgSource  # noqa: E402
-from gpuwatchd.sources.kmsg_parse import KmsgParser, parse_line  # noqa: E402
-from gpuwatchd.sources.kmsg_readers import KmsgReader  # noqa: E402
+from gpuwatchd.sources.kmsg.parse import KmsgParser, parse_line  # noqa: E402
+from gpuwatchd.sources.kmsg.readers import KmsgReader  # noqa: E402
+from gpuwatchd.sources.kmsg.source import KmsgSource  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "kmsg"
 

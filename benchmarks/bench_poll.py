@@ -24,8 +24,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_scrape import pct, peer_scrape  # noqa: E402
 from benchmarks.report import publish  # noqa: E402
-from gpuwatchd.sources.nvml import NvmlSource  # noqa: E402
-from gpuwatchd.sources.nvml_client import Pynvml  # noqa: E402
+from gpuwatchd.sources.nvml.client import Pynvml  # noqa: E402
+from gpuwatchd.sources.nvml.source import NvmlSource  # noqa: E402
 
 
 def run(source: NvmlSource, polls: int) -> list[float]:
@@ -47,7 +47,7 @@ def main() -> int:
 
     def make(nvlink_every: float) -> NvmlSource:
         if args.replay:
-            from gpuwatchd.testing.replay import ReplayClient
+            from gpuwatchd.sources.nvml.replay import ReplayClient
 
             return NvmlSource(ReplayClient.load(args.replay), nvlink_error_interval=nvlink_every)
         return NvmlSource(Pynvml(), nvlink_error_interval=nvlink_every)

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.report import update_section  # noqa: E402
-from gpuwatchd.sources.shm import ShmSource  # noqa: E402
+from gpuwatchd.sources.shm.source import ShmSource  # noqa: E402
 
 RANK = r"""
 import mmap, os, sys

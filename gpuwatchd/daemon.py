@@ -25,11 +25,11 @@ from gpuwatchd import __version__, config, logs
 from gpuwatchd.clock import Clock, SystemClock
 from gpuwatchd.config import Config
 from gpuwatchd.errors import ConfigError, StoreError
+from gpuwatchd.http import webconfig
 from gpuwatchd.model import MetricSpec
-from gpuwatchd.runner import Runner
 from gpuwatchd.services import METRICS as SERVICE_METRICS
 from gpuwatchd.services import Services
-from gpuwatchd.sinks import alertmanager, webconfig
+from gpuwatchd.sinks.alertmanager import sink as alertmanager
 from gpuwatchd.sinks.prometheus import (
     Route,
     SnapshotCollector,
@@ -38,6 +38,7 @@ from gpuwatchd.sinks.prometheus import (
     write_textfile,
 )
 from gpuwatchd.sources import SourceContext, all_metrics, build_sources, enabled, registry
+from gpuwatchd.sources.runner import Runner
 from gpuwatchd.state import State
 from gpuwatchd.systemd import Notifier
 

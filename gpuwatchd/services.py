@@ -17,11 +17,12 @@ from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config
 from gpuwatchd.health import engine as engine_mod
 from gpuwatchd.health.engine import HealthEngine
-from gpuwatchd.health.xidpipeline import METRICS as XID_METRICS
-from gpuwatchd.health.xidpipeline import XidPipeline
+from gpuwatchd.health.xid.pipeline import METRICS as XID_METRICS
+from gpuwatchd.health.xid.pipeline import XidPipeline
 from gpuwatchd.model import MetricSpec
-from gpuwatchd.sinks import alertmanager, store
-from gpuwatchd.sinks.alertmanager import AlertSink
+from gpuwatchd.sinks import store
+from gpuwatchd.sinks.alertmanager.sink import AlertSink
+from gpuwatchd.sinks.alertmanager import sink as alertmanager
 from gpuwatchd.sinks.prometheus import Route
 from gpuwatchd.sinks.store import EventStore
 from gpuwatchd.state import State

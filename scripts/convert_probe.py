@@ -7,7 +7,7 @@ reads tests/fixtures/nvml/source/h200x2-nvml-probe.json (the probe's own
 format: one ok/value or NVML error per call) and writes h200x2-probe.json
 (the same answers under the call names NvmlSource uses) and
 h200x8-from-h200x2.json (the same, widened to 8 GPUs by
-gpuwatchd.testing.replay.expand_devices). Probe entries the source never
+gpuwatchd.sources.nvml.replay.expand_devices). Probe entries the source never
 asks for are left out; calls the probe never made stay absent, so the
 replay answers them NOT_RECORDED. See tests/fixtures/nvml/PROVENANCE.md.
 """
@@ -22,8 +22,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gpuwatchd.sources.nvml_client import code_name  # noqa: E402
-from gpuwatchd.testing.replay import FORMAT, expand_devices  # noqa: E402
+from gpuwatchd.sources.nvml.client import code_name  # noqa: E402
+from gpuwatchd.sources.nvml.replay import FORMAT, expand_devices  # noqa: E402
 
 PROBE = "source/h200x2-nvml-probe.json"
 

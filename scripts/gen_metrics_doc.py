@@ -28,8 +28,8 @@ DOC = ROOT / "docs" / "metrics.md"
 PRODUCERS: tuple[tuple[str, str, str], ...] = (
     ("gpuwatchd.sources", "registry", "sources"),
     ("gpuwatchd.health.engine", "METRICS", "health"),
-    ("gpuwatchd.health.xidpipeline", "METRICS", "xid"),
-    ("gpuwatchd.sinks.alertmanager", "METRICS", "alerts"),
+    ("gpuwatchd.health.xid.pipeline", "METRICS", "xid"),
+    ("gpuwatchd.sinks.alertmanager.sink", "METRICS", "alerts"),
     ("gpuwatchd.sinks.prometheus", "DAEMON_METRICS", "daemon"),
 )
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd import checkcmd, config
+from gpuwatchd import config
+from gpuwatchd.cli import check as checkcmd
 from gpuwatchd.sources import SourceSpec, registry
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,7 +27,7 @@ XID109 = FIX / "kmsg" / "dmesg-T-xid13-xid109.txt"  # Xid 13 x3, then 109, dated
 @pytest.fixture(autouse=True)
 def kmsg_registered(monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel log source, in case the registry does not list it (yet)."""
-    from gpuwatchd.sources import kmsg
+    from gpuwatchd.sources.kmsg import source as kmsg
 
     if "kmsg" not in registry():
         monkeypatch.setitem(

@@ -44,10 +44,16 @@ def test_rendered_default_loads_back_to_defaults() -> None:
             "cannot read",
         ),
         ("a: [\n", "line 2", "invalid YAML"),
-        ("sources:\n  infiniband:\n    device_include: 'mlx5_('\n",
-         "sources.infiniband.device_include", "bad regex"),
-        ("sources:\n  shm:\n    patterns: [nccl-*, ../etc/*]\n",
-         "sources.shm.patterns[1]", "without '/'"),
+        (
+            "sources:\n  infiniband:\n    device_include: 'mlx5_('\n",
+            "sources.infiniband.device_include",
+            "bad regex",
+        ),
+        (
+            "sources:\n  shm:\n    patterns: [nccl-*, ../etc/*]\n",
+            "sources.shm.patterns[1]",
+            "without '/'",
+        ),
     ],
 )
 def test_bad_config_names_file_key_and_problem(text: str, key: str, problem: str) -> None:

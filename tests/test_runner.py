@@ -10,7 +10,7 @@ from gpuwatchd.clock import SystemClock
 from gpuwatchd.deadline import CallTimeout, DeadlineRunner, StuckError
 from gpuwatchd.errors import SourceError
 from gpuwatchd.model import Event, Sample
-from gpuwatchd.runner import Runner
+from gpuwatchd.sources.runner import Runner
 from gpuwatchd.state import State
 
 

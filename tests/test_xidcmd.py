@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd import xidcmd
+from gpuwatchd.cli import xid as xidcmd
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "kmsg"
 

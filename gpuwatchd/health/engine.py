@@ -26,7 +26,7 @@ from gpuwatchd.health.history import History, View, gpu_key, norm_bus_id
 from gpuwatchd.health.node_rules import NodeRules
 from gpuwatchd.health.rules import Inputs, XidCondition
 from gpuwatchd.health.stuck import StuckDetector, StuckThresholds, proc_describer
-from gpuwatchd.health.xidtracker import ActiveXid
+from gpuwatchd.health.xid.tracker import ActiveXid
 from gpuwatchd.model import (
     Event,
     Finding,

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from gpuwatchd.model import Action, Finding, Labels, Sample, Severity
-from gpuwatchd.sources.infiniband import ERROR_COUNTERS, PHYS_LINK_UP, STATE_ACTIVE
+from gpuwatchd.ports import ERROR_COUNTERS, PHYS_LINK_UP, STATE_ACTIVE
 
 if TYPE_CHECKING:
     from gpuwatchd.config import Config

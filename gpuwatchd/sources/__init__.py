@@ -75,7 +75,11 @@ class SourceSpec:
 def _registry() -> dict[str, SourceSpec]:
     # Imported here, not at module top, so importing one source never
     # imports the others (and none of them imports pynvml or pyudev eagerly).
-    from gpuwatchd.sources import infiniband, kmsg, nvml, shm, udev
+    from gpuwatchd.sources import udev
+    from gpuwatchd.sources.infiniband import source as infiniband
+    from gpuwatchd.sources.kmsg import source as kmsg
+    from gpuwatchd.sources.nvml import source as nvml
+    from gpuwatchd.sources.shm import source as shm
 
     return {
         "nvml": SourceSpec(nvml.NvmlSource.from_config, True, nvml.METRICS),

@@ -249,7 +249,7 @@ def test_tls_without_secret_fails_to_render() -> None:
 
 def test_web_config_secret_is_a_valid_web_config(tmp_path: Path) -> None:
     from gpuwatchd.errors import ConfigError
-    from gpuwatchd.sinks import webconfig
+    from gpuwatchd.http import webconfig
 
     objs = objects(CASES["everything-on"])
     (secret,) = kind(objs, "Secret")

@@ -158,8 +158,8 @@ def result(prom: PrometheusServer, expr: str) -> list[Any]:
 # Producers of samples besides the registered sources (as scripts/gen_metrics_doc.py lists them).
 PRODUCERS = (
     ("gpuwatchd.health.engine", "METRICS"),
-    ("gpuwatchd.health.xidpipeline", "METRICS"),
-    ("gpuwatchd.sinks.alertmanager", "METRICS"),
+    ("gpuwatchd.health.xid.pipeline", "METRICS"),
+    ("gpuwatchd.sinks.alertmanager.sink", "METRICS"),
     ("gpuwatchd.sinks.prometheus", "DAEMON_METRICS"),
 )
 TARGET_LABELS = {"cluster", "node", "job", "instance"}

@@ -61,7 +61,7 @@ def main() -> int:
     parser.add_argument("--out", help="also write the result JSON here")
     args = parser.parse_args()
     if "kmsg" not in registry():  # older trees register only the polled sources
-        from gpuwatchd.sources import kmsg
+        from gpuwatchd.sources.kmsg import source as kmsg
 
         registry()["kmsg"] = SourceSpec(kmsg.KmsgSource.from_config, True, kmsg.METRICS)
 

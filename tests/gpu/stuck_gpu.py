@@ -100,8 +100,8 @@ class GpuwatchdReader:
     name = "gpuwatchd.NvmlSource"
 
     def __init__(self, bus: str) -> None:
-        from gpuwatchd.sources.nvml import NvmlSource
-        from gpuwatchd.sources.nvml_client import Pynvml
+        from gpuwatchd.sources.nvml.client import Pynvml
+        from gpuwatchd.sources.nvml.source import NvmlSource
 
         self.source = NvmlSource(Pynvml(), interval=1.0, call_timeout=5.0)
         self.source.poll(time.time())

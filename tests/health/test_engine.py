@@ -235,7 +235,7 @@ def test_node_rules_and_stuck_detector_run_in_the_engine() -> None:
 
 
 def test_gpu_count_baseline_survives_restart(tmp_path) -> None:
-    from gpuwatchd.sinks.alertmanager import AlertSink
+    from gpuwatchd.sinks.alertmanager.sink import AlertSink
 
     sink = AlertSink(Config(), str(tmp_path / "db"), FakeClock(T0), "n")
     clock, state = FakeClock(T0), State()

@@ -22,8 +22,8 @@ from gpuwatchd.health.node_rules import (
     shm_findings,
 )
 from gpuwatchd.model import Action, Finding, Sample, Severity, SourceSnapshot
-from gpuwatchd.sources.infiniband import InfinibandSource
-from gpuwatchd.sources.shm import ShmSource
+from gpuwatchd.sources.infiniband.source import InfinibandSource
+from gpuwatchd.sources.shm.source import ShmSource
 from gpuwatchd.state import NodeSnapshot
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "sys"

@@ -29,9 +29,9 @@ from gpuwatchd.health.stuck import (
     step,
 )
 from gpuwatchd.model import Action, Sample, Severity, SourceSnapshot
-from gpuwatchd.sources.nvml import NvmlSource
+from gpuwatchd.sources.nvml.replay import ReplayClient
+from gpuwatchd.sources.nvml.source import NvmlSource
 from gpuwatchd.state import NodeSnapshot
-from gpuwatchd.testing.replay import ReplayClient
 
 H200X2 = Path(__file__).resolve().parent.parent / "fixtures" / "nvml" / "h200x2-probe.json"
 T = StuckThresholds(min_duration_seconds=300, max_gap_seconds=120)

@@ -13,7 +13,7 @@ import yaml
 
 from gpuwatchd import config
 from gpuwatchd.errors import CatalogError, ConfigError
-from gpuwatchd.health import xid
+from gpuwatchd.health.xid import catalog as xid
 from gpuwatchd.model import Action, Severity
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -40,7 +40,7 @@ def test_yaml_and_json_load_to_the_same_catalog() -> None:
 def test_cli_start_pays_no_yaml() -> None:
     code = (
         "import sys, time; t = time.perf_counter(); "
-        "from gpuwatchd.health import xid; xid.default_catalog(); "
+        "from gpuwatchd.health.xid import catalog as xid; xid.default_catalog(); "
         "print(time.perf_counter() - t, 'yaml' in sys.modules)"
     )
     out = subprocess.run(

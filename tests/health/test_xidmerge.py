@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpuwatchd.health.xidmerge import XidMerger, richer, same_report
+from gpuwatchd.health.xid.merge import XidMerger, richer, same_report
 from gpuwatchd.model import Event
 
 T = 1_700_000_000.0

@@ -6,12 +6,12 @@ from pathlib import Path
 
 from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import Config, DaemonConfig, KmsgConfig, PathsConfig, SourcesConfig
-from gpuwatchd.health.xidpipeline import METRICS, XidPipeline
+from gpuwatchd.health.xid.pipeline import METRICS, XidPipeline
 from gpuwatchd.model import Event, SourceSnapshot
-from gpuwatchd.runner import Runner
 from gpuwatchd.sinks.store import EventStore
 from gpuwatchd.sources import SourceContext
-from gpuwatchd.sources.kmsg import KmsgSource
+from gpuwatchd.sources.kmsg.source import KmsgSource
+from gpuwatchd.sources.runner import Runner
 from gpuwatchd.state import State
 
 BOOT = "9d1f6a0e-1111-4222-8333-444455556666"
@@ -193,7 +193,7 @@ def test_xid_log_entry_carries_journal_fields(tmp_path: Path, caplog) -> None:
     # Upper-case extras on the record are what systemd's JournalHandler sends as fields.
     (tmp_path / "kmsg").write_text(raw(1, xid(79, pid=4242)))
     node = Node(tmp_path, FakeClock())
-    with caplog.at_level("WARNING", logger="gpuwatchd.health.xid"):
+    with caplog.at_level("WARNING", logger="gpuwatchd.health.xid.catalog"):
         node.poll()
     node.stop()
     rec = next(r for r in caplog.records if "Xid 79" in r.getMessage())

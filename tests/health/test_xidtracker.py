@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from gpuwatchd import config
-from gpuwatchd.health import xid
-from gpuwatchd.health.xidtracker import Clear, Policy, TrackerSettings, XidTracker
+from gpuwatchd.health.xid import catalog as xid
+from gpuwatchd.health.xid.tracker import Clear, Policy, TrackerSettings, XidTracker
 from gpuwatchd.model import Action, Event, Severity
 
 T0 = 1_700_000_000.0
@@ -253,7 +253,7 @@ def test_samples_have_the_promised_labels() -> None:
         "pci_bus_id": "0000:84:00.0",
         "sxid": "12028",
     }
-    from gpuwatchd.health.xidtracker import METRICS
+    from gpuwatchd.health.xid.tracker import METRICS
 
     specs = {m.name: m for m in METRICS}
     for s in t.samples(T0):

@@ -20,7 +20,7 @@ from gpuwatchd.clock import SystemClock
 from gpuwatchd.config import AlertmanagerConfig, Config
 from gpuwatchd.errors import ConfigError
 from gpuwatchd.model import Action, Finding, Severity, labels_of
-from gpuwatchd.sinks.alertmanager import AlertSink, validate_config
+from gpuwatchd.sinks.alertmanager.sink import AlertSink, validate_config
 from gpuwatchd.state import State
 from tests.health.snapshots import GPU0, GPU1
 from tests.servers import AlertmanagerServer, alertmanager_server, free_port
@@ -340,7 +340,7 @@ def _metric(state: State, name: str, **labels: str) -> float:
 
 
 def test_alert_labels_keep_only_declared_labels() -> None:
-    from gpuwatchd.sinks.alertmanager import alert_labels
+    from gpuwatchd.sinks.alertmanager.sink import alert_labels
 
     port = Finding(
         rule="ib",
@@ -380,11 +380,11 @@ def test_real_xid_line_to_alertmanager_and_operator_clear(
     """kernel log line -> Xid pipeline -> health engine -> sink -> Alertmanager, and back."""
     from gpuwatchd import config as configmod
     from gpuwatchd.health.engine import Clear, HealthEngine
-    from gpuwatchd.health.xidpipeline import XidPipeline
-    from gpuwatchd.runner import Runner
+    from gpuwatchd.health.xid.pipeline import XidPipeline
     from gpuwatchd.sources import SourceContext
-    from gpuwatchd.sources.kmsg import KmsgSource
-    from gpuwatchd.sources.nvml import NvmlSource
+    from gpuwatchd.sources.kmsg.source import KmsgSource
+    from gpuwatchd.sources.nvml.source import NvmlSource
+    from gpuwatchd.sources.runner import Runner
 
     fixtures = Path(__file__).resolve().parents[1] / "fixtures"
     boot = tmp_path / "boot_id"

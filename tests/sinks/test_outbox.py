@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpuwatchd.sinks.outbox import RESOLVED_RETENTION, Outbox, fingerprint
+from gpuwatchd.sinks.alertmanager.outbox import RESOLVED_RETENTION, Outbox, fingerprint
 
 T = 1_700_000_000.0
 A = {"alertname": "GpuLost", "severity": "critical", "node": "n", "gpu": "0"}

@@ -201,7 +201,7 @@ def test_concurrent_writers(store: EventStore) -> None:
 
 
 def test_shares_its_file_with_the_alert_outbox(store: EventStore) -> None:
-    from gpuwatchd.sinks.outbox import Outbox
+    from gpuwatchd.sinks.alertmanager.outbox import Outbox
 
     box = Outbox(store.path)
     store.write([Record(ev(), "x")], {"kmsg": "c"})

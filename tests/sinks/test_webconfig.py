@@ -22,7 +22,7 @@ import pytest
 import trustme
 
 from gpuwatchd.errors import ConfigError
-from gpuwatchd.sinks import webconfig
+from gpuwatchd.http import webconfig
 
 PASSWORD = "s3cret-scrape"
 # cost 4 keeps the suite fast; production hashes use 10-12 (htpasswd -nBC 10)

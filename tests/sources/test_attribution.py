@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd.sources.attribution import attribute, parse_cgroup
+from gpuwatchd.sources.workloads.cgroup import attribute, parse_cgroup
 
 CID = "3f1c" * 16
 

@@ -11,10 +11,10 @@ import pytest
 from gpuwatchd.config import load_text
 from gpuwatchd.errors import ConfigError
 from gpuwatchd.model import Event, Sample
+from gpuwatchd.pci import normalize_bus_id
 from gpuwatchd.sources import SourceContext
-from gpuwatchd.sources.infiniband import InfinibandSource
-from gpuwatchd.sources.infiniband_sysfs import parse_counter, parse_rate, parse_state
-from gpuwatchd.sources.pci import normalize_bus_id
+from gpuwatchd.sources.infiniband.source import InfinibandSource
+from gpuwatchd.sources.infiniband.sysfs import parse_counter, parse_rate, parse_state
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "sys"
 # The NVML source's GPU map (daemon: ctx.gpu_index), keyed by NVML-style bus ids.

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.config import Config, KmsgConfig, PathsConfig, SourcesConfig
-from gpuwatchd.sources.kmsg import open_reader
-from gpuwatchd.sources.kmsg_readers import (
+from gpuwatchd.sources.kmsg.readers import (
     FileReader,
     JournalReader,
     KmsgReader,
@@ -23,6 +22,7 @@ from gpuwatchd.sources.kmsg_readers import (
     journal_line,
     permission_message,
 )
+from gpuwatchd.sources.kmsg.source import open_reader
 
 BOOT = "0b5e6f1a-0000-4000-8000-00000000b007"
 
@@ -303,7 +303,7 @@ def test_journal_entry_becomes_a_raw_record() -> None:
     }
     text = journal_line(entry)
     assert text.startswith("3,0,1843308145,-;NVRM: The NVIDIA GPU 0000:b3:00.0\\x0aNVRM:")
-    from gpuwatchd.sources.kmsg_parse import parse_line
+    from gpuwatchd.sources.kmsg.parse import parse_line
 
     parsed = parse_line(text)
     assert parsed is not None

@@ -17,9 +17,9 @@ from gpuwatchd.config import load_text
 from gpuwatchd.errors import ConfigError, NvmlError, SourceError
 from gpuwatchd.model import Sample
 from gpuwatchd.sources import SourceContext
-from gpuwatchd.sources.nvml import METRICS, NvmlSource
-from gpuwatchd.sources.nvml_client import Pynvml, normalize_bus_id, nvml_errors
-from gpuwatchd.testing.replay import ReplayClient, load_capture
+from gpuwatchd.sources.nvml.client import Pynvml, normalize_bus_id, nvml_errors
+from gpuwatchd.sources.nvml.replay import ReplayClient, load_capture
+from gpuwatchd.sources.nvml.source import METRICS, NvmlSource
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "nvml"
 H200X2 = FIXTURES / "h200x2-probe.json"
@@ -564,8 +564,8 @@ def test_package_imports_without_pynvml() -> None:
 
     code = (
         "import sys; sys.modules['pynvml'] = None\n"
-        "from gpuwatchd.sources.nvml import NvmlSource\n"
-        "from gpuwatchd.sources.nvml_client import Pynvml\n"
+        "from gpuwatchd.sources.nvml.source import NvmlSource\n"
+        "from gpuwatchd.sources.nvml.client import Pynvml\n"
         "from gpuwatchd.errors import NvmlError\n"
         "try:\n    Pynvml().init()\nexcept NvmlError as e:\n    print(e.code, e.value)\n"
     )
@@ -608,7 +608,7 @@ def test_real_gpus_are_read() -> None:
 
 @pytest.mark.gpu
 def test_real_capture_replays_to_the_same_series(tmp_path: Path) -> None:
-    from gpuwatchd.record import record
+    from gpuwatchd.sources.nvml.record import record
 
     out = tmp_path / "capture.json"
     record(out, polls=2, interval=0.2)

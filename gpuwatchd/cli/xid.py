@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from typing import IO, Any, TextIO
 
 from gpuwatchd import config
-from gpuwatchd.health import xid
-from gpuwatchd.health.xid import Catalog, XidInfo
+from gpuwatchd.health.xid.catalog import Catalog, XidInfo
+from gpuwatchd.health.xid import catalog as xid
 from gpuwatchd.model import Action, Severity
-from gpuwatchd.sources.kmsg_parse import GPU, SXID, UNPARSED, XID, KmsgParser, KmsgRecord
+from gpuwatchd.sources.kmsg.parse import GPU, SXID, UNPARSED, XID, KmsgParser, KmsgRecord
 
 __all__ = ["explain", "register", "scan"]
 

@@ -14,7 +14,11 @@ from gpuwatchd.errors import ConfigError
 __all__ = ["main"]
 
 # Modules that add a subcommand through `register(subparsers)`.
-COMMANDS: tuple[str, ...] = ("gpuwatchd.record", "gpuwatchd.xidcmd", "gpuwatchd.checkcmd")
+COMMANDS: tuple[str, ...] = (
+    "gpuwatchd.sources.nvml.record",
+    "gpuwatchd.cli.xid",
+    "gpuwatchd.cli.check",
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

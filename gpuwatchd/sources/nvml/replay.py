@@ -49,7 +49,7 @@ from typing import Any
 
 from gpuwatchd.clock import Clock, SystemClock
 from gpuwatchd.errors import NvmlError
-from gpuwatchd.sources.nvml_client import (
+from gpuwatchd.sources.nvml.client import (
     NVML_ERROR_CODES,
     FieldKey,
     FieldResult,
@@ -403,7 +403,7 @@ def expand_devices(capture: Mapping[str, Any], count: int) -> dict[str, Any]:
     out["derived"] = {
         "from_devices": n,
         "devices": count,
-        "rule": "gpuwatchd.testing.replay.expand_devices",
+        "rule": "gpuwatchd.sources.nvml.replay.expand_devices",
     }
     return out
 

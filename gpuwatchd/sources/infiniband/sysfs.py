@@ -11,9 +11,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from gpuwatchd.ports import ERROR_COUNTERS
+
 __all__ = [
     "COUNTERS",
-    "ERROR_COUNTERS",
     "HW_NOT_COUNTERS",
     "Port",
     "key_of",
@@ -138,20 +139,8 @@ COUNTERS: dict[str, tuple[str, str, int]] = {
     ),
 }
 
-# Counters whose increase means the link or the fabric is unhealthy (rule input).
-ERROR_COUNTERS: frozenset[str] = frozenset(
-    f"gpuwatchd_infiniband_{COUNTERS[f][0]}"
-    for f in (
-        "symbol_error",
-        "link_error_recovery",
-        "link_downed",
-        "port_rcv_errors",
-        "port_rcv_remote_physical_errors",
-        "port_xmit_discards",
-        "local_link_integrity_errors",
-        "excessive_buffer_overrun_errors",
-    )
-)
+# The rules' error counters must be metrics this table exports.
+assert ERROR_COUNTERS <= {f"gpuwatchd_infiniband_{c[0]}" for c in COUNTERS.values()}
 
 # hw_counters/ entries that are settings, not counters.
 HW_NOT_COUNTERS = frozenset({"lifespan"})

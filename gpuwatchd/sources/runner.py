@@ -15,7 +15,7 @@ from gpuwatchd.state import State
 
 __all__ = ["Runner"]
 
-log = logging.getLogger("gpuwatchd.runner")
+log = logging.getLogger("gpuwatchd.sources.runner")
 
 
 @dataclass

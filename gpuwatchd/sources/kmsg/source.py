@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from gpuwatchd.bootid import read_boot_id
 from gpuwatchd.clock import Clock
 from gpuwatchd.model import Event, MetricSpec, Sample
-from gpuwatchd.sources.attribution import attribute
-from gpuwatchd.sources.kmsg_parse import (
+from gpuwatchd.sources.kmsg.parse import (
     GPU,
     SXID,
     UNPARSED,
@@ -27,13 +27,14 @@ from gpuwatchd.sources.kmsg_parse import (
     normalize_bus_id,
     parse_line,
 )
-from gpuwatchd.sources.kmsg_readers import (
+from gpuwatchd.sources.kmsg.readers import (
     FileReader,
     JournalReader,
     KmsgReader,
     LineReader,
     ReaderError,
 )
+from gpuwatchd.sources.workloads.cgroup import attribute
 
 if TYPE_CHECKING:
     from gpuwatchd.config import Config
@@ -44,10 +45,9 @@ __all__ = [
     "METRICS",
     "open_reader",
     "parse_line",
-    "read_boot_id",
 ]
 
-log = logging.getLogger("gpuwatchd.sources.kmsg")
+log = logging.getLogger("gpuwatchd.sources.kmsg.source")
 
 METRICS = (
     MetricSpec(
@@ -94,15 +94,6 @@ METRICS = (
 WAIT = 0.5  # longest a poll waits for input: detection latency stays under a second
 ATTRIBUTE_MAX_AGE = 120.0  # older records: the pid may belong to someone else by now
 MAX_SHAPES = 1000
-
-
-def read_boot_id(path: str) -> str:
-    """This boot's id, or "unknown" (cursors then never match across runs)."""
-    try:
-        with open(path, encoding="ascii", errors="replace") as f:
-            return f.read().strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def open_reader(backend: str, cfg: Config, boot_id: str, cursor: str | None) -> LineReader:

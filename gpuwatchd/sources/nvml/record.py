@@ -4,10 +4,10 @@ A RecordingClient wraps the real client and writes down every answer;
 the real NvmlSource is then polled a few times through it, so the capture
 holds exactly the calls the source makes (and, because the source stops
 asking for unsupported readings, each of those once). The format is
-described in gpuwatchd/testing/replay.py.
+described in gpuwatchd/sources/nvml/replay.py.
 
 Needs only nvidia-ml-py and the standard library:
-`python -m gpuwatchd.record --out capture.json` works without the rest.
+`python -m gpuwatchd.sources.nvml.record --out capture.json` works without the rest.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ from typing import Any, TypeVar
 
 from gpuwatchd.errors import NvmlError, SourceError
 from gpuwatchd.model import Sample
-from gpuwatchd.sources.nvml import NvmlSource
-from gpuwatchd.sources.nvml_client import (
+from gpuwatchd.sources.nvml.client import (
     FieldKey,
     FieldResult,
     NvmlClient,
@@ -37,11 +36,12 @@ from gpuwatchd.sources.nvml_client import (
     XidEventSet,
     call_key,
 )
-from gpuwatchd.testing.replay import FORMAT, ReplayClient
+from gpuwatchd.sources.nvml.replay import FORMAT, ReplayClient
+from gpuwatchd.sources.nvml.source import NvmlSource
 
 __all__ = ["RecordingClient", "RecordingDevice", "main", "record", "register"]
 
-log = logging.getLogger("gpuwatchd.record")
+log = logging.getLogger("gpuwatchd.sources.nvml.record")
 T = TypeVar("T")
 Book = dict[str, list[dict[str, Any]]]
 
@@ -290,7 +290,7 @@ def register(subparsers: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Standalone entry point: `python -m gpuwatchd.record --out FILE`."""
+    """Standalone entry point: `python -m gpuwatchd.sources.nvml.record --out FILE`."""
     parser = argparse.ArgumentParser(prog="gpuwatchd record", description=__doc__.split("\n")[0])
     _add_arguments(parser)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -26,10 +26,10 @@ from gpuwatchd.clock import Clock, SystemClock
 from gpuwatchd.deadline import CallTimeout, DeadlineRunner, StuckError
 from gpuwatchd.errors import ConfigError, NvmlError, SourceError
 from gpuwatchd.model import Event, Sample, labels_of
-from gpuwatchd.sources.nvml_client import NvmlClient, NvmlDevice, Pynvml, XidEventSet
-from gpuwatchd.sources.nvml_events import XidListener
-from gpuwatchd.sources.nvml_metrics import METRICS
-from gpuwatchd.sources.nvml_read import DeviceReader, Identity, Reading, sorted_processes
+from gpuwatchd.sources.nvml.client import NvmlClient, NvmlDevice, Pynvml, XidEventSet
+from gpuwatchd.sources.nvml.events import XidListener
+from gpuwatchd.sources.nvml.metrics import METRICS
+from gpuwatchd.sources.nvml.read import DeviceReader, Identity, Reading, sorted_processes
 
 if TYPE_CHECKING:
     from gpuwatchd.config import Config
@@ -118,7 +118,7 @@ class NvmlSource:
         nc = cfg.sources.nvml
         client: NvmlClient = Pynvml()
         if nc.replay:
-            from gpuwatchd.testing.replay import ReplayClient
+            from gpuwatchd.sources.nvml.replay import ReplayClient
 
             try:
                 client = ReplayClient.load(nc.replay, clock=ctx.clock)

@@ -25,8 +25,8 @@ from gpuwatchd.config import Config
 from gpuwatchd.errors import ConfigError
 from gpuwatchd.health.alerts import ALERTS, GPU_LABELS, summary
 from gpuwatchd.model import Finding, MetricSpec, Sample, Severity
-from gpuwatchd.sinks.amclient import AlertmanagerClient
-from gpuwatchd.sinks.outbox import RESOLVED_RETENTION, Outbox, StoredAlert
+from gpuwatchd.sinks.alertmanager.client import AlertmanagerClient
+from gpuwatchd.sinks.alertmanager.outbox import RESOLVED_RETENTION, Outbox, StoredAlert
 from gpuwatchd.state import State
 
 __all__ = [

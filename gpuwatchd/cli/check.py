@@ -37,8 +37,8 @@ from gpuwatchd.health import alerts
 from gpuwatchd.health.engine import HealthEngine, finding_json
 from gpuwatchd.health.history import norm_bus_id
 from gpuwatchd.model import Event, Finding, Severity, SourceSnapshot
-from gpuwatchd.runner import Runner
 from gpuwatchd.sources import Source, SourceContext, build_sources
+from gpuwatchd.sources.runner import Runner
 from gpuwatchd.state import State
 
 __all__ = ["Verdict", "check", "collect", "register"]
@@ -310,9 +310,9 @@ def _node(cfg: Config) -> str:
 
 def _xid_conditions(cfg: Config, events: Sequence[Event], notes: list[str]) -> list[Any]:
     """Xids active now: this boot's reports, minus what operators cleared."""
-    from gpuwatchd.health import xid
-    from gpuwatchd.health.xidtracker import Clear, TrackerSettings, XidTracker
-    from gpuwatchd.sources.kmsg import read_boot_id
+    from gpuwatchd.bootid import read_boot_id
+    from gpuwatchd.health.xid import catalog as xid
+    from gpuwatchd.health.xid.tracker import Clear, TrackerSettings, XidTracker
 
     boot = read_boot_id(cfg.paths.boot_id)
     tracker = XidTracker(xid.from_config(cfg), TrackerSettings.from_config(cfg), boot)
@@ -348,7 +348,7 @@ def _open_store(cfg: Config, notes: list[str]) -> Any:
 
 
 def _stored_baseline(cfg: Config, notes: list[str]) -> int:
-    from gpuwatchd.sinks.outbox import Outbox
+    from gpuwatchd.sinks.alertmanager.outbox import Outbox
 
     path = os.path.join(cfg.daemon.state_dir, DB_NAME)
     if cfg.health.expected_gpus or not os.access(path, os.W_OK):
@@ -441,9 +441,7 @@ def _run_check(args: argparse.Namespace) -> int:
     try:
         verdict = check(cfg, timeout=args.timeout)
     except GpuwatchdError as exc:
-        verdict = Verdict(
-            "UNKNOWN", [], {}, _node(cfg), 0, [str(exc)]
-        )
+        verdict = Verdict("UNKNOWN", [], {}, _node(cfg), 0, [str(exc)])
     if fmt == "npd":
         code, line = render_npd(verdict, Severity.parse(args.npd_problem))
         print(line)
@@ -488,8 +486,8 @@ def resolve_gpu(cfg: Config, target: str, timeout: float = 15.0) -> str:
 
 
 def _run_clear(args: argparse.Namespace) -> int:
+    from gpuwatchd.bootid import read_boot_id
     from gpuwatchd.sinks.store import EventStore
-    from gpuwatchd.sources.kmsg import read_boot_id
 
     cfg = config.load(args.config)
     if args.state_dir:

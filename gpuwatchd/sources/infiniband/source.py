@@ -32,27 +32,24 @@ from typing import TYPE_CHECKING
 
 from gpuwatchd.errors import ConfigError, SourceError
 from gpuwatchd.model import Event, MetricSpec, MetricType, Sample
-from gpuwatchd.sources.infiniband_sysfs import (
+from gpuwatchd.pci import gpu_affinity, normalize_bus_id
+from gpuwatchd.ports import STATE_ACTIVE
+from gpuwatchd.sources.infiniband.sysfs import (
     COUNTERS,
-    ERROR_COUNTERS,
     HW_NOT_COUNTERS,
     Port,
     key_of,
     read_port,
     read_text,
 )
-from gpuwatchd.sources.pci import gpu_affinity, normalize_bus_id
 
 if TYPE_CHECKING:
     from gpuwatchd.config import Config
     from gpuwatchd.sources import SourceContext
 
 __all__ = [
-    "ERROR_COUNTERS",
     "InfinibandSource",
     "METRICS",
-    "PHYS_LINK_UP",
-    "STATE_ACTIVE",
 ]
 
 log = logging.getLogger("gpuwatchd.infiniband")
@@ -60,8 +57,6 @@ log = logging.getLogger("gpuwatchd.infiniband")
 GpuIndex = Callable[[], Mapping[str, Mapping[str, object]]]
 
 PORT_LABELS = ("device", "port")
-STATE_ACTIVE = 4
-PHYS_LINK_UP = 5
 
 
 def _spec(

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import NamedTuple
 
-from gpuwatchd.sources.pci import normalize_bus_id
+from gpuwatchd.pci import normalize_bus_id
 
 __all__ = [
     "KmsgParser",

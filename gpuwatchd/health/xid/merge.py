@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import replace
 
 from gpuwatchd.model import Event
-from gpuwatchd.sources.kmsg_parse import normalize_bus_id
+from gpuwatchd.pci import normalize_bus_id
 
 __all__ = ["XidMerger", "richer", "same_report"]
 

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from gpuwatchd.health.xid import Catalog, XidInfo
+from gpuwatchd.health.xid.catalog import Catalog, XidInfo
 from gpuwatchd.model import Action, Event, MetricSpec, Sample, Severity, labels_of
 
 if TYPE_CHECKING:

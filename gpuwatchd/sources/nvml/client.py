@@ -3,7 +3,7 @@
 The boundary is deliberately generic: a device answers `call(name, *args)`
 for the names in DEVICE_CALLS and returns plain JSON-able data (ints,
 strings, lists, dicts), never ctypes structs. That keeps the recorder and
-the replay (gpuwatchd/testing/replay.py) one small table-free loop each,
+the replay (gpuwatchd/sources/nvml/replay.py) one small table-free loop each,
 and a capture stays readable: `"temperature(0)": [{"value": 34}]`.
 
 This is the only module that imports pynvml, and only inside functions,
@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from typing import Any, NamedTuple, Protocol
 
 from gpuwatchd.errors import NvmlError
-from gpuwatchd.sources.pci import normalize_bus_id
+from gpuwatchd.pci import normalize_bus_id
 
 __all__ = [
     "DEVICE_CALLS",

@@ -17,7 +17,7 @@ from typing import Protocol
 
 from gpuwatchd.errors import NvmlError
 from gpuwatchd.model import Sample
-from gpuwatchd.sources.nvml_client import (
+from gpuwatchd.sources.nvml.client import (
     UNSUPPORTED_CODES,
     FieldKey,
     NvmlDevice,

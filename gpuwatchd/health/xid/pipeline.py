@@ -16,22 +16,22 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
+from gpuwatchd.bootid import read_boot_id
 from gpuwatchd.clock import Clock
 from gpuwatchd.errors import StoreError
-from gpuwatchd.health import xid
-from gpuwatchd.health.xidmerge import XidMerger
-from gpuwatchd.health.xidtracker import (
+from gpuwatchd.health.xid import catalog as xid
+from gpuwatchd.health.xid.merge import XidMerger
+from gpuwatchd.health.xid.tracker import (
     METRICS as TRACKER_METRICS,
 )
-from gpuwatchd.health.xidtracker import (
+from gpuwatchd.health.xid.tracker import (
     ActiveXid,
     Clear,
     TrackerSettings,
     XidTracker,
 )
 from gpuwatchd.model import Event, MetricSpec, Sample, SourceSnapshot
-from gpuwatchd.sources.kmsg import read_boot_id
-from gpuwatchd.sources.kmsg_parse import normalize_bus_id
+from gpuwatchd.pci import normalize_bus_id
 
 if TYPE_CHECKING:
     from gpuwatchd.config import Config
@@ -43,7 +43,7 @@ __all__ = [
     "XidPipeline",
 ]
 
-log = logging.getLogger("gpuwatchd.health.xid")
+log = logging.getLogger("gpuwatchd.health.xid.catalog")
 
 OWNER = "xid"
 KINDS = frozenset({"xid", "sxid"})

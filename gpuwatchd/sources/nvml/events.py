@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from gpuwatchd.errors import NvmlError
 from gpuwatchd.model import Event, Severity, labels_of
-from gpuwatchd.sources.nvml_client import XidEventSet
+from gpuwatchd.sources.nvml.client import XidEventSet
 
 __all__ = ["XidListener"]
 
