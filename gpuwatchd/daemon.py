@@ -12,9 +12,7 @@ import logging
 import os
 import queue
 import signal
-import socket
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 from wsgiref.simple_server import WSGIServer
 
@@ -26,19 +24,11 @@ from gpuwatchd.clock import Clock, SystemClock
 from gpuwatchd.config import Config
 from gpuwatchd.errors import ConfigError, StoreError
 from gpuwatchd.http import webconfig
-from gpuwatchd.model import MetricSpec
-from gpuwatchd.services import METRICS as SERVICE_METRICS
-from gpuwatchd.services import Services
+from gpuwatchd.http.endpoints import healthz_route, status_document, summary_line
+from gpuwatchd.http.server import Route, json_route, make_app, serve
+from gpuwatchd.pipeline import Pipeline, SourceSet, node_name, source_names
 from gpuwatchd.sinks.alertmanager import sink as alertmanager
-from gpuwatchd.sinks.prometheus import (
-    Route,
-    SnapshotCollector,
-    json_route,
-    make_app,
-    write_textfile,
-)
-from gpuwatchd.sources import SourceContext, all_metrics, build_sources, enabled, registry
-from gpuwatchd.sources.runner import Runner
+from gpuwatchd.sinks.prometheus import SnapshotCollector, write_textfile
 from gpuwatchd.state import State
 from gpuwatchd.systemd import Notifier
 
@@ -85,11 +75,6 @@ def split_listen(listen: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
-def node_name(cfg: Config) -> str:
-    """The node label: config, else $GPUWATCHD_NODE_NAME (the chart sets it), else hostname."""
-    return cfg.daemon.node_name or os.environ.get("GPUWATCHD_NODE_NAME") or socket.gethostname()
-
-
 def check_state_dir(cfg: Config, source: str) -> None:
     path = cfg.daemon.state_dir
     try:
@@ -102,107 +87,42 @@ def check_state_dir(cfg: Config, source: str) -> None:
         raise ConfigError(source, "daemon.state_dir", f"{path} is not writable")
 
 
-def source_names(cfg: Config) -> list[str]:
-    return [name for name in registry() if enabled(cfg, name)]
+class Wiring:
+    """What one config builds: the sources and the routes over them and the pipeline."""
 
-
-class Pipeline:
-    """Sources, runner and the sinks that read the state, built from one config."""
-
-    def __init__(
-        self, cfg: Config, state: State, clock: Clock, services: Services | None = None
-    ) -> None:
+    def __init__(self, cfg: Config, state: State, clock: Clock, pipeline: Pipeline | None) -> None:
         self.cfg = cfg
         self.state = state
-        self.clock = clock
-        self.services = services
+        self.pipeline = pipeline
         self.started = clock.time()
-        ctx = SourceContext(
-            clock=clock,
-            log=logging.getLogger("gpuwatchd.sources"),
-            nudge=self._nudge,
-            gpu_index=self._gpu_index,
-            load_cursor=services.load_cursor if services else (lambda name: None),
-        )
-        self.sources = build_sources(cfg, ctx)
-        self.runner = Runner(self.sources, state, clock)
+        self.sources = SourceSet(cfg, state, clock, pipeline)
+        self.runner = self.sources.runner
         self.routes: dict[str, Route] = {
             "/status": json_route(self.status),
-            "/healthz": self.healthz,
-            **(services.routes() if services else {}),
+            "/healthz": healthz_route(
+                lambda: self.runner.stale(self.cfg.http.healthz_stale_seconds)
+            ),
+            **(pipeline.routes() if pipeline else {}),
         }
-
-    def _nudge(self, name: str) -> None:
-        self.runner.nudge(name)
-
-    def _gpu_index(self) -> Mapping[str, Mapping[str, str]]:
-        nvml = self.state.snapshot().sources.get("nvml")
-        gpus = nvml.status.get("gpus") if nvml is not None else None
-        return gpus if isinstance(gpus, Mapping) else {}
-
-    def metric_specs(self) -> list[MetricSpec]:
-        return [*all_metrics(), *(SERVICE_METRICS if self.services else ())]
 
     def start(self) -> None:
-        # NVML's first poll is bounded by its deadlines: init plus one device call each.
-        self.runner.start(first=("nvml",), first_timeout=2 * self.cfg.sources.nvml.call_timeout + 1)
+        self.sources.start()
 
     def stop(self) -> None:
-        self.runner.stop()
-
-    def healthz(self, _query: Mapping[str, list[str]]) -> tuple[int, str, bytes]:
-        stale = self.runner.stale(self.cfg.http.healthz_stale_seconds)
-        if stale:
-            return 503, "text/plain", f"stale: {', '.join(stale)}\n".encode()
-        return 200, "text/plain", b"ok\n"
+        self.sources.stop()
 
     def status(self, _query: Mapping[str, list[str]]) -> dict[str, Any]:
-        snap = self.state.snapshot()
-        return {
-            "node": node_name(self.cfg),
-            "version": __version__,
-            "started": self.started,
-            "sources": {
-                name: {
-                    "ok": s.ok,
-                    "error": s.error,
-                    "timestamp": s.timestamp,
-                    "duration_seconds": s.duration_seconds,
-                    "last_success": s.last_success,
-                    **dict(s.status),
-                }
-                for name, s in snap.sources.items()
-            },
-            "findings": [_finding_json(f) for f in snap.findings],
-            **(self.services.status() if self.services else {}),
-        }
+        extra = self.pipeline.status() if self.pipeline else {}
+        return status_document(
+            self.state.snapshot(),
+            node=node_name(self.cfg),
+            version=__version__,
+            started=self.started,
+            extra=extra,
+        )
 
     def summary(self) -> str:
-        """One line for systemd's STATUS=."""
-        snap = self.state.snapshot()
-        nvml = snap.sources.get("nvml")
-        gpus = len(self._gpu_index())
-        failing = sorted(n for n, s in snap.sources.items() if not s.ok)
-        worst = max((f.severity for f in snap.findings), default=None)
-        parts = [f"{gpus} GPU(s)" if nvml is not None and nvml.ok else "NVML unavailable"]
-        parts.append(f"{len(snap.findings)} finding(s)" + (f", worst {worst}" if worst else ""))
-        if failing:
-            parts.append("failing: " + ",".join(failing))
-        return "; ".join(parts)
-
-
-def _finding_json(f: Any) -> dict[str, Any]:
-    return {
-        "rule": f.rule,
-        "alertname": f.alertname,
-        "scope": f.scope,
-        "subject": dict(f.subject),
-        "severity": str(f.severity),
-        "reason": f.reason,
-        "action": str(f.action),
-        "remediation": f.remediation,
-        "since": f.since,
-    }
+        return summary_line(self.state.snapshot(), len(self.sources.gpu_index()))
 
 
 class Daemon:
@@ -221,14 +141,14 @@ class Daemon:
         self.notifier = notifier or Notifier()
         self.signals: queue.SimpleQueue[int] = queue.SimpleQueue()
         self.state = State()
-        self.pipeline: Pipeline | None = None
+        self.wiring: Wiring | None = None
         self.httpd: WSGIServer | None = None
         self.registry = CollectorRegistry(auto_describe=False)
         # process_* (CPU, RSS, open fds) so the daemon's own cost is watched too.
         ProcessCollector(registry=self.registry)
         self._collector: SnapshotCollector | None = None
         self.web: webconfig.WebConfig | None = None
-        self.services: Services | None = None
+        self.pipeline: Pipeline | None = None
 
     def load_config(self) -> Config:
         cfg = apply_overrides(config.load(self.cfg_path), self.overrides)
@@ -249,7 +169,7 @@ class Daemon:
         logs.setup(cfg.daemon.log_level)
         self._install_signals()
         try:
-            self.services = Services(
+            self.pipeline = Pipeline(
                 cfg,
                 self.state,
                 self.clock,
@@ -260,20 +180,20 @@ class Daemon:
         except StoreError as exc:
             log.error("%s", exc)
             return 1
-        pipeline = self._build(cfg)
+        wiring = self._build(cfg)
         try:
             self.httpd = self._serve(cfg)
         except OSError as exc:
             log.error("cannot listen on %s: %s", cfg.http.listen, exc.strerror or exc)
-            self.services.stop()
+            self.pipeline.stop()
             return 1
-        self.services.start()
-        pipeline.start()
-        if not pipeline.runner.wait_first_polls(FIRST_POLL_TIMEOUT):
+        self.pipeline.start()
+        wiring.start()
+        if not wiring.runner.wait_first_polls(FIRST_POLL_TIMEOUT):
             log.warning("some sources did not finish a first poll in %.0fs", FIRST_POLL_TIMEOUT)
         host, port = self.httpd.server_address[:2]
-        log.info("gpuwatchd %s serving on %s:%s (%s)", __version__, host, port, pipeline.summary())
-        self.notifier.ready(pipeline.summary())
+        log.info("gpuwatchd %s serving on %s:%s (%s)", __version__, host, port, wiring.summary())
+        self.notifier.ready(wiring.summary())
         try:
             return self._loop()
         finally:
@@ -281,18 +201,19 @@ class Daemon:
 
     # --- internals -----------------------------------------------------------
 
-    def _build(self, cfg: Config) -> Pipeline:
-        self.pipeline = Pipeline(cfg, self.state, self.clock, self.services)
+    def _build(self, cfg: Config) -> Wiring:
+        self.wiring = Wiring(cfg, self.state, self.clock, self.pipeline)
         if self._collector is not None:
             self.registry.unregister(self._collector)
-        self._collector = SnapshotCollector(self.state, self.pipeline.metric_specs())
+        specs = SourceSet.metric_specs(with_consumers=self.pipeline is not None)
+        self._collector = SnapshotCollector(self.state, specs)
         self.registry.register(self._collector)
-        return self.pipeline
+        return self.wiring
 
     def _serve(self, cfg: Config) -> WSGIServer:
         host, port = split_listen(cfg.http.listen)
         app = make_app(self.registry, _LiveRoutes(self), lambda: self.state.snapshot().generation)
-        httpd, _thread = webconfig.serve(app, host, port, self.web, handler_class=_SilentHandler)
+        httpd, _thread = serve(app, host, port, self.web, handler_class=_SilentHandler)
         return httpd
 
     def _install_signals(self) -> None:
@@ -319,20 +240,20 @@ class Daemon:
             self._housekeeping(watchdog)
             now = self.clock.monotonic()
             if now >= next_status:
-                assert self.pipeline is not None
-                self.notifier.status(self.pipeline.summary())
+                assert self.wiring is not None
+                self.notifier.status(self.wiring.summary())
                 next_status = now + 10.0
 
     def _housekeeping(self, watchdog: float | None) -> None:
-        assert self.pipeline is not None
-        cfg = self.pipeline.cfg
-        if self.services is not None:
+        assert self.wiring is not None
+        cfg = self.wiring.cfg
+        if self.pipeline is not None:
             try:
-                self.services.tick()
+                self.pipeline.tick()
             except Exception:  # a bug here must not stop the watchdog or the loop
                 log.exception("health tick")
         if watchdog:
-            stale = self.pipeline.runner.stale(max(30.0, watchdog * 2))
+            stale = self.wiring.runner.stale(max(30.0, watchdog * 2))
             if stale:
                 log.error("watchdog withheld: no progress from %s", ", ".join(stale))
             else:
@@ -346,8 +267,8 @@ class Daemon:
     def _reload(self) -> None:
         log.info("SIGHUP: reloading %s", self.cfg_path or "(defaults)")
         self.notifier.reloading()
-        assert self.pipeline is not None
-        old = self.pipeline
+        assert self.wiring is not None
+        old = self.wiring
         try:
             cfg = self.load_config()
         except ConfigError as exc:
@@ -367,8 +288,8 @@ class Daemon:
             new.start()
             self.notifier.ready(new.summary())
             return
-        if self.services is not None:
-            self.services.reconfigure(cfg)
+        if self.pipeline is not None:
+            self.pipeline.reconfigure(cfg)
         new.start()
         new.runner.wait_first_polls(FIRST_POLL_TIMEOUT)
         log.info("reloaded: %s", new.summary())
@@ -379,10 +300,10 @@ class Daemon:
         if self.httpd is not None:
             self.httpd.shutdown()
             self.httpd.server_close()
+        if self.wiring is not None:
+            self.wiring.stop()
         if self.pipeline is not None:
-            self.pipeline.stop()
-        if self.services is not None:
-            self.services.stop()  # flushes alerts (bounded); the rest stays queued on disk
+            self.pipeline.stop()  # flushes alerts (bounded); the rest stays queued on disk
         log.info("stopped")
 
 
@@ -393,8 +314,8 @@ class _LiveRoutes(Mapping[str, Route]):
         self._daemon = daemon
 
     def _routes(self) -> Mapping[str, Route]:
-        p = self._daemon.pipeline
-        return p.routes if p is not None else {}
+        w = self._daemon.wiring
+        return w.routes if w is not None else {}
 
     def __getitem__(self, key: str) -> Route:
         return self._routes()[key]
@@ -404,13 +325,3 @@ class _LiveRoutes(Mapping[str, Route]):
 
     def __len__(self) -> int:
         return len(self._routes())
-
-
-def wait_until(pred: Callable[[], bool], timeout: float, step: float = 0.05) -> bool:
-    """Poll `pred` until true or timeout (used by tools and tests)."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(step)
-    return pred()

@@ -28,7 +28,7 @@ DOC = ROOT / "docs" / "metrics.md"
 PRODUCERS: tuple[tuple[str, str, str], ...] = (
     ("gpuwatchd.sources", "registry", "sources"),
     ("gpuwatchd.health.engine", "METRICS", "health"),
-    ("gpuwatchd.health.xid.pipeline", "METRICS", "xid"),
+    ("gpuwatchd.health.xid.stage", "METRICS", "xid"),
     ("gpuwatchd.sinks.alertmanager.sink", "METRICS", "alerts"),
     ("gpuwatchd.sinks.prometheus", "DAEMON_METRICS", "daemon"),
 )

@@ -303,7 +303,7 @@ def check(cfg: Config, clock: Clock | None = None, timeout: float = 30.0) -> Ver
 
 def _node(cfg: Config) -> str:
     """The node name the daemon would use (imported late: daemon.py pulls in the HTTP stack)."""
-    from gpuwatchd.daemon import node_name
+    from gpuwatchd.pipeline import node_name
 
     return node_name(cfg)
 

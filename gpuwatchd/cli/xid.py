@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import IO, Any, TextIO
 
 from gpuwatchd import config
-from gpuwatchd.health.xid.catalog import Catalog, XidInfo
 from gpuwatchd.health.xid import catalog as xid
+from gpuwatchd.health.xid.catalog import Catalog, XidInfo
 from gpuwatchd.model import Action, Severity
 from gpuwatchd.sources.kmsg.parse import GPU, SXID, UNPARSED, XID, KmsgParser, KmsgRecord
 

@@ -511,6 +511,7 @@ class HealthEngine:
 def finding_json(f: Finding) -> dict[str, object]:
     """A finding as JSON-able data (status, check --json)."""
     return {
+        "rule": f.rule,
         "alertname": f.alertname,
         "severity": str(f.severity),
         "scope": f.scope,

@@ -19,20 +19,26 @@ import hmac
 import logging
 import os
 import secrets
-import socket
 import ssl
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import yaml
-from prometheus_client.exposition import ThreadingWSGIServer
 
 from gpuwatchd.errors import ConfigError
 
-__all__ = ["PUBLIC_PATHS", "TlsSettings", "WebConfig", "WebConfigWatcher", "load", "serve"]
+__all__ = [
+    "BasicAuth",
+    "IO_TIMEOUT",
+    "PUBLIC_PATHS",
+    "TlsSettings",
+    "WebConfig",
+    "WebConfigWatcher",
+    "load",
+    "ssl_context",
+]
 
 log = logging.getLogger("gpuwatchd.http")
 
@@ -397,86 +403,3 @@ def _bcrypt_check(password: bytes, hashed: bytes) -> bool:
         return bool(bcrypt.checkpw(password, hashed))
     except ValueError:  # over 72 bytes, or a malformed hash
         return False
-
-
-def _with_headers(app: App, watcher: WebConfigWatcher) -> App:
-    def wrapped(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        extra = list(watcher.current().headers)
-
-        def start(status: str, headers: list[tuple[str, str]], *exc: Any) -> Any:
-            return start_response(status, headers + extra, *exc)
-
-        return app(environ, start if extra else start_response)
-
-    return wrapped
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - base signature
-        """Scrapes are not worth a log line each."""
-
-
-class WebServer(ThreadingWSGIServer):
-    """ThreadingWSGIServer that does TLS per connection, in the connection's thread.
-
-    Wrapping the listening socket instead would run every handshake in the
-    accept loop, where one silent client stalls all others.
-    """
-
-    watcher: WebConfigWatcher
-
-    def finish_request(self, request: Any, client_address: Any) -> None:
-        request.settimeout(IO_TIMEOUT)  # a client that stops talking frees its thread
-        web = self.watcher.current()
-        if web.context is None:
-            super().finish_request(request, client_address)
-            return
-        tls = web.tls
-        try:
-            conn = web.context.wrap_socket(request, server_side=True)
-        except (OSError, ssl.SSLError) as exc:
-            log.debug("TLS handshake with %s failed: %s", client_address[0], exc)
-            return
-        try:
-            if tls and tls.client_allowed_sans and not _san_allowed(conn, tls):
-                log.warning("client %s: certificate SAN not allowed", client_address[0])
-                return
-            super().finish_request(conn, client_address)
-        finally:
-            conn.close()
-
-
-def _san_allowed(conn: ssl.SSLSocket, tls: TlsSettings) -> bool:
-    cert = conn.getpeercert()
-    if not cert:
-        return True  # no certificate: client_auth_type alone decides
-    entries = cert.get("subjectAltName", ())
-    sans = {str(e[1]) for e in entries if isinstance(e, tuple) and len(e) == 2}
-    return bool(sans & set(tls.client_allowed_sans))
-
-
-def serve(
-    app: App,
-    host: str,
-    port: int,
-    web: WebConfig | None = None,
-    handler_class: type[WSGIRequestHandler] = _QuietHandler,
-    poll_interval: float = 0.5,
-) -> tuple[WSGIServer, threading.Thread]:
-    """Serve `app` with TLS/basic auth from `web` on a daemon thread.
-
-    Returns the server (call `shutdown()` then `server_close()`) and its thread.
-    """
-    watcher = WebConfigWatcher(web or WebConfig())
-    wrapped: App = BasicAuth(_with_headers(app, watcher), watcher)
-
-    class Server(WebServer):
-        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-
-    Server.watcher = watcher
-    httpd = make_server(host, port, wrapped, Server, handler_class=handler_class)
-    thread = threading.Thread(
-        target=httpd.serve_forever, args=(poll_interval,), name="http", daemon=True
-    )
-    thread.start()
-    return httpd, thread

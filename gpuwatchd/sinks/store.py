@@ -30,7 +30,6 @@ __all__ = [
     "EventStore",
     "Record",
     "SCHEMA_VERSION",
-    "events_route",
 ]
 
 DB_NAME = "gpuwatchd.db"
@@ -413,34 +412,3 @@ def _row_json(row: dict[str, Any]) -> dict[str, Any]:
 
 def _iso(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
-
-
-Route = Callable[[Mapping[str, list[str]]], tuple[int, str, bytes]]
-
-
-def _first(query: Mapping[str, list[str]], key: str) -> str:
-    values = query.get(key) or [""]
-    return values[0]
-
-
-def events_route(store: EventStore, max_limit: int = 1000) -> Route:
-    """GET /events?limit=N&kind=xid&code=79&gpu=<bus|uuid|index>&since=<epoch>."""
-
-    def route(query: Mapping[str, list[str]]) -> tuple[int, str, bytes]:
-        try:
-            limit = int(_first(query, "limit") or 100)
-            code = int(_first(query, "code")) if _first(query, "code") else None
-            since = float(_first(query, "since")) if _first(query, "since") else None
-        except ValueError:
-            return 400, "text/plain", b"limit and code must be integers, since a number\n"
-        events = store.recent(
-            max(1, min(limit, max_limit)),
-            kind=_first(query, "kind") or None,
-            code=code,
-            gpu=_first(query, "gpu") or None,
-            since=since,
-        )
-        body = {"count": len(events), "events": events}
-        return 200, "application/json", json.dumps(body, indent=1).encode() + b"\n"
-
-    return route

@@ -158,7 +158,7 @@ def result(prom: PrometheusServer, expr: str) -> list[Any]:
 # Producers of samples besides the registered sources (as scripts/gen_metrics_doc.py lists them).
 PRODUCERS = (
     ("gpuwatchd.health.engine", "METRICS"),
-    ("gpuwatchd.health.xid.pipeline", "METRICS"),
+    ("gpuwatchd.health.xid.stage", "METRICS"),
     ("gpuwatchd.sinks.alertmanager.sink", "METRICS"),
     ("gpuwatchd.sinks.prometheus", "DAEMON_METRICS"),
 )

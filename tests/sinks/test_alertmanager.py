@@ -380,7 +380,7 @@ def test_real_xid_line_to_alertmanager_and_operator_clear(
     """kernel log line -> Xid pipeline -> health engine -> sink -> Alertmanager, and back."""
     from gpuwatchd import config as configmod
     from gpuwatchd.health.engine import Clear, HealthEngine
-    from gpuwatchd.health.xid.pipeline import XidPipeline
+    from gpuwatchd.health.xid.stage import XidStage
     from gpuwatchd.sources import SourceContext
     from gpuwatchd.sources.kmsg.source import KmsgSource
     from gpuwatchd.sources.nvml.source import NvmlSource
@@ -398,7 +398,7 @@ def test_real_xid_line_to_alertmanager_and_operator_clear(
         f"alertmanager: {{urls: ['{am.url}']}}\n"
     )
     node, clock, state = unique_node(), SystemClock(), State()
-    pipeline = XidPipeline.from_config(cfg, state.publish_extra, None, clock)
+    pipeline = XidStage.from_config(cfg, state.publish_extra, None, clock)
     sink = AlertSink(cfg, str(tmp_path / "gpuwatchd.db"), clock, node, state)
     engine = HealthEngine(cfg, clock, state, xids=pipeline.active)
     engine.add_listener(sink.update)

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from gpuwatchd.http.server import make_app
 from gpuwatchd.model import MetricSpec, Sample, SourceSnapshot
-from gpuwatchd.sinks.prometheus import SnapshotCollector, make_app, write_textfile
+from gpuwatchd.sinks.prometheus import SnapshotCollector, write_textfile
 from gpuwatchd.state import State
 
 SPECS = (

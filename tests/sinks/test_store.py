@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.errors import StoreError
+from gpuwatchd.http.endpoints import events_route
 from gpuwatchd.model import Event, Severity
-from gpuwatchd.sinks.store import SCHEMA_VERSION, EventStore, Record, events_route
+from gpuwatchd.sinks.store import SCHEMA_VERSION, EventStore, Record
 
 T = 1_700_000_000.0
 

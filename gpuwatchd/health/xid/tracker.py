@@ -1,7 +1,7 @@
 """What the Xids mean right now: bursts, site policy, escalation, active conditions.
 
 Pure logic over events and times (no I/O, no clock of its own), fed by
-health/xidpipeline.py and read by the health engine through `active(now)`.
+health/xid/stage.py and read by the health engine through `active(now)`.
 
 - Repeats of one code on one GPU within `burst_window` collapse into one
   event with a count (one bad node can log 100,000 identical Xid 95s).

@@ -4,7 +4,7 @@
 source's interval is tiny), so a report reaches the state within a second
 of the driver printing it. Events carry what the line says (code, bus id,
 pid, process, detail, cursor, attribution); classifying them against the
-Xid catalog is the health layer's job (health/xidpipeline.py).
+Xid catalog is the health layer's job (health/xid/stage.py).
 """
 
 from __future__ import annotations

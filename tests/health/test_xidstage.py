@@ -6,7 +6,7 @@ from pathlib import Path
 
 from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import Config, DaemonConfig, KmsgConfig, PathsConfig, SourcesConfig
-from gpuwatchd.health.xid.pipeline import METRICS, XidPipeline
+from gpuwatchd.health.xid.stage import METRICS, XidStage
 from gpuwatchd.model import Event, SourceSnapshot
 from gpuwatchd.sinks.store import EventStore
 from gpuwatchd.sources import SourceContext
@@ -41,10 +41,8 @@ class Node:
         self.clock = clock
         self.state = State()
         self.store = EventStore.from_config(self.cfg, clock.time)
-        self.pipeline = XidPipeline.from_config(
-            self.cfg, self.state.publish_extra, self.store, clock
-        )
-        self.state.subscribe(self.pipeline.on_publish)
+        self.stage = XidStage.from_config(self.cfg, self.state.publish_extra, self.store, clock)
+        self.state.subscribe(self.stage.on_publish)
         ctx = SourceContext(clock=clock, load_cursor=self.store.load_cursor)
         self.source = KmsgSource(self.cfg, ctx, wait=0.01, sleep=lambda s: None)
         self.runner = Runner([self.source], self.state, clock)
@@ -110,7 +108,7 @@ def test_nvml_and_log_report_of_one_xid_store_one_event(tmp_path: Path) -> None:
     )
     node.state.publish(SourceSnapshot("nvml", (), True), [nvml])
     clock.advance(10)
-    node.pipeline.tick()
+    node.stage.tick()
     assert [r["code"] for r in node.store.recent()] == [31]
     merged = [
         s for s in node.state.snapshot().extra["xid"] if s.name == "gpuwatchd_xid_nvml_merged_total"
@@ -127,7 +125,7 @@ def test_nvml_only_xid_is_stored_after_the_hold(tmp_path: Path) -> None:
     node.state.publish(SourceSnapshot("nvml", (), True), [nvml])
     assert node.store.recent() == []
     clock.advance(3)
-    node.pipeline.tick()
+    node.stage.tick()
     (row,) = node.store.recent()
     assert (row["code"], row["source"], row["severity"]) == (79, "nvml", "critical")
     assert row["pci_bus_id"] == "0000:00:06.0"
@@ -143,7 +141,7 @@ def test_clear_written_by_another_process_is_applied(tmp_path: Path) -> None:
     other = EventStore(node.store.path)  # e.g. `gpuwatchd clear` in another process
     other.add_clear("alice", pci_bus_id="0000:00:06.0", code=79, boot_id=BOOT)
     other.close()
-    node.pipeline.tick()
+    node.stage.tick()
     assert node.active()[("79", "0000:00:06.0")] == 0
     node.stop()
 
@@ -153,9 +151,9 @@ def test_operator_clear_and_reset_through_the_pipeline(tmp_path: Path) -> None:
     (tmp_path / "kmsg").write_text(raw(1, xid(48)) + raw(2, xid(79, "0000:00:07")))
     node = Node(tmp_path, clock)
     node.poll()
-    assert node.pipeline.gpu_reset("0000:00:06.0") == 1
-    assert node.pipeline.clear("bob", "0000:00:07.0", 79, reason="reseated") == 1
-    assert node.pipeline.active() == []
+    assert node.stage.gpu_reset("0000:00:06.0") == 1
+    assert node.stage.clear("bob", "0000:00:07.0", 79, reason="reseated") == 1
+    assert node.stage.active() == []
     assert [c.who for c in node.store.clears_since(0)] == ["gpu reset", "bob"]
     node.stop()
 
@@ -178,13 +176,13 @@ def test_reconfigure_keeps_state_and_applies_new_policy(tmp_path: Path) -> None:
     (tmp_path / "kmsg").write_text(raw(1, xid(13), usec=999_000_000))
     node = Node(tmp_path, clock)
     node.poll()
-    assert [a.info.severity.name for a in node.pipeline.active()] == ["WARNING"]
+    assert [a.info.severity.name for a in node.stage.active()] == ["WARNING"]
     cfg = config.load_text("xid:\n  overrides:\n    13: {severity: critical}\n")
-    node.pipeline.reconfigure(cfg)
+    node.stage.reconfigure(cfg)
     with (tmp_path / "kmsg").open("a") as f:
         f.write(raw(2, xid(13), usec=999_500_000))
     node.poll()
-    assert [a.info.severity.name for a in node.pipeline.active()] == ["CRITICAL"]
+    assert [a.info.severity.name for a in node.stage.active()] == ["CRITICAL"]
     assert len(node.store.recent()) == 1  # same burst, one row
     node.stop()
 

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "EventSink",
     "METRICS",
-    "XidPipeline",
+    "XidStage",
 ]
 
 log = logging.getLogger("gpuwatchd.health.xid.catalog")
@@ -113,7 +113,7 @@ class EventSink(Protocol):
     ) -> StoredClear: ...
 
 
-class XidPipeline:
+class XidStage:
     """Listener that turns source events into tracked, stored, exported Xids."""
 
     def __init__(
@@ -141,7 +141,7 @@ class XidPipeline:
         publish: Callable[[str, Sequence[Sample]], None],
         store: EventSink | None,
         clock: Clock,
-    ) -> XidPipeline:
+    ) -> XidStage:
         """Build from config and restore what the store remembers of this boot."""
         tracker = XidTracker(
             xid.from_config(cfg), TrackerSettings.from_config(cfg), read_boot_id(cfg.paths.boot_id)

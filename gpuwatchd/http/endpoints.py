@@ -1,0 +1,94 @@
+"""The JSON and plain-text routes besides /metrics: /status, /healthz, /events, /alerts.
+
+Each route only reads: the latest snapshot, the event store, the alert sink's
+view. A route is `query -> (status, content type, body)`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from gpuwatchd.health.engine import finding_json
+from gpuwatchd.http.server import Route
+from gpuwatchd.sinks.store import EventStore
+from gpuwatchd.state import NodeSnapshot
+
+__all__ = ["events_route", "healthz_route", "status_document", "summary_line"]
+
+
+def status_document(
+    snap: NodeSnapshot, *, node: str, version: str, started: float, extra: Mapping[str, Any]
+) -> dict[str, Any]:
+    """/status: every source's last poll, the open findings, and `extra` (health, alerts)."""
+    return {
+        "node": node,
+        "version": version,
+        "started": started,
+        "sources": {
+            name: {
+                "ok": s.ok,
+                "error": s.error,
+                "timestamp": s.timestamp,
+                "duration_seconds": s.duration_seconds,
+                "last_success": s.last_success,
+                **dict(s.status),
+            }
+            for name, s in snap.sources.items()
+        },
+        "findings": [finding_json(f) for f in snap.findings],
+        **extra,
+    }
+
+
+def summary_line(snap: NodeSnapshot, gpu_count: int) -> str:
+    """One line for systemd's STATUS= and the start-up log."""
+    nvml = snap.sources.get("nvml")
+    failing = sorted(n for n, s in snap.sources.items() if not s.ok)
+    worst = max((f.severity for f in snap.findings), default=None)
+    parts = [f"{gpu_count} GPU(s)" if nvml is not None and nvml.ok else "NVML unavailable"]
+    parts.append(f"{len(snap.findings)} finding(s)" + (f", worst {worst}" if worst else ""))
+    if failing:
+        parts.append("failing: " + ",".join(failing))
+    return "; ".join(parts)
+
+
+def healthz_route(stale: Callable[[], Sequence[str]]) -> Route:
+    """/healthz: 200 "ok", or 503 naming the sources whose loops stopped making progress."""
+
+    def route(_query: Mapping[str, list[str]]) -> tuple[int, str, bytes]:
+        names = stale()
+        if names:
+            return 503, "text/plain", f"stale: {', '.join(names)}\n".encode()
+        return 200, "text/plain", b"ok\n"
+
+    return route
+
+
+def _first(query: Mapping[str, list[str]], key: str) -> str:
+    values = query.get(key) or [""]
+    return values[0]
+
+
+def events_route(store: EventStore, max_limit: int = 1000) -> Route:
+    """GET /events?limit=N&kind=xid&code=79&gpu=<bus|uuid|index>&since=<epoch>."""
+
+    def route(query: Mapping[str, list[str]]) -> tuple[int, str, bytes]:
+        try:
+            limit = int(_first(query, "limit") or 100)
+            code = int(_first(query, "code")) if _first(query, "code") else None
+            since = float(_first(query, "since")) if _first(query, "since") else None
+        except ValueError:
+            return 400, "text/plain", b"limit and code must be integers, since a number\n"
+        events = store.recent(
+            max(1, min(limit, max_limit)),
+            kind=_first(query, "kind") or None,
+            code=code,
+            gpu=_first(query, "gpu") or None,
+            since=since,
+        )
+        body = {"count": len(events), "events": events}
+        return 200, "application/json", json.dumps(body, indent=1).encode() + b"\n"
+
+    return route
