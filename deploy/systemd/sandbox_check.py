@@ -158,9 +158,9 @@ def main(argv: list[str] | None = None) -> int:
                     install(set(f.read().split()))
             else:
                 install(allowed_syscalls())
-        sys.argv = ["gpuwatchd.sources.nvml.record", "--out", args.child, "--polls", "2", "--interval", "0.5"]
+        sys.argv = ["gpuwatchd.cli.record", "--out", args.child, "--polls", "2", "--interval", "0.5"]
         sys.argv += replay
-        runpy.run_module("gpuwatchd.sources.nvml.record", run_name="__main__")  # exits with record's status
+        runpy.run_module("gpuwatchd.cli.record", run_name="__main__")  # exits with record's status
         return 0
     extra = replay + (["--syscalls", os.path.abspath(args.syscalls)] if args.syscalls else [])
     try:

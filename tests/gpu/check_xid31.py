@@ -29,7 +29,9 @@ sys.path.insert(0, str(ROOT))
 
 from faults import illegal_write_ptx  # noqa: E402  (tests/gpu is on sys.path)
 
-from gpuwatchd import checkcmd, config  # noqa: E402
+from gpuwatchd import config  # noqa: E402
+from gpuwatchd.cli import check as checkcmd  # noqa: E402
+from gpuwatchd.cli import clear as clearcmd  # noqa: E402
 from gpuwatchd.sources import SourceSpec, registry  # noqa: E402
 
 
@@ -88,7 +90,7 @@ def main() -> int:
     cfg_file = Path(state) / "config.yaml"
     cfg_file.write_text(f"daemon: {{state_dir: {state}}}\n")
     clear.config = str(cfg_file)
-    result["clear_exit_code"] = checkcmd._run_clear(clear)
+    result["clear_exit_code"] = clearcmd._run_clear(clear)
     result["after_clear_critical"] = run_check(critical)
 
     codes = [

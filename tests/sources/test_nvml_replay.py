@@ -14,11 +14,12 @@ from typing import Any
 
 import pytest
 
+from gpuwatchd.cli.record import main as record_main
+from gpuwatchd.cli.record import register
 from gpuwatchd.clock import FakeClock
 from gpuwatchd.errors import NvmlError
 from gpuwatchd.model import Sample
-from gpuwatchd.sources.nvml.record import main as record_main
-from gpuwatchd.sources.nvml.record import record, register
+from gpuwatchd.sources.nvml.record import record
 from gpuwatchd.sources.nvml.replay import FORMAT, ReplayClient, Step, expand_devices, load_capture
 from gpuwatchd.sources.nvml.source import NvmlSource
 
@@ -280,7 +281,7 @@ def test_record_runs_with_only_the_standard_library_and_pynvml(tmp_path: Path) -
         f"import sys, runpy\nfor m in {blocked!r}: sys.modules[m] = None\n"
         f"sys.argv = ['record', '--out', {str(out)!r}, '--polls', '1', "
         f"'--from-replay', {str(H200X2)!r}]\n"
-        "runpy.run_module('gpuwatchd.sources.nvml.record', run_name='__main__')\n"
+        "runpy.run_module('gpuwatchd.cli.record', run_name='__main__')\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60

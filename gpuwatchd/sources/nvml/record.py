@@ -1,24 +1,19 @@
-"""`gpuwatchd record`: capture what NVML answers, for the replay backend.
+"""Recording what NVML answers, for the replay backend (`gpuwatchd record`).
 
 A RecordingClient wraps the real client and writes down every answer;
 the real NvmlSource is then polled a few times through it, so the capture
 holds exactly the calls the source makes (and, because the source stops
 asking for unsupported readings, each of those once). The format is
 described in gpuwatchd/sources/nvml/replay.py.
-
-Needs only nvidia-ml-py and the standard library:
-`python -m gpuwatchd.sources.nvml.record --out capture.json` works without the rest.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import logging
 import os
 import platform
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -36,10 +31,10 @@ from gpuwatchd.sources.nvml.client import (
     XidEventSet,
     call_key,
 )
-from gpuwatchd.sources.nvml.replay import FORMAT, ReplayClient
+from gpuwatchd.sources.nvml.replay import FORMAT
 from gpuwatchd.sources.nvml.source import NvmlSource
 
-__all__ = ["RecordingClient", "RecordingDevice", "main", "record", "register"]
+__all__ = ["RecordingClient", "RecordingDevice", "record"]
 
 log = logging.getLogger("gpuwatchd.sources.nvml.record")
 T = TypeVar("T")
@@ -243,59 +238,3 @@ def record(
     tmp.write_text(json.dumps(capture, indent=1) + "\n", encoding="utf-8")
     tmp.replace(path)
     return capture
-
-
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", required=True, metavar="FILE", help="capture file to write")
-    parser.add_argument("--polls", type=int, default=3, help="polls to record (default 3)")
-    parser.add_argument(
-        "--interval", type=float, default=1.0, help="seconds between polls (default 1)"
-    )
-    parser.add_argument(
-        "--call-timeout", type=float, default=5.0, help="NVML call deadline in seconds (default 5)"
-    )
-    parser.add_argument(
-        "--from-replay",
-        metavar="FILE",
-        help="record a replayed capture instead of real NVML (for testing)",
-    )
-
-
-def _handle(args: argparse.Namespace) -> int:
-    client = ReplayClient.load(args.from_replay) if args.from_replay else None
-    capture = record(
-        args.out,
-        polls=max(1, args.polls),
-        interval=args.interval,
-        call_timeout=args.call_timeout,
-        client=client,
-    )
-    summary = capture["summary"]
-    gpus = summary["gpus"]
-    print(
-        f"wrote {args.out}: {len(gpus)} GPU(s), driver {summary['driver_version']}, "
-        f"{capture['polls']} poll(s)"
-    )
-    if summary["init_error"]:
-        print(f"NVML initialisation failed: {summary['init_error']}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def register(subparsers: Any) -> None:
-    """Add `gpuwatchd record` to the CLI."""
-    parser = subparsers.add_parser("record", help="record NVML answers for the replay backend")
-    _add_arguments(parser)
-    parser.set_defaults(func=_handle)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Standalone entry point: `python -m gpuwatchd.sources.nvml.record --out FILE`."""
-    parser = argparse.ArgumentParser(prog="gpuwatchd record", description=__doc__.split("\n")[0])
-    _add_arguments(parser)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    return _handle(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,9 +14,10 @@ import pytest
 
 from gpuwatchd import config
 from gpuwatchd.cli import check as checkcmd
+from gpuwatchd.cli import clear as clearcmd
 from gpuwatchd.sources import SourceSpec, registry
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FIX = ROOT / "tests" / "fixtures"
 H200 = FIX / "nvml" / "h200x2-probe.json"
 NO_XID = FIX / "kmsg" / "talos-kern-nvrm-no-xid.txt"
@@ -38,7 +39,9 @@ def kmsg_registered(monkeypatch: pytest.MonkeyPatch) -> None:
 def run(argv: list[str]) -> int:
     """Parse with a parser that has only our subcommands, then run the handler."""
     parser = argparse.ArgumentParser(prog="gpuwatchd")
-    checkcmd.register(parser.add_subparsers())
+    sub = parser.add_subparsers()
+    checkcmd.register(sub)
+    clearcmd.register(sub)
     args = parser.parse_args(argv)
     rc: int = args.func(args)
     return rc
@@ -199,7 +202,7 @@ def test_clear_ends_a_critical_xid_and_records_who(write_config, monkeypatch, ca
 
 def test_clear_resolves_a_gpu_index_through_nvml(write_config) -> None:
     cfg = config.load(str(write_config(NO_XID)))
-    assert checkcmd.resolve_gpu(cfg, "1") == "0000:00:07.0"
-    assert checkcmd.resolve_gpu(cfg, "GPU-544a204b-219a-29ac-8147-ab3c8c9d52c6") == "0000:00:06.0"
+    assert clearcmd.resolve_gpu(cfg, "1") == "0000:00:07.0"
+    assert clearcmd.resolve_gpu(cfg, "GPU-544a204b-219a-29ac-8147-ab3c8c9d52c6") == "0000:00:06.0"
     with pytest.raises(Exception, match="no GPU '7'"):
-        checkcmd.resolve_gpu(cfg, "7")
+        clearcmd.resolve_gpu(cfg, "7")

@@ -13,7 +13,7 @@ import pytest
 
 from gpuwatchd.cli import xid as xidcmd
 
-FIX = Path(__file__).resolve().parent / "fixtures" / "kmsg"
+FIX = Path(__file__).resolve().parents[1] / "fixtures" / "kmsg"
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

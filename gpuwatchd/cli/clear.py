@@ -1,0 +1,105 @@
+"""`gpuwatchd clear`: record an operator clear of sticky conditions in the event store."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import getpass
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from gpuwatchd import config
+from gpuwatchd.bootid import read_boot_id
+from gpuwatchd.cli.check import DB_NAME, collect
+from gpuwatchd.clock import SystemClock
+from gpuwatchd.config import Config
+from gpuwatchd.errors import GpuwatchdError
+from gpuwatchd.health.history import norm_bus_id
+from gpuwatchd.sinks.store import EventStore
+
+__all__ = ["operator", "register", "resolve_gpu"]
+
+
+def register(subparsers: Any) -> None:
+    """Add the `clear` subcommand."""
+    c = subparsers.add_parser(
+        "clear",
+        help="clear sticky conditions (critical Xids, ECC, lost GPUs) after fixing them",
+        description="Record an operator clear (who, when, why) in the event store. The running"
+        " daemon applies it within a few seconds.",
+    )
+    which = c.add_mutually_exclusive_group(required=True)
+    which.add_argument("--gpu", metavar="N|UUID|BUS_ID", help="the GPU to clear")
+    which.add_argument("--all", action="store_true", help="every GPU (and the GPU count)")
+    c.add_argument("--xid", type=int, metavar="CODE", help="only this Xid code")
+    c.add_argument("--reason", default="", help="why (kept with the clear)")
+    c.add_argument("--config", metavar="FILE", help="YAML config (default: built-in defaults)")
+    c.add_argument("--state-dir", metavar="DIR", help="override daemon.state_dir")
+    c.set_defaults(func=_run_clear)
+
+
+def operator() -> str:
+    """Who runs the command: the sudo caller if any."""
+    return os.environ.get("SUDO_USER") or os.environ.get("USER") or getpass.getuser()
+
+
+def resolve_gpu(cfg: Config, target: str, timeout: float = 15.0) -> str:
+    """A GPU index or UUID -> its PCI bus id (from stored events, else NVML)."""
+    if ":" in target:
+        return norm_bus_id(target)
+
+    path = os.path.join(cfg.daemon.state_dir, DB_NAME)
+    if os.path.exists(path):
+        store = EventStore(path, cfg.store.max_events, cfg.store.max_age_days)
+        try:
+            rows = store.recent(1, gpu=target)
+        finally:
+            store.close()
+        if rows and rows[0].get("pci_bus_id"):
+            return norm_bus_id(str(rows[0]["pci_bus_id"]))
+    got = collect(cfg, SystemClock(), timeout, only=["nvml"])
+    nvml = got.state.snapshot().sources.get("nvml")
+    gpus = nvml.status.get("gpus", {}) if nvml is not None else {}
+    for bus, info in gpus.items() if isinstance(gpus, Mapping) else ():
+        if isinstance(info, Mapping) and target in (str(info.get("gpu")), info.get("uuid")):
+            return norm_bus_id(str(bus))
+    raise GpuwatchdError(
+        f"no GPU {target!r} known to NVML or the event store; "
+        "pass its PCI bus id (e.g. 0000:3b:00.0)"
+    )
+
+
+def _run_clear(args: argparse.Namespace) -> int:
+    from gpuwatchd.sinks.store import EventStore
+
+    cfg = config.load(args.config)
+    if args.state_dir:
+        cfg = dataclasses.replace(
+            cfg, daemon=dataclasses.replace(cfg.daemon, state_dir=args.state_dir)
+        )
+    bus = "" if args.all else resolve_gpu(cfg, args.gpu)
+    store = EventStore(
+        os.path.join(cfg.daemon.state_dir, DB_NAME), cfg.store.max_events, cfg.store.max_age_days
+    )
+    try:
+        row = store.add_clear(
+            operator(),
+            pci_bus_id=bus,
+            code=args.xid,
+            reason=args.reason,
+            boot_id=read_boot_id(cfg.paths.boot_id),
+        )
+    finally:
+        store.close()
+    what = f"GPU {args.gpu} ({bus})" if bus else "all GPUs"
+    if args.xid is not None:
+        what += f", Xid {args.xid} only"
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row.time))
+    print(
+        f"cleared {what}: recorded as clear #{row.id} by {row.who} at {when}"
+        f"{' (' + args.reason + ')' if args.reason else ''}."
+    )
+    print("A running gpuwatchd applies it within a few seconds.")
+    return 0

@@ -1,0 +1,34 @@
+"""`gpuwatchd config check | default`: validate a file, print the defaults."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from gpuwatchd import config
+
+__all__ = ["register"]
+
+
+def register(sub: Any) -> None:
+    """Add the `config` subcommand."""
+    cfg = sub.add_parser("config", help="check or print configuration")
+    cfg_sub = cfg.add_subparsers(metavar="ACTION")
+    check = cfg_sub.add_parser("check", help="validate a config file and exit")
+    check.add_argument("file")
+    check.set_defaults(func=_config_check)
+    default = cfg_sub.add_parser("default", help="print the full default config")
+    default.set_defaults(func=_config_default)
+
+
+def _config_check(args: argparse.Namespace) -> int:
+    cfg = config.load(args.file)
+    config.check_paths(cfg, args.file)
+    print(f"{args.file}: ok")
+    return 0
+
+
+def _config_default(_args: argparse.Namespace) -> int:
+    sys.stdout.write(config.render_default())
+    return 0

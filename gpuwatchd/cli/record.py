@@ -1,0 +1,72 @@
+"""`gpuwatchd record`: capture what NVML answers on this machine, for the replay backend."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from gpuwatchd.sources.nvml.record import record
+from gpuwatchd.sources.nvml.replay import ReplayClient
+
+__all__ = ["main", "register"]
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, metavar="FILE", help="capture file to write")
+    parser.add_argument("--polls", type=int, default=3, help="polls to record (default 3)")
+    parser.add_argument(
+        "--interval", type=float, default=1.0, help="seconds between polls (default 1)"
+    )
+    parser.add_argument(
+        "--call-timeout", type=float, default=5.0, help="NVML call deadline in seconds (default 5)"
+    )
+    parser.add_argument(
+        "--from-replay",
+        metavar="FILE",
+        help="record a replayed capture instead of real NVML (for testing)",
+    )
+
+
+def _handle(args: argparse.Namespace) -> int:
+    client = ReplayClient.load(args.from_replay) if args.from_replay else None
+    capture = record(
+        args.out,
+        polls=max(1, args.polls),
+        interval=args.interval,
+        call_timeout=args.call_timeout,
+        client=client,
+    )
+    summary = capture["summary"]
+    gpus = summary["gpus"]
+    print(
+        f"wrote {args.out}: {len(gpus)} GPU(s), driver {summary['driver_version']}, "
+        f"{capture['polls']} poll(s)"
+    )
+    if summary["init_error"]:
+        print(f"NVML initialisation failed: {summary['init_error']}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add `gpuwatchd record` to the CLI."""
+    parser = subparsers.add_parser("record", help="record NVML answers for the replay backend")
+    _add_arguments(parser)
+    parser.set_defaults(func=_handle)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`gpuwatchd record` on its own (tests and scripts)."""
+    parser = argparse.ArgumentParser(
+        prog="gpuwatchd record", description="Record NVML answers for the replay backend."
+    )
+    _add_arguments(parser)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return _handle(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
