@@ -163,7 +163,8 @@ class SlurmCluster:
         while time.monotonic() < end:
             for proc in self.procs:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{proc.args[0]} exited ({proc.returncode}): {self.logs()}")
+                    name = str(proc.args[0]) if isinstance(proc.args, list) else "daemon"
+                    raise RuntimeError(f"{name} exited ({proc.returncode}): {self.logs()}")
             if ready():
                 return
             time.sleep(0.2)
