@@ -15,7 +15,8 @@ from gpuwatchd.config import load_text
 from gpuwatchd.errors import ConfigError
 from gpuwatchd.model import Event, Sample
 from gpuwatchd.sources import SourceContext
-from gpuwatchd.sources.shm.source import ShmSource, scan_holders
+from gpuwatchd.sources.shm.holders import scan_holders
+from gpuwatchd.sources.shm.source import ShmSource
 
 HOLDER = r"""
 import mmap, os, sys
