@@ -16,6 +16,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
 
+# Every daemon the tests start, in process or as a subprocess, raises on a sample
+# its exposition would drop (production counts it in
+# gpuwatchd_exporter_dropped_samples_total instead).
+os.environ["GPUWATCHD_STRICT_EXPORT"] = "1"
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(

@@ -2,7 +2,10 @@
 
 The collector never calls a source: it reads `State.snapshot()`, one
 reference, so a hung NVML call cannot slow a scrape. Families come from
-the MetricSpec tables each producer declares.
+the MetricSpec tables each producer declares. A sample that has no spec,
+whose labels differ from its spec's, or that repeats a series is left out,
+logged once per name and counted in gpuwatchd_exporter_dropped_samples_total;
+in strict mode (the test suite: GPUWATCHD_STRICT_EXPORT=1) it raises instead.
 """
 
 from __future__ import annotations
@@ -24,11 +27,22 @@ from gpuwatchd.state import NodeSnapshot, State
 
 Family = CounterMetricFamily | GaugeMetricFamily
 
-__all__ = ["DAEMON_METRICS", "SnapshotCollector", "write_textfile"]
+__all__ = [
+    "DAEMON_METRICS",
+    "DROP_REASONS",
+    "DroppedSampleError",
+    "STRICT_ENV",
+    "SnapshotCollector",
+    "write_textfile",
+]
 
 log = logging.getLogger("gpuwatchd.prometheus")
 
 _CACHED = " Collected on the source's own timer and served from cache."
+
+# Set to 1 (the test suite does) to make a sample the exposition would drop an error.
+STRICT_ENV = "GPUWATCHD_STRICT_EXPORT"
+DROP_REASONS = ("duplicate_series", "label_mismatch", "no_spec")
 
 DAEMON_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
@@ -61,16 +75,34 @@ DAEMON_METRICS: tuple[MetricSpec, ...] = (
         "Build information; always 1.",
         ("version", "python_version"),
     ),
+    MetricSpec(
+        "gpuwatchd_exporter_dropped_samples_total",
+        "counter",
+        "Samples left out of the exposition, counted once per snapshot: no_spec (no "
+        "MetricSpec declares the name), label_mismatch (label names differ from the "
+        "spec's), duplicate_series (a second sample for the same series). Any increase "
+        "is a bug in gpuwatchd.",
+        ("reason",),
+    ),
 )
+
+
+class DroppedSampleError(RuntimeError):
+    """A sample the exposition cannot carry, raised in strict mode."""
 
 
 class SnapshotCollector(Collector):
     """Yields metric families from the current snapshot; never blocks."""
 
-    def __init__(self, state: State, specs: Iterable[MetricSpec]) -> None:
+    def __init__(
+        self, state: State, specs: Iterable[MetricSpec], strict: bool | None = None
+    ) -> None:
         self._state = state
         self._specs = {s.name: s for s in (*DAEMON_METRICS, *specs)}
-        self._unknown_logged: set[str] = set()
+        self._strict = os.environ.get(STRICT_ENV) == "1" if strict is None else strict
+        self._dropped = dict.fromkeys(DROP_REASONS, 0)
+        self._logged: set[tuple[str, str]] = set()
+        self._counted_generation = -1
 
     def describe(self) -> Iterator[Metric]:
         for spec in self._specs.values():
@@ -78,27 +110,48 @@ class SnapshotCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         snap = self._state.snapshot()
+        # Renders of one snapshot (scrape, textfile) count its drops once.
+        counting = snap.generation != self._counted_generation
+        self._counted_generation = snap.generation
         grouped: dict[str, list[Sample]] = defaultdict(list)
         for sample in _self_samples(snap):
             grouped[sample.name].append(sample)
         for sample in snap.samples():
             grouped[sample.name].append(sample)
+        families: list[Family] = []
         for name, samples in grouped.items():
             spec = self._specs.get(name)
             if spec is None:
-                if name not in self._unknown_logged:
-                    self._unknown_logged.add(name)
-                    log.error("sample %s has no MetricSpec; not exported", name)
+                self._drop("no_spec", samples[0], len(samples), counting)
                 continue
             fam = _family(spec)
             seen: set[tuple[str, ...]] = set()
             for s in samples:
                 values = _label_values(spec, s)
-                if values is None or values in seen:
-                    continue  # malformed or duplicate series: drop, never fail the scrape
-                seen.add(values)
-                fam.add_metric(list(values), s.value)
-            yield fam
+                if values is None:
+                    self._drop("label_mismatch", s, 1, counting)
+                elif values in seen:
+                    self._drop("duplicate_series", s, 1, counting)
+                else:
+                    seen.add(values)
+                    fam.add_metric(list(values), s.value)
+            families.append(fam)
+        dropped = _family(self._specs["gpuwatchd_exporter_dropped_samples_total"])
+        for reason in DROP_REASONS:
+            dropped.add_metric([reason], self._dropped[reason])
+        families.append(dropped)
+        yield from families
+
+    def _drop(self, reason: str, sample: Sample, n: int, counting: bool) -> None:
+        """Leave a sample out: count it, say so once per name and reason; raise if strict."""
+        what = f"sample {sample.name}{dict(sample.labels)} dropped from the exposition: {reason}"
+        if self._strict:
+            raise DroppedSampleError(what)
+        if counting:
+            self._dropped[reason] += n
+        if (sample.name, reason) not in self._logged:
+            self._logged.add((sample.name, reason))
+            log.error("%s (logged once per name)", what)
 
 
 def _family(spec: MetricSpec) -> Family:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import logging
 import shutil
 import subprocess
 from pathlib import Path
@@ -9,7 +10,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from gpuwatchd.http.server import make_app
 from gpuwatchd.model import MetricSpec, Sample, SourceSnapshot
-from gpuwatchd.sinks.prometheus import SnapshotCollector, write_textfile
+from gpuwatchd.sinks.prometheus import (
+    DROP_REASONS,
+    STRICT_ENV,
+    DroppedSampleError,
+    SnapshotCollector,
+    write_textfile,
+)
 from gpuwatchd.state import State
 
 SPECS = (
@@ -18,9 +25,9 @@ SPECS = (
 )
 
 
-def _registry(state: State) -> CollectorRegistry:
+def _registry(state: State, strict: bool | None = None) -> CollectorRegistry:
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(SnapshotCollector(state, SPECS))
+    reg.register(SnapshotCollector(state, SPECS, strict=strict))
     return reg
 
 
@@ -60,7 +67,9 @@ def test_exposition_from_snapshot() -> None:
     assert "gpuwatchd_build_info{" in text
 
 
-def test_malformed_and_unknown_samples_are_dropped_not_fatal() -> None:
+def test_malformed_and_unknown_samples_are_dropped_not_fatal(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     state = State()
     _publish(
         state,
@@ -72,12 +81,56 @@ def test_malformed_and_unknown_samples_are_dropped_not_fatal() -> None:
         ],
         ok=False,
     )
-    text = generate_latest(_registry(state)).decode()
+    registry = _registry(state, strict=False)
+    with caplog.at_level(logging.ERROR, "gpuwatchd.prometheus"):
+        text = generate_latest(registry).decode()
+        again = generate_latest(registry).decode()
     assert "gpuwatchd_not_declared" not in text
     assert "gpuwatchd_gpu_power_watts{" not in text
     assert text.count('gpuwatchd_gpu_energy_joules_total{gpu="1"}') == 1
     assert 'gpuwatchd_collector_success{collector="nvml"} 0.0' in text
     assert 'gpuwatchd_collector_errors_total{collector="nvml",reason="nvml_init"} 2.0' in text
+    for reason in ("no_spec", "label_mismatch", "duplicate_series"):
+        assert f'gpuwatchd_exporter_dropped_samples_total{{reason="{reason}"}} 1.0' in text
+    # a second render of the same snapshot neither counts nor logs again
+    assert again == text
+    assert len(caplog.records) == 3
+    _publish(state, [Sample.of("gpuwatchd_not_declared", 2)])
+    text = generate_latest(registry).decode()
+    assert 'gpuwatchd_exporter_dropped_samples_total{reason="no_spec"} 2.0' in text
+    assert len(caplog.records) == 3
+
+
+def test_dropped_samples_counter_exported_at_zero() -> None:
+    state = State()
+    _publish(state, [Sample.of("gpuwatchd_gpu_energy_joules_total", 5, gpu=1)])
+    text = generate_latest(_registry(state, strict=True)).decode()
+    for reason in DROP_REASONS:
+        assert f'gpuwatchd_exporter_dropped_samples_total{{reason="{reason}"}} 0.0' in text
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        Sample.of("gpuwatchd_gpu_power_watts", 1, gpu=0),
+        Sample.of("gpuwatchd_not_declared", 1),
+    ],
+)
+def test_strict_mode_raises_on_a_sample_it_would_drop(bad: Sample) -> None:
+    state = State()
+    _publish(state, [bad])
+    with pytest.raises(DroppedSampleError, match=bad.name):
+        generate_latest(_registry(state, strict=True))
+
+
+def test_strict_mode_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    state = State()
+    _publish(state, [Sample.of("gpuwatchd_not_declared", 1)])
+    monkeypatch.setenv(STRICT_ENV, "1")
+    with pytest.raises(DroppedSampleError):
+        generate_latest(_registry(state))
+    monkeypatch.setenv(STRICT_ENV, "0")
+    assert b"gpuwatchd_not_declared" not in generate_latest(_registry(state))
 
 
 def test_wsgi_routes() -> None:
