@@ -99,14 +99,17 @@ class Wiring:
         self.runner = self.sources.runner
         self.routes: dict[str, Route] = {
             "/status": json_route(self.status),
-            "/healthz": healthz_route(
-                lambda: self.runner.stale(self.cfg.http.healthz_stale_seconds)
-            ),
+            "/healthz": healthz_route(lambda: self.stale(self.cfg.http.healthz_stale_seconds)),
             **(pipeline.routes() if pipeline else {}),
         }
 
     def start(self) -> None:
         self.sources.start()
+
+    def stale(self, max_age: float) -> list[str]:
+        """Source loops and the consumer thread that made no progress lately."""
+        consumer = self.pipeline.stale(max_age) if self.pipeline else []
+        return [*self.runner.stale(max_age), *consumer]
 
     def stop(self) -> None:
         self.sources.stop()
@@ -191,6 +194,9 @@ class Daemon:
         wiring.start()
         if not wiring.runner.wait_first_polls(FIRST_POLL_TIMEOUT):
             log.warning("some sources did not finish a first poll in %.0fs", FIRST_POLL_TIMEOUT)
+        # READY=1 means the first polls are evaluated too, not only queued.
+        if not self.pipeline.wait_idle(FIRST_POLL_TIMEOUT):
+            log.warning("the consumer did not catch up in %.0fs", FIRST_POLL_TIMEOUT)
         host, port = self.httpd.server_address[:2]
         log.info("gpuwatchd %s serving on %s:%s (%s)", __version__, host, port, wiring.summary())
         self.notifier.ready(wiring.summary())
@@ -247,13 +253,9 @@ class Daemon:
     def _housekeeping(self, watchdog: float | None) -> None:
         assert self.wiring is not None
         cfg = self.wiring.cfg
-        if self.pipeline is not None:
-            try:
-                self.pipeline.tick()
-            except Exception:  # a bug here must not stop the watchdog or the loop
-                log.exception("health tick")
         if watchdog:
-            stale = self.wiring.runner.stale(max(30.0, watchdog * 2))
+            # Both halves must move: a source loop that hangs, or a consumer stuck on disk.
+            stale = self.wiring.stale(max(30.0, watchdog * 2))
             if stale:
                 log.error("watchdog withheld: no progress from %s", ", ".join(stale))
             else:
@@ -292,6 +294,8 @@ class Daemon:
             self.pipeline.reconfigure(cfg)
         new.start()
         new.runner.wait_first_polls(FIRST_POLL_TIMEOUT)
+        if self.pipeline is not None:
+            self.pipeline.wait_idle(FIRST_POLL_TIMEOUT)
         log.info("reloaded: %s", new.summary())
         self.notifier.ready(new.summary())
 

@@ -1,9 +1,12 @@
 """The latest immutable snapshot of everything the daemon knows.
 
-Writers (source threads, the health engine) build a new `NodeSnapshot`
+Writers (source threads, the consumer thread) build a new `NodeSnapshot`
 and swap one reference under a short lock; readers (a scrape, /status)
 take the reference and never wait on a source. Nothing that can block
 (NVML, disk) ever runs while the lock is held.
+
+`PublishQueue` carries source publishes to the one consumer thread: the
+latest snapshot of each source wins, events are never dropped.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from types import MappingProxyType
 
 from gpuwatchd.model import Event, Finding, Sample, SourceSnapshot
 
-__all__ = ["NodeSnapshot", "State"]
+__all__ = ["NodeSnapshot", "Publish", "PublishQueue", "State"]
 
 Listener = Callable[["NodeSnapshot", SourceSnapshot | None, tuple[Event, ...]], None]
 
@@ -51,7 +54,10 @@ class State:
         return self._snap  # a single reference read: atomic, never blocks
 
     def subscribe(self, listener: Listener) -> None:
-        """Call `listener` after every source publish (in the publishing thread)."""
+        """Call `listener` after every source publish, in the publishing thread.
+
+        A listener must not block: the daemon's only one is `PublishQueue.offer`.
+        """
         self._listeners.append(listener)
 
     def publish(self, snap: SourceSnapshot, events: Iterable[Event] = ()) -> NodeSnapshot:
@@ -85,3 +91,76 @@ class State:
         frozen = tuple(findings)
         with self._lock:
             self._snap = replace(self._snap, findings=frozen, generation=self._snap.generation + 1)
+
+
+@dataclass(frozen=True)
+class Publish:
+    """What the consumer thread takes: a source's latest snapshot and every event since."""
+
+    source: SourceSnapshot
+    events: tuple[Event, ...]
+    seq: int  # of the newest publish folded in
+
+
+class PublishQueue:
+    """Source publishes waiting for the consumer thread, one entry per source.
+
+    Bounded by the number of sources: a publish for a source that is still
+    waiting replaces its snapshot (only the latest matters) and appends its
+    events (none is dropped). Entries keep the order of their first arrival.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._pending: dict[str, Publish] = {}
+        self._offered = 0
+        self._done = 0
+        self._closed = False
+        self.coalesced = 0  # publishes folded into one still waiting
+
+    def offer(
+        self, _snap: NodeSnapshot, source: SourceSnapshot | None, events: tuple[Event, ...]
+    ) -> None:
+        """State listener: enqueue and return at once (runs in the source thread)."""
+        if source is None:
+            return
+        with self._cond:
+            self._offered += 1
+            prev = self._pending.get(source.source)
+            if prev is not None:
+                self.coalesced += 1
+                events = prev.events + events
+            self._pending[source.source] = Publish(source, events, self._offered)
+            self._cond.notify_all()
+
+    def take(self, timeout: float) -> list[Publish]:
+        """Everything waiting, oldest source first; [] after `timeout` or once closed."""
+        with self._cond:
+            if not self._pending and not self._closed:
+                self._cond.wait(timeout)
+            batch = list(self._pending.values())
+            self._pending.clear()
+            return batch
+
+    def done(self, seq: int) -> None:
+        """The consumer finished every publish up to `seq`."""
+        with self._cond:
+            self._done = max(self._done, seq)
+            self._cond.notify_all()
+
+    def wait_drained(self, timeout: float) -> bool:
+        """Wait until every publish offered so far is consumed; False on timeout."""
+        with self._cond:
+            target = self._offered
+            return self._cond.wait_for(lambda: self._done >= target or self._closed, timeout)
+
+    def depth(self) -> int:
+        """Sources with a publish waiting."""
+        with self._cond:
+            return len(self._pending)
+
+    def close(self) -> None:
+        """Wake the consumer so it can stop; later offers still queue (drained on stop)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()

@@ -31,6 +31,7 @@ PRODUCERS: tuple[tuple[str, str, str], ...] = (
     ("gpuwatchd.health.xid.stage", "METRICS", "xid"),
     ("gpuwatchd.sinks.alertmanager.sink", "METRICS", "alerts"),
     ("gpuwatchd.sinks.prometheus", "DAEMON_METRICS", "daemon"),
+    ("gpuwatchd.pipeline", "PIPELINE_METRICS", "consumer"),
 )
 
 # The nearest dcgm-exporter field (DCGM_FI_*) for metrics that have one. Units and

@@ -331,21 +331,18 @@ def _open_store(cfg: Config, notes: list[str]) -> Any:
 
 
 def _stored_baseline(cfg: Config, notes: list[str]) -> int:
-    from gpuwatchd.sinks.alertmanager.outbox import Outbox
-
-    path = os.path.join(cfg.daemon.state_dir, DB_NAME)
-    if cfg.health.expected_gpus or not os.access(path, os.W_OK):
+    if cfg.health.expected_gpus:
+        return 0
+    store = _open_store(cfg, notes)
+    if store is None:
         return 0
     try:
-        box = Outbox(path)
+        return int(store.load_gpu_baseline())
     except GpuwatchdError as exc:
         notes.append(f"GPU count baseline unavailable: {exc}")
         return 0
-    try:
-        text = box.memory("baseline_gpus", "0")
     finally:
-        box.close()
-    return int(text) if text.isdigit() else 0
+        store.close()
 
 
 # --- output ----------------------------------------------------------------------

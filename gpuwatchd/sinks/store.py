@@ -91,6 +91,14 @@ MIGRATIONS: tuple[str, ...] = (
     );
     CREATE INDEX clears_time ON clears (time);
     """,
+    # The health engine's memory (the GPU count baseline). Older files kept it in the
+    # alert outbox's table of the same name and shape, so IF NOT EXISTS keeps their rows.
+    """
+    CREATE TABLE IF NOT EXISTS health_memory (
+        key TEXT PRIMARY KEY,
+        value TEXT NOT NULL
+    );
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 PRUNE_EVERY = 60.0
@@ -395,6 +403,27 @@ class EventStore:
                 (clear_id,),
             ).fetchall()
         return [ClearRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], bool(r[7]), r[8]) for r in rows]
+
+    def load_gpu_baseline(self) -> int:
+        """The most GPUs the health engine has seen on this node (0 = none yet)."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT value FROM health_memory WHERE key = 'baseline_gpus'"
+            ).fetchone()
+        text = str(row[0]) if row else ""
+        return int(text) if text.isdigit() else 0
+
+    def save_gpu_baseline(self, count: int) -> None:
+        """Keep the GPU count baseline across restarts (HealthEngine's `on_baseline`)."""
+        try:
+            with self._lock, self._db:
+                self._db.execute(
+                    "INSERT INTO health_memory VALUES ('baseline_gpus', ?)"
+                    " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                    (str(count),),
+                )
+        except sqlite3.Error as exc:
+            raise StoreError(f"writing to {self.path}: {exc}") from None
 
     def close(self) -> None:
         with self._lock:

@@ -235,20 +235,28 @@ def test_node_rules_and_stuck_detector_run_in_the_engine() -> None:
 
 
 def test_gpu_count_baseline_survives_restart(tmp_path) -> None:
-    from gpuwatchd.sinks.alertmanager.sink import AlertSink
+    from gpuwatchd.sinks.store import EventStore
 
-    sink = AlertSink(Config(), str(tmp_path / "db"), FakeClock(T0), "n")
+    store = EventStore(str(tmp_path / "db"))
     clock, state = FakeClock(T0), State()
     first = HealthEngine(
-        Config(), clock, state, baseline_gpus=sink.baseline_gpus(), on_baseline=sink.save_baseline
+        Config(),
+        clock,
+        state,
+        baseline_gpus=store.load_gpu_baseline(),
+        on_baseline=store.save_gpu_baseline,
     )
     state.subscribe(first.on_publish)
     publish(state, Node(), clock)
-    assert sink.baseline_gpus() == 2
+    assert store.load_gpu_baseline() == 2
     # The daemon restarts after a GPU fell off the bus.
     state = State()
     second = HealthEngine(
-        Config(), clock, state, baseline_gpus=sink.baseline_gpus(), on_baseline=sink.save_baseline
+        Config(),
+        clock,
+        state,
+        baseline_gpus=store.load_gpu_baseline(),
+        on_baseline=store.save_gpu_baseline,
     )
     state.subscribe(second.on_publish)
     publish(state, Node(gpus={U0: {}}), clock)
@@ -257,7 +265,7 @@ def test_gpu_count_baseline_survives_restart(tmp_path) -> None:
         s.value for s in state.snapshot().extra["health"] if s.name == "gpuwatchd_gpus_expected"
     ]
     assert expected == [2]
-    sink.stop()
+    store.close()
 
 
 def test_tick_applies_clears_written_to_the_store(tmp_path) -> None:

@@ -126,15 +126,14 @@ def test_fire_shows_in_alertmanager_then_resolves(am: AlertmanagerServer, tmp_pa
 
 def test_background_sender_delivers_and_counts(am: AlertmanagerServer, tmp_path: Path) -> None:
     node = unique_node()
-    state = State()
-    sink = AlertSink(config([am.url]), str(tmp_path / "db"), SystemClock(), node, state)
+    sink = AlertSink(config([am.url]), str(tmp_path / "db"), SystemClock(), node)
     sink.start()
     try:
         sink.update([xid_finding(), ecc_finding()])
         assert wait_for(lambda: len(am.alerts(node=node)) == 2)
-        assert wait_for(lambda: _metric(state, "gpuwatchd_alertmanager_queue_length") == 0)
-        assert _metric(state, "gpuwatchd_alerts_firing", severity="critical") == 2
-        assert _metric(state, "gpuwatchd_alertmanager_notifications_total", result="success") >= 1
+        assert wait_for(lambda: _metric(sink, "gpuwatchd_alertmanager_queue_length") == 0)
+        assert _metric(sink, "gpuwatchd_alerts_firing", severity="critical") == 2
+        assert _metric(sink, "gpuwatchd_alertmanager_notifications_total", result="success") >= 1
     finally:
         sink.stop()
 
@@ -144,8 +143,7 @@ def test_outage_then_every_alert_arrives(tmp_path: Path) -> None:
     server.start()
     node = unique_node()
     cfg = config([server.url], resend_interval=1.0, retry_max_seconds=1.0, timeout=2.0)
-    state = State()
-    sink = AlertSink(cfg, str(tmp_path / "db"), SystemClock(), node, state)
+    sink = AlertSink(cfg, str(tmp_path / "db"), SystemClock(), node)
     sink.start()
     try:
         server.stop()
@@ -155,10 +153,10 @@ def test_outage_then_every_alert_arrives(tmp_path: Path) -> None:
         sink.update([b])  # a fired and resolved while Alertmanager was away
         assert wait_for(
             lambda: (
-                _metric(state, "gpuwatchd_alertmanager_notifications_total", result="failure") >= 2
+                _metric(sink, "gpuwatchd_alertmanager_notifications_total", result="failure") >= 2
             )
         )
-        assert _metric(state, "gpuwatchd_alertmanager_queue_length") == 2
+        assert _metric(sink, "gpuwatchd_alertmanager_queue_length") == 2
         server.start()
         assert wait_for(lambda: len(server.alerts(node=node)) == 1)
         [firing] = server.alerts(node=node)
@@ -167,8 +165,8 @@ def test_outage_then_every_alert_arrives(tmp_path: Path) -> None:
         assert wait_for(
             lambda: server.metric("alertmanager_alerts_received_total", status="resolved") >= 1
         )
-        assert wait_for(lambda: _metric(state, "gpuwatchd_alertmanager_queue_length") == 0)
-        assert _metric(state, "gpuwatchd_alertmanager_dropped_alerts_total") == 0
+        assert wait_for(lambda: _metric(sink, "gpuwatchd_alertmanager_queue_length") == 0)
+        assert _metric(sink, "gpuwatchd_alertmanager_dropped_alerts_total") == 0
     finally:
         sink.stop()
         server.stop()
@@ -205,20 +203,18 @@ def test_restart_neither_duplicates_nor_loses(am: AlertmanagerServer, tmp_path: 
 
 def test_batches_of_at_most_256(am: AlertmanagerServer, tmp_path: Path) -> None:
     node = unique_node()
-    state = State()
-    sink = AlertSink(config([am.url]), str(tmp_path / "db"), SystemClock(), node, state)
+    sink = AlertSink(config([am.url]), str(tmp_path / "db"), SystemClock(), node)
     many = [xid_finding(code=i) for i in range(300)]
     sink.update(many)
     assert sink.flush()
     assert len(am.alerts(node=node)) == 300
-    assert _metric(state, "gpuwatchd_alertmanager_notifications_total", result="success") == 2
+    assert _metric(sink, "gpuwatchd_alertmanager_notifications_total", result="success") == 2
     sink.stop()
 
 
 def test_invalid_labels_are_dropped_not_sent(am: AlertmanagerServer, tmp_path: Path) -> None:
     node = unique_node()
-    state = State()
-    sink = AlertSink(config([am.url]), str(tmp_path / "db"), SystemClock(), node, state)
+    sink = AlertSink(config([am.url]), str(tmp_path / "db"), SystemClock(), node)
     bad = dataclasses.replace(xid_finding(), subject=labels_of({**GPU0, "gpu": "0\udcff"}))
     odd_text = dataclasses.replace(ecc_finding(), reason="from a log line: \udcff")
     sink.update([bad, odd_text])
@@ -226,16 +222,15 @@ def test_invalid_labels_are_dropped_not_sent(am: AlertmanagerServer, tmp_path: P
     [sent] = am.alerts(node=node)
     assert sent["labels"]["alertname"] == "GpuEccUncorrectable"  # type: ignore[index]
     assert sent["annotations"]["description"] == "from a log line: ?"  # type: ignore[index]
-    assert _metric(state, "gpuwatchd_alertmanager_dropped_alerts_total", reason="invalid") == 1
+    assert _metric(sink, "gpuwatchd_alertmanager_dropped_alerts_total", reason="invalid") == 1
     sink.stop()
 
 
 def test_queue_bound_drops_and_counts(tmp_path: Path) -> None:
-    state = State()
-    sink = AlertSink(config([], max_alerts=10), str(tmp_path / "db"), SystemClock(), "n", state)
+    sink = AlertSink(config([], max_alerts=10), str(tmp_path / "db"), SystemClock(), "n")
     sink.update([xid_finding(code=i) for i in range(12)])
-    assert _metric(state, "gpuwatchd_alertmanager_dropped_alerts_total", reason="queue_full") == 2
-    assert _metric(state, "gpuwatchd_alerts_firing", severity="critical") == 10
+    assert _metric(sink, "gpuwatchd_alertmanager_dropped_alerts_total", reason="queue_full") == 2
+    assert _metric(sink, "gpuwatchd_alerts_firing", severity="critical") == 10
     code, ctype, body = sink.route_alerts({"state": ["firing"]})
     assert code == 200 and ctype == "application/json"
     assert len(json.loads(body)["alerts"]) == 10
@@ -263,15 +258,14 @@ def test_non_2xx_body_is_logged_and_only_the_bad_alert_dropped(
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Rejecting)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
-    state = State()
-    sink = AlertSink(config([url]), str(tmp_path / "db"), SystemClock(), "n", state)
+    sink = AlertSink(config([url]), str(tmp_path / "db"), SystemClock(), "n")
     try:
         with caplog.at_level(logging.ERROR, "gpuwatchd.alertmanager"):
             sink.update([xid_finding(), ecc_finding()])
             assert sink.flush()
         assert "answered 400: bad alert: GpuXidCritical" in caplog.text
         assert len(_Rejecting.posts) == 3  # the batch, then each alert alone
-        assert _metric(state, "gpuwatchd_alertmanager_dropped_alerts_total", reason="rejected") == 1
+        assert _metric(sink, "gpuwatchd_alertmanager_dropped_alerts_total", reason="rejected") == 1
     finally:
         sink.stop()
         server.shutdown()
@@ -308,14 +302,13 @@ def test_tls_and_basic_auth(tmp_path: Path) -> None:
         assert sink.flush()
         sink.stop()
         (tmp_path / "password").write_text("wrong\n")
-        state = State()
-        sink = AlertSink(cfg, str(tmp_path / "db2"), SystemClock(), node, state)
+        sink = AlertSink(cfg, str(tmp_path / "db2"), SystemClock(), node)
         sink.update([ecc_finding()])
         assert not sink.flush()
-        assert _metric(state, "gpuwatchd_alertmanager_notifications_total", result="failure") == 1
+        assert _metric(sink, "gpuwatchd_alertmanager_notifications_total", result="failure") == 1
         # A 401 is our configuration's fault: the alert stays queued, nothing is dropped.
-        assert _metric(state, "gpuwatchd_alertmanager_queue_length") == 1
-        assert _metric(state, "gpuwatchd_alertmanager_dropped_alerts_total") == 0
+        assert _metric(sink, "gpuwatchd_alertmanager_queue_length") == 1
+        assert _metric(sink, "gpuwatchd_alertmanager_dropped_alerts_total") == 0
         sink.stop(flush_timeout=0.5)
     finally:
         server.stop()
@@ -331,9 +324,9 @@ def test_validate_config_rejects_bad_settings(tmp_path: Path) -> None:
     validate_config(config([f"http://127.0.0.1:{free_port()}"], static_labels={"rack": "r1"}))
 
 
-def _metric(state: State, name: str, **labels: str) -> float:
+def _metric(sink: AlertSink, name: str, **labels: str) -> float:
     total = 0.0
-    for s in state.snapshot().samples():
+    for s in sink.samples():
         if s.name == name and all(s.label(k) == v for k, v in labels.items()):
             total += s.value
     return total
@@ -399,7 +392,7 @@ def test_real_xid_line_to_alertmanager_and_operator_clear(
     )
     node, clock, state = unique_node(), SystemClock(), State()
     pipeline = XidStage.from_config(cfg, state.publish_extra, None, clock)
-    sink = AlertSink(cfg, str(tmp_path / "gpuwatchd.db"), clock, node, state)
+    sink = AlertSink(cfg, str(tmp_path / "gpuwatchd.db"), clock, node)
     engine = HealthEngine(cfg, clock, state, xids=pipeline.active)
     engine.add_listener(sink.update)
     state.subscribe(pipeline.on_publish)  # the pipeline first: it tracks what the engine reads

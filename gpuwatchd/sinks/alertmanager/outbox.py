@@ -35,10 +35,6 @@ CREATE TABLE IF NOT EXISTS alert_outbox (
     version INTEGER NOT NULL,
     updated_at REAL NOT NULL
 );
-CREATE TABLE IF NOT EXISTS health_memory (
-    key TEXT PRIMARY KEY,
-    value TEXT NOT NULL
-);
 CREATE TABLE IF NOT EXISTS alert_delivery (
     fingerprint TEXT NOT NULL,
     receiver TEXT NOT NULL,
@@ -256,20 +252,6 @@ class Outbox:
         for fp in fps:
             self._db.execute("DELETE FROM alert_outbox WHERE fingerprint=?", (fp,))
             self._db.execute("DELETE FROM alert_delivery WHERE fingerprint=?", (fp,))
-
-    def memory(self, key: str, default: str = "") -> str:
-        """A small value the health engine keeps across restarts (the GPU count baseline)."""
-        with self._lock:
-            row = self._db.execute("SELECT value FROM health_memory WHERE key=?", (key,)).fetchone()
-        return str(row[0]) if row else default
-
-    def remember(self, key: str, value: str) -> None:
-        with self._lock, self._db:
-            self._db.execute(
-                "INSERT INTO health_memory VALUES (?, ?) ON CONFLICT (key) DO UPDATE"
-                " SET value=excluded.value",
-                (key, value),
-            )
 
     def alerts(self) -> list[StoredAlert]:
         """Every alert kept: firing ones and recently resolved ones."""

@@ -7,6 +7,9 @@ durable outbox, and one sender thread per Alertmanager POSTs what is due:
 changes at once, and every firing or recently resolved alert again each
 resend interval, with endsAt = now + 4 x max(poll, resend interval) so
 the alerts of a dead daemon expire on their own.
+
+The sink writes nothing into the shared state: its own counters are read
+through `samples()` by the consumer thread when `version` moved.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ from gpuwatchd.health.alerts import ALERTS, GPU_LABELS, summary
 from gpuwatchd.model import Finding, MetricSpec, Sample, Severity
 from gpuwatchd.sinks.alertmanager.client import AlertmanagerClient
 from gpuwatchd.sinks.alertmanager.outbox import RESOLVED_RETENTION, Outbox, StoredAlert
-from gpuwatchd.state import State
 
 __all__ = [
     "AlertSink",
@@ -165,7 +167,6 @@ class AlertSink:
         db_path: str,
         clock: Clock,
         node: str,
-        state: State | None = None,
         listen_port: int = 0,
     ) -> None:
         validate_config(cfg)
@@ -173,7 +174,7 @@ class AlertSink:
         self._am = cfg.alertmanager
         self._clock = clock
         self._node = node
-        self._state = state
+        self.version = 0  # bumped whenever what samples() returns may have changed
         self._outbox = Outbox(db_path, self._am.max_alerts)
         self._receivers = [_Receiver(u) for u in dict.fromkeys(self._am.urls)]
         self._stop = threading.Event()
@@ -220,7 +221,7 @@ class AlertSink:
         if result.fired or result.resolved:
             for r in self._receivers:
                 r.wake.set()
-        self.publish()
+        self._changed()
 
     def _annotations(self, f: Finding) -> dict[str, str]:
         ann = {
@@ -233,15 +234,6 @@ class AlertSink:
             ann["runbook_url"] = f"{self._am.runbook_base_url.rstrip('/')}/{f.alertname}.md"
         # Text from kernel log lines can carry undecodable bytes: never lose an alert for that.
         return {k: _printable(v) for k, v in ann.items() if v}
-
-    def baseline_gpus(self) -> int:
-        """The GPU count baseline the health engine saved (0 = none yet)."""
-        text = self._outbox.memory("baseline_gpus", "0")
-        return int(text) if text.isdigit() else 0
-
-    def save_baseline(self, count: int) -> None:
-        """HealthEngine's `on_baseline`: keep the most GPUs seen across restarts."""
-        self._outbox.remember("baseline_gpus", str(count))
 
     # --- delivery ------------------------------------------------------------
 
@@ -289,7 +281,7 @@ class AlertSink:
         finally:
             if not self._stop.is_set():
                 self._deadline = None
-        self.publish()
+        self._changed()
         return ok and self._outbox.undelivered([r.url for r in self._receivers]) == 0
 
     def _loop(self, r: _Receiver) -> None:
@@ -299,7 +291,7 @@ class AlertSink:
                     wait = self._deliver(r, self._clock.time())
                 if self._stop.is_set():
                     return
-                self.publish()
+                self._changed()
             except Exception:
                 if self._stop.is_set():
                     return  # a POST outlived stop() and the outbox is closed: nothing to do
@@ -421,9 +413,8 @@ class AlertSink:
             )
         return out
 
-    def publish(self) -> None:
-        if self._state is not None:
-            self._state.publish_extra("alertmanager", self.samples())
+    def _changed(self) -> None:
+        self.version += 1  # an int bump: atomic under the GIL, read by the consumer thread
 
     def status(self) -> dict[str, object]:
         """JSON-able view for /status and /alerts."""
