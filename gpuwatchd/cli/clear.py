@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import getpass
 import os
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -30,11 +31,17 @@ def register(subparsers: Any) -> None:
         description="Record an operator clear (who, when, why) in the event store. The running"
         " daemon applies it within a few seconds.",
     )
-    which = c.add_mutually_exclusive_group(required=True)
+    which = c.add_mutually_exclusive_group()
     which.add_argument("--gpu", metavar="N|UUID|BUS_ID", help="the GPU to clear")
     which.add_argument("--all", action="store_true", help="every GPU (and the GPU count)")
     c.add_argument("--xid", type=int, metavar="CODE", help="only this Xid code")
     c.add_argument("--reason", default="", help="why (kept with the clear)")
+    c.add_argument(
+        "--resume",
+        action="store_true",
+        help="undo remediation: resume the Slurm node gpuwatchd drained, set GpuHealthy=True,"
+        " remove the taint",
+    )
     c.add_argument("--config", metavar="FILE", help="YAML config (default: built-in defaults)")
     c.add_argument("--state-dir", metavar="DIR", help="override daemon.state_dir")
     c.set_defaults(func=_run_clear)
@@ -72,13 +79,38 @@ def resolve_gpu(cfg: Config, target: str, timeout: float = 15.0) -> str:
 
 
 def _run_clear(args: argparse.Namespace) -> int:
-    from gpuwatchd.sinks.store import EventStore
-
     cfg = config.load(args.config)
     if args.state_dir:
         cfg = dataclasses.replace(
             cfg, daemon=dataclasses.replace(cfg.daemon, state_dir=args.state_dir)
         )
+    if not (args.gpu or args.all or args.resume):
+        print("gpuwatchd clear: one of --gpu, --all or --resume is required", file=sys.stderr)
+        return 2
+    if args.gpu or args.all:
+        _clear_gpus(cfg, args)
+    return _resume(cfg, args) if args.resume else 0
+
+
+def _resume(cfg: Config, args: argparse.Namespace) -> int:
+    from gpuwatchd.pipeline import node_name
+    from gpuwatchd.sinks.remediation.resume import resume
+
+    store = EventStore(
+        os.path.join(cfg.daemon.state_dir, DB_NAME), cfg.store.max_events, cfg.store.max_age_days
+    )
+    try:
+        for line in resume(cfg, node_name(cfg), store, operator(), args.reason):
+            print(line)
+    except GpuwatchdError as exc:
+        print(f"gpuwatchd clear --resume: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        store.close()
+    return 0
+
+
+def _clear_gpus(cfg: Config, args: argparse.Namespace) -> None:
     bus = "" if args.all else resolve_gpu(cfg, args.gpu)
     store = EventStore(
         os.path.join(cfg.daemon.state_dir, DB_NAME), cfg.store.max_events, cfg.store.max_age_days
@@ -102,4 +134,3 @@ def _run_clear(args: argparse.Namespace) -> int:
         f"{' (' + args.reason + ')' if args.reason else ''}."
     )
     print("A running gpuwatchd applies it within a few seconds.")
-    return 0

@@ -21,9 +21,12 @@ __all__ = [
     "HttpConfig",
     "InfinibandConfig",
     "KmsgConfig",
+    "KubernetesRemediationConfig",
     "NvmlConfig",
     "PathsConfig",
+    "RemediationConfig",
     "ShmConfig",
+    "SlurmRemediationConfig",
     "SourcesConfig",
     "StoreConfig",
     "StuckConfig",
@@ -380,6 +383,58 @@ class StoreConfig:
 
 
 @dataclass(frozen=True)
+class SlurmRemediationConfig:
+    drain_on: list[str] = opt(
+        [],
+        "severities that drain this node in Slurm (only critical can; empty = never)",
+        choices=("critical",),
+    )
+    node_name: str = opt("", "Slurm NodeName; empty = daemon.node_name, short form")
+    scontrol: str = opt("scontrol", "scontrol to run (sinfo is taken from the same directory)")
+    timeout: float = opt(10.0, "seconds one scontrol or sinfo call may take", min=1, max=120)
+    max_drains: int = opt(
+        3,
+        "fleet-wide guard: no drain while this many other nodes were drained by gpuwatchd"
+        " (read from Slurm) within guard_window_seconds",
+        min=1,
+    )
+    guard_window_seconds: float = opt(
+        3600.0, "the guard's window (by the time Slurm set the reason)", min=60, max=604800
+    )
+
+
+@dataclass(frozen=True)
+class KubernetesRemediationConfig:
+    condition_on: list[str] = opt(
+        [],
+        "severities that set the node condition GpuHealthy=False (only critical can)",
+        choices=("critical",),
+    )
+    taint_on: list[str] = opt(
+        [],
+        "severities that add the taint gpuwatchd.io/gpu-unhealthy:NoSchedule (only critical)",
+        choices=("critical",),
+    )
+    node_name: str = opt("", "Kubernetes node name; empty = daemon.node_name")
+    api_url: str = opt("", "API server URL; empty = in-cluster, the pod's service account")
+    token_file: str = opt("", "bearer token file used with api_url")
+    ca_file: str = opt("", "CA bundle used with an https api_url")
+    timeout: float = opt(10.0, "seconds one API call may take", min=1, max=120)
+
+
+@dataclass(frozen=True)
+class RemediationConfig:
+    hold_seconds: float = opt(
+        300.0, "a critical condition must hold this long before any action", min=0, max=86400
+    )
+    alerts: list[str] = opt([], "alert names that may act; empty = every critical alert")
+    slurm: SlurmRemediationConfig = section(SlurmRemediationConfig, "Slurm drain (opt-in)")
+    kubernetes: KubernetesRemediationConfig = section(
+        KubernetesRemediationConfig, "Kubernetes node condition and taint (opt-in)"
+    )
+
+
+@dataclass(frozen=True)
 class Config:
     http: HttpConfig = section(HttpConfig, "HTTP endpoints")
     paths: PathsConfig = section(PathsConfig, "filesystem roots")
@@ -389,3 +444,6 @@ class Config:
     alertmanager: AlertmanagerConfig = section(AlertmanagerConfig, "alert delivery")
     store: StoreConfig = section(StoreConfig, "event store")
     xid: XidConfig = section(XidConfig, "Xid/SXid classification, bursts and escalation")
+    remediation: RemediationConfig = section(
+        RemediationConfig, "opt-in actions: Slurm drain, Kubernetes condition and taint"
+    )

@@ -1,0 +1,199 @@
+"""Remediation against a real Slurm (munged, slurmctld, slurmd on loopback):
+drain with our reason after the hold time, never on a warning, the fleet
+guard read from Slurm, and resume only through `gpuwatchd clear --resume`."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpuwatchd import config
+from gpuwatchd.cli import main
+from gpuwatchd.clock import FakeClock
+from gpuwatchd.config import Config
+from gpuwatchd.model import Action, Finding, Severity, labels_of
+from gpuwatchd.sinks.remediation.policy import due, reason_text
+from gpuwatchd.sinks.remediation.sink import RemediationSink, engaged_actions
+from gpuwatchd.sinks.remediation.slurm import parse_sinfo
+from gpuwatchd.sinks.store import EventStore
+from tests.slurm_cluster import SlurmCluster, slurm_cluster
+
+HOLD = 300.0
+T0 = 1_700_000_000.0
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    yield from slurm_cluster(tmp_path_factory)
+
+
+def finding(severity: Severity = Severity.CRITICAL, since: float = T0, name: str = "") -> Finding:
+    alert = name or ("GpuXidCritical" if severity == Severity.CRITICAL else "GpuXidWarning")
+    return Finding(
+        rule="xid",
+        alertname=alert,
+        scope="gpu",
+        subject=labels_of({"gpu": "3", "uuid": "GPU-3", "pci_bus_id": "0000:3b:00.0"}),
+        severity=severity,
+        reason="Xid 79 on GPU 3: fallen off the bus",
+        action=Action.REBOOT_NODE,
+        remediation="Reboot the node; if it recurs, reseat or replace the GPU.",
+        since=since,
+    )
+
+
+def make_cfg(tmp_path: Path, node: str = "", drain: bool = True, extra: str = "") -> Config:
+    scontrol = shutil.which("scontrol") or "scontrol"
+    text = f"""
+daemon: {{state_dir: {tmp_path / "state"}}}
+remediation:
+  hold_seconds: {HOLD}
+  slurm: {{drain_on: {"[critical]" if drain else "[]"}, node_name: "{node}",
+          scontrol: {scontrol}, timeout: 10, max_drains: 1}}
+{extra}
+"""
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return config.load(str(path))
+
+
+def test_due_needs_critical_held_for_the_hold_time(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path)
+    assert due(cfg, [finding()], T0 + HOLD - 1, ()) == []
+    [d] = due(cfg, [finding()], T0 + HOLD, ())
+    assert d.action == "slurm_drain"
+    assert due(cfg, [finding()], T0 + HOLD, ("slurm_drain",)) == []
+    assert due(cfg, [finding(Severity.WARNING)], T0 + 10 * HOLD, ()) == []
+    assert due(make_cfg(tmp_path, drain=False), [finding()], T0 + 10 * HOLD, ()) == []
+
+
+def test_alert_list_limits_what_acts(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path, extra="  alerts: [GpuLost]")
+    assert due(cfg, [finding()], T0 + HOLD, ()) == []
+    assert due(cfg, [finding(name="GpuLost")], T0 + HOLD, ())
+
+
+def test_reason_is_one_bounded_line() -> None:
+    text = reason_text(finding())
+    assert text.startswith("gpuwatchd: GpuXidCritical gpu 3: Reboot the node")
+    long = reason_text(
+        Finding("r", "A", "gpu", (), Severity.CRITICAL, "x", remediation="y\n" * 500)
+    )
+    assert len(long) <= 200 and "\n" not in long
+
+
+def test_warning_severity_cannot_be_configured(tmp_path: Path) -> None:
+    (tmp_path / "c.yaml").write_text("remediation: {slurm: {drain_on: [warning]}}\n")
+    with pytest.raises(config.ConfigError if hasattr(config, "ConfigError") else Exception) as exc:
+        config.load(str(tmp_path / "c.yaml"))
+    assert "remediation.slurm.drain_on" in str(exc.value)
+
+
+def test_parse_sinfo() -> None:
+    text = (
+        "n1|drained|2026-11-23T20:01:02|gpuwatchd: GpuLost gpu 1: reboot\n"
+        "n2|idle|Unknown|none\n"
+        "n1|drained|2026-11-23T20:01:02|gpuwatchd: GpuLost gpu 1: reboot\n"
+        "garbage\n"
+    )
+    nodes = parse_sinfo(text)
+    assert sorted(nodes) == ["n1", "n2"]
+    assert nodes["n1"].drained and not nodes["n2"].drained
+    assert nodes["n2"].reason == "" and nodes["n2"].reason_time == 0.0
+
+
+def _state(slurm: SlurmCluster) -> tuple[str, str]:
+    out = slurm.run(["sinfo", "-h", "-N", "-n", slurm.node, "-o", "%T|%E"]).stdout
+    state, _, reason = out.strip().splitlines()[0].partition("|")
+    return state.rstrip("*~#$@^-!%"), reason  # flags such as * (not responding) aside
+
+
+def _wait_state(slurm: SlurmCluster, want: str, timeout: float = 15.0) -> tuple[str, str]:
+    end = time.monotonic() + timeout
+    got = _state(slurm)
+    while not got[0].startswith(want) and time.monotonic() < end:
+        time.sleep(0.2)
+        got = _state(slurm)
+    return got
+
+
+@pytest.mark.timeout(120)
+def test_drain_with_reason_then_resume_on_clear(
+    slurm: SlurmCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
+    cfg = make_cfg(tmp_path, node=slurm.node)
+    clock = FakeClock(T0)
+    store = EventStore.from_config(cfg, clock.time)
+    sink = RemediationSink(cfg, clock, slurm.node, store, env=slurm.env)
+    try:
+        # A warning held for an hour never drains.
+        sink.update([finding(Severity.WARNING)])
+        assert sink.step(T0 + 12 * HOLD) == []
+        assert _state(slurm)[0] == "idle"
+
+        sink.update([finding()])
+        assert sink.step(T0 + HOLD - 1) == []
+        assert _state(slurm)[0] == "idle"
+        [d] = sink.step(T0 + HOLD)
+        assert d.action == "slurm_drain"
+        state, reason = _wait_state(slurm, "drain")
+        assert state in ("drained", "draining", "drain")
+        assert reason.startswith("gpuwatchd: GpuXidCritical gpu 3: Reboot the node")
+        # Engaged: no second drain, and the metric and the stored event say so.
+        assert sink.step(T0 + HOLD + 5) == []
+        samples = {(s.name, s.labels): s.value for s in sink.samples()}
+        key = (
+            "gpuwatchd_remediation_actions_total",
+            (("action", "slurm_drain"), ("result", "done")),
+        )
+        assert samples[key] == 1
+        assert samples[("gpuwatchd_remediation_engaged", (("action", "slurm_drain"),))] == 1
+        rows = store.recent(10, kind="remediation")
+        assert rows[0]["attrs"]["result"] == "done"
+        assert engaged_actions(store)[0] == {"slurm_drain"}
+
+        # Only an operator brings it back.
+        state_dir = str(tmp_path / "state")
+        assert main(["clear", "--resume", "--config", str(tmp_path / "config.yaml"),
+                     "--state-dir", state_dir, "--reason", "GPU reseated"]) == 0  # fmt: skip
+        assert _wait_state(slurm, "idle")[0] == "idle"
+        clock.advance(1.0)
+        sink.update([finding(since=T0)])
+        resumed_at = engaged_actions(store)[1]
+        assert sink.step(resumed_at + 1) == []  # the old condition must hold again
+        assert engaged_actions(store)[0] == set()
+    finally:
+        sink.stop()
+        store.close()
+        slurm.run(["scontrol", "update", f"nodename={slurm.node}", "state=resume"], check=False)
+
+
+@pytest.mark.timeout(120)
+def test_fleet_guard_reads_slurm(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """Another node already drained by gpuwatchd: with max_drains 1 this one holds back."""
+    slurm.run(
+        ["scontrol", "update", f"nodename={slurm.node}", "state=drain",
+         "reason=gpuwatchd: GpuLost gpu 0: reboot"]
+    )  # fmt: skip
+    cfg = make_cfg(tmp_path, node="gpu-node-that-is-not-drained")
+    store = EventStore.from_config(cfg, time.time)
+    sink = RemediationSink(cfg, FakeClock(T0), "x", store, env=slurm.env)
+    try:
+        now = time.time()
+        sink.update([finding(since=now - HOLD)])
+        [d] = sink.step(now)
+        assert d.action == "slurm_drain"
+        rows = store.recent(10, kind="remediation")
+        assert rows[0]["attrs"]["result"] == "guarded"
+        assert slurm.node in rows[0]["message"]
+        assert engaged_actions(store)[0] == set()
+        assert sink.step(now + 1) == []  # backs off before asking Slurm again
+    finally:
+        sink.stop()
+        store.close()
+        slurm.run(["scontrol", "update", f"nodename={slurm.node}", "state=resume"], check=False)
