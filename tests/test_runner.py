@@ -1,12 +1,13 @@
+"""The runner and the per-key deadlines, driven by a FakeClock: no sleeps, no wall-clock asserts."""
+
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Mapping, Sequence
 
 import pytest
 
-from gpuwatchd.clock import SystemClock
+from gpuwatchd.clock import FakeClock
 from gpuwatchd.deadline import CallTimeout, DeadlineRunner, StuckError
 from gpuwatchd.errors import SourceError
 from gpuwatchd.model import Event, Sample
@@ -24,10 +25,12 @@ class Counting:
         self.fail: Exception | None = None
         self.block = threading.Event()
         self.block.set()
+        self.polled = threading.Event()  # set after each poll, for tests to wait on
 
     def poll(self, now: float) -> Sequence[Sample | Event]:
         self.block.wait()
         self.polls += 1
+        self.polled.set()
         if self.fail is not None:
             raise self.fail
         return [Sample.of("x", self.polls), Event("e", self.name, now)]
@@ -42,8 +45,11 @@ class Counting:
 def test_failures_are_recorded_and_do_not_stop_the_loop() -> None:
     state = State()
     src = Counting("a")
-    runner = Runner([src], state, SystemClock())
+    clock = FakeClock()
+    runner = Runner([src], state, clock)
     snap = runner.poll_once("a")
+    assert snap.timestamp == clock.time() and snap.last_success == clock.time()
+    clock.advance(5.0)
     assert snap.ok and snap.samples[0].value == 1
     src.fail = SourceError("nvml_init_failed")
     snap = runner.poll_once("a")
@@ -51,21 +57,21 @@ def test_failures_are_recorded_and_do_not_stop_the_loop() -> None:
     src.fail = RuntimeError("bug")
     snap = runner.poll_once("a")
     assert not snap.ok and snap.error == "exception"
+    assert snap.last_success == clock.time() - 5.0  # the last good poll, not this one
     assert snap.status["errors_by_reason"] == {"nvml_init_failed": 1, "exception": 1}
     assert len(state.snapshot().events) == 1  # failed polls publish no events
 
 
 def test_nudge_polls_before_the_interval() -> None:
     src = Counting("a", interval=60)
-    runner = Runner([src], State(), SystemClock())
+    runner = Runner([src], State(), FakeClock())
     runner.start()
     try:
         assert runner.wait_first_polls(5)
-        runner.nudge("a")
-        end = time.monotonic() + 5
-        while src.polls < 2 and time.monotonic() < end:
-            time.sleep(0.01)
-        assert src.polls >= 2
+        src.polled.clear()
+        runner.nudge("a")  # the fake clock never reaches the 60 s interval: only this wakes it
+        assert src.polled.wait(5)
+        assert src.polls == 2
     finally:
         runner.stop()
 
@@ -73,12 +79,18 @@ def test_nudge_polls_before_the_interval() -> None:
 def test_blocked_source_goes_stale_and_others_do_not() -> None:
     slow, fast = Counting("slow", interval=0.05), Counting("fast", interval=0.05)
     slow.block.clear()
-    runner = Runner([slow, fast], State(), SystemClock())
+    clock = FakeClock()
+    runner = Runner([slow, fast], State(), clock)
     runner.start()
     try:
-        assert not runner.wait_first_polls(0.3)
-        time.sleep(0.3)
+        assert fast.polled.wait(5)
+        assert runner.stale(0.1) == []  # both loops started just now
+        clock.advance(10.0)
+        for _ in range(2):  # the second poll starts after the first one's heartbeat
+            fast.polled.clear()
+            assert fast.polled.wait(5)
         assert runner.stale(0.1) == ["slow"]
+        assert not runner.wait_first_polls(0.0)
     finally:
         slow.block.set()
         runner.stop()
@@ -91,16 +103,19 @@ def test_deadline_marks_key_stuck_until_the_call_returns() -> None:
     with pytest.raises(CallTimeout):
         dr.call("gpu0", release.wait, 0.05)
     assert dr.is_stuck("gpu0") and dr.stuck_keys() == ["gpu0"]
-    t0 = time.monotonic()
-    with pytest.raises(StuckError):
-        dr.call("gpu0", lambda: 1, 5.0)
-    assert time.monotonic() - t0 < 0.5  # refused at once, not queued behind the hang
+    queued: list[int] = []
+    with pytest.raises(StuckError):  # refused, not queued behind the hang
+        dr.call("gpu0", lambda: queued.append(1) or 1, 5.0)
     assert dr.call("gpu1", lambda: 2, 1.0) == 2  # other keys unaffected
     release.set()
-    end = time.monotonic() + 2
-    while dr.is_stuck("gpu0") and time.monotonic() < end:
-        time.sleep(0.01)
-    assert dr.call("gpu0", lambda: 3, 1.0) == 3
+    # DeadlineRunner runs on real futures (no clock to fake): wait, bounded, for the hung
+    # call to return; asserting nothing about how long that took.
+    for _ in range(500):
+        if not dr.is_stuck("gpu0"):
+            break
+        threading.Event().wait(0.01)
+    assert dr.call("gpu0", lambda: 3, 5.0) == 3
+    assert queued == []
     with pytest.raises(ZeroDivisionError):
         dr.call("gpu1", lambda: 1 // 0, 1.0)
     dr.close()
