@@ -30,6 +30,7 @@ PRODUCERS: tuple[tuple[str, str, str], ...] = (
     ("gpuwatchd.health.engine", "METRICS", "health"),
     ("gpuwatchd.health.xid.stage", "METRICS", "xid"),
     ("gpuwatchd.sinks.alertmanager.sink", "METRICS", "alerts"),
+    ("gpuwatchd.sinks.remediation.sink", "METRICS", "remediation"),
     ("gpuwatchd.sinks.prometheus", "DAEMON_METRICS", "daemon"),
     ("gpuwatchd.pipeline", "PIPELINE_METRICS", "consumer"),
 )
