@@ -12,8 +12,16 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev pkg-config libsystemd-dev \
  && rm -rf /var/lib/apt/lists/*
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+# Behind a TLS-inspecting proxy: --build-arg PIP_CERT=<CA bundle inside the build>
+# (scripts/build-image mounts the host's $PIP_CERT there). Unset by default.
+ARG PIP_CERT
 WORKDIR /src
 COPY requirements.txt ./
+# Python's headers come with the official Python images; a plain Debian base needs
+# python3-dev for them (build stage only).
+# hadolint ignore=DL3008
+RUN python -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))' \
+ || { apt-get update && apt-get install -y --no-install-recommends python3-dev && rm -rf /var/lib/apt/lists/*; }
 RUN python -m venv /opt/gpuwatchd \
  && /opt/gpuwatchd/bin/pip install -r requirements.txt
 COPY pyproject.toml README.md ./
