@@ -14,19 +14,18 @@ substring test, and only lines naming the NVIDIA driver meet a regex.
 
 from __future__ import annotations
 
-import calendar
-import functools
 import re
-import time
 from collections.abc import Sequence
-from datetime import datetime
 from typing import NamedTuple
 
+from gpuwatchd.logs import escape_control
 from gpuwatchd.pci import normalize_bus_id
+from gpuwatchd.sources.kmsg.prefix import Prefix, parse_prefix
 
 __all__ = [
     "KmsgParser",
     "KmsgRecord",
+    "MAX_RECORD",
     "RECOVERY_ACTIONS",
     "normalize_bus_id",
     "parse_line",
@@ -34,6 +33,12 @@ __all__ = [
 ]
 
 XID, SXID, GPU, UNPARSED = "xid", "sxid", "gpu", "unparsed"
+# The kernel's own record size (printk's LOG_LINE_MAX is a little under 1 KiB of
+# text, /dev/kmsg records at most 8 KiB): longer lines are cut here and counted.
+MAX_RECORD = 8192
+# Anything larger is not a driver's report: the line is unparsed, never stored.
+MAX_CODE = 65535
+MAX_PID = 4194304  # PID_MAX_LIMIT
 _PART_GPU, _PART_FALLEN = "partial_gpu", "partial_fallen"
 FALLEN_OFF_CODE = 79
 
@@ -87,176 +92,40 @@ class KmsgRecord(NamedTuple):
 
 # --- regexes (only ever run on lines that passed the substring test) ------------
 
-_RAW = re.compile(r"(\d{1,4}),(\d+),(\d+),([^;]*);")
 # "NVRM: Xid (PCI:0000:00:06): 31, pid=650, name=python3, <detail>" in one match:
 # bus id, code, then the optional pid= and name= (either may be '<unknown>').
 _XID_RE = re.compile(
-    r"NVRM: Xid \((?:PCI:)?([^)]*)\):\s*(\d+)\s*(?:,\s*)?"
+    r"NVRM: Xid \((?:PCI:)?([^)]{0,64})\):\s*(\d+)\s*(?:,\s*)?"
     r"(?:pid=(?:'?<unknown>'?|(\d+))\s*(?:,\s*|$))?"
     r"(?:name=(<unknown>|[^,]{0,64}?)\s*(?:,\s*|$))?"
 )
-_SXID_RE = re.compile(r"(nvidia-nvswitch\d*): SXid \((?:PCI:)?([^)]*)\):\s*(\d+)\s*(?:,\s*)?")
+_SXID_RE = re.compile(
+    r"(nvidia-nvswitch\d{0,4}): SXid \((?:PCI:)?([^)]{0,64})\):\s*(\d+)\s*(?:,\s*)?"
+)
 _GPC = re.compile(r"\(GPC (\d+), TPC (\d+), SM (\d+)\)")
 _MMU = re.compile(
-    r"ENGINE (\S+) (?:GPC(\d+) )?(\S+) faulted @ (\S+?)\.? Fault is of type (\S+) (\S+)"
+    r"ENGINE (\S{1,64}) (?:GPC(\d{1,4}) )?(\S{1,64}) faulted @ (\S{1,64}?)\.?"
+    r" Fault is of type (\S{1,64}) (\S{1,64})"
 )
 _NVL5 = re.compile(
-    r"(?P<unit>[A-Z][A-Z0-9_]*)\s+(?P<sev>Fatal|Nonfatal|Non-fatal)\s+(?:XC\d+\s+)?(?:i\d+\s+)?"
-    r"Link\s+(?P<link>-?\d+)\s*\((?P<regs>[^)]*)\)"
+    r"\b(?P<unit>[A-Z][A-Z0-9_]{0,63})\s+(?P<sev>Fatal|Nonfatal|Non-fatal)\s+(?:XC\d{1,4}\s+)?"
+    r"(?:i\d{1,4}\s+)?Link\s+(?P<link>-?\d{1,4})\s*\((?P<regs>[^)]{0,256})\)"
 )
-_LINK = re.compile(r"\b[Ll]ink\s*(-?\d+)")
+_LINK = re.compile(r"\b[Ll]ink\s*(-?\d{1,4})\b")
 _R154 = re.compile(
-    r"recovery action changed from (0x[0-9a-fA-F]+|\d+) \(([^)]*)\) to (0x[0-9a-fA-F]+|\d+)"
-    r"(?: \(([^)]*)\))?"
+    r"recovery action changed from (0x[0-9a-fA-F]{1,8}|\d{1,8}) \(([^)]{0,64})\)"
+    r" to (0x[0-9a-fA-F]{1,8}|\d{1,8})(?: \(([^)]{0,64})\))?"
 )
 _SXID_SEV = re.compile(r"^(Fatal|Non-fatal|Nonfatal)\b", re.I)
-_IDENT = re.compile(r"NVRM: GPU at PCI:([0-9a-fA-F:.]+): (GPU-[0-9a-fA-F-]+)")
+_IDENT = re.compile(r"NVRM: GPU at PCI:([0-9a-fA-F:.]{1,24}): (GPU-[0-9a-fA-F-]{1,64})")
 _FALLEN_1 = re.compile(
-    r"NVRM: GPU (?:at )?(?:PCI:)?([0-9a-fA-F]+:[0-9a-fA-F:.]+?):? (?:GPU )?has fallen off the bus"
+    r"NVRM: GPU (?:at )?(?:PCI:)?([0-9a-fA-F]{1,8}:[0-9a-fA-F:.]{1,16}?):?"
+    r" (?:GPU )?has fallen off the bus"
 )
-_FALLEN_START = re.compile(r"NVRM: The NVIDIA GPU (?:at )?(?:PCI:)?([0-9a-fA-F]+:[0-9a-fA-F:.]+)")
+_FALLEN_START = re.compile(
+    r"NVRM: The NVIDIA GPU (?:at )?(?:PCI:)?([0-9a-fA-F]{1,8}:[0-9a-fA-F:.]{1,16})"
+)
 _SHAPE = re.compile(r"\b(?:0x)?[0-9a-fA-F]*\d[0-9a-fA-F]*\b")
-
-_MONTHS = {m: i for i, m in enumerate(calendar.month_abbr) if m}
-_TAIL = r"(?P<ident>[^\s\[:]+)(?:\[\d+\])?:\s*(?:\[\s*(?P<kboot>\d+\.\d+)\]\s*)?$"
-_SYSLOG = re.compile(
-    r"^(?P<mon>[A-Z][a-z]{2})\s+(?P<day>\d{1,2}) (?P<hms>\d\d:\d\d:\d\d)(?:\.\d+)? (?P<host>\S+) "
-    + _TAIL
-)
-_ISO_SYSLOG = re.compile(r"^(?P<iso>\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d\S*) (?P<host>\S+) " + _TAIL)
-_MONO_SYSLOG = re.compile(r"^\[\s*(?P<boot>\d+\.\d+)\] (?P<host>\S+) " + _TAIL)
-_FACILITY = re.compile(
-    r"\b(kern|user|mail|daemon|auth|syslog|lpr|news|uucp|cron|authpriv|ftp|local[0-7])\s*:\s*"
-    r"(?:emerg|alert|crit|err|warn|warning|notice|info|debug)\s*:"
-)
-_ISO = re.compile(r"(\d{4}-\d\d-\d\d)[T ](\d\d:\d\d:\d\d)(?:[.,](\d+))?(Z|[+-]\d\d:?\d\d)?")
-_BOOT = re.compile(r"\[\s*(\d+\.\d+)\]")
-_DMESG = re.compile(r"\s*\[\s*(\d+\.\d+)\]\s*$")
-_CTIME = re.compile(r"\[(?:[A-Z][a-z]{2} )?([A-Z][a-z]{2})\s+(\d{1,2}) (\d\d:\d\d:\d\d) (\d{4})\]")
-
-
-class _Prefix(NamedTuple):
-    origin: str = "unknown"
-    facility: int | None = None
-    sequence: int | None = None
-    boot_seconds: float | None = None
-    wall_time: float | None = None
-    stamp: str = ""
-    host: str = ""
-
-
-def _iso_epoch(m: re.Match[str]) -> float | None:
-    date, hms, frac, tz = m.groups()
-    h, mi, sec = hms.split(":")
-    base = _iso_hour(date, h, tz or "")
-    if base is None:
-        return None
-    return base + int(mi) * 60 + int(sec) + (float(f"0.{frac}") if frac else 0.0)
-
-
-# Converting a date is the slow part of a report with a wall-clock stamp;
-# the start of each hour is computed once (zone changes happen on the hour).
-@functools.lru_cache(maxsize=256)
-def _iso_hour(date: str, hour: str, tz: str) -> float | None:
-    try:
-        if not tz:  # no zone: the reader's local time
-            return time.mktime(datetime.fromisoformat(f"{date}T{hour}:00:00").timetuple())
-        tz = "+00:00" if tz == "Z" else (tz if ":" in tz else f"{tz[:3]}:{tz[3:]}")
-        return datetime.fromisoformat(f"{date}T{hour}:00:00{tz}").timestamp()
-    except (ValueError, OverflowError):
-        return None
-
-
-def _local_epoch(year: int, mon: str, day: str, hms: str) -> float | None:
-    try:
-        h, mi, sec = (int(x) for x in hms.split(":"))
-    except ValueError:
-        return None
-    if not (0 <= mi < 60 and 0 <= sec <= 60):
-        return None
-    base = _local_hour(year, mon, day, h)
-    return None if base is None else base + mi * 60 + sec
-
-
-@functools.lru_cache(maxsize=256)
-def _local_hour(year: int, mon: str, day: str, hour: int) -> float | None:
-    month = _MONTHS.get(mon)
-    if month is None:
-        return None
-    try:
-        return time.mktime((year, month, int(day), hour, 0, 0, 0, 0, -1))
-    except (ValueError, OverflowError):
-        return None
-
-
-def _parse_prefix(prefix: str, year: int | None) -> _Prefix:
-    """What the text before the driver's message says: who, when, where."""
-    if not prefix or prefix.isspace():
-        return _Prefix()
-    first = prefix[0]
-    if first == "[":
-        m = _DMESG.match(prefix)  # the most common text form: "[ 1843.308145] "
-        if m is not None:
-            return _Prefix(boot_seconds=float(m.group(1)), stamp=m.group(1))
-        sm = _MONO_SYSLOG.match(prefix)
-    elif first.isdigit():
-        m = _RAW.match(prefix)
-        if m is not None:
-            pri, seq, usec = int(m.group(1)), int(m.group(2)), int(m.group(3))
-            facility = pri >> 3
-            return _Prefix(
-                origin="kernel" if facility == 0 else "user",
-                facility=facility,
-                sequence=seq,
-                boot_seconds=usec / 1e6,
-                stamp=f"{usec / 1e6:.6f}",
-            )
-        sm = _ISO_SYSLOG.match(prefix)
-    else:
-        sm = _SYSLOG.match(prefix)
-    boot_m = _BOOT.search(prefix)
-    boot = float(boot_m.group(1)) if boot_m else None
-    if sm is not None:
-        return _syslog_prefix(sm, boot, year)
-    origin = "unknown"
-    fm = _FACILITY.search(prefix)
-    if fm is not None:
-        origin = "kernel" if fm.group(1) == "kern" else "user"
-    im = _ISO.search(prefix)
-    if im is not None:
-        return _Prefix(
-            origin=origin, boot_seconds=boot, wall_time=_iso_epoch(im), stamp=im.group(0)
-        )
-    cm = _CTIME.search(prefix)
-    if cm is not None:
-        mon, day, hms, yr = cm.groups()
-        return _Prefix(
-            origin=origin,
-            boot_seconds=boot,
-            wall_time=_local_epoch(int(yr), mon, day, hms),
-            stamp=f"{mon} {day} {hms} {yr}",
-        )
-    return _Prefix(origin=origin, boot_seconds=boot, stamp=boot_m.group(1) if boot_m else "")
-
-
-def _syslog_prefix(sm: re.Match[str], boot: float | None, year: int | None) -> _Prefix:
-    """`<time> <host> <ident>[pid]: ` (syslog, journalctl): the identifier says who wrote it."""
-    gd = sm.groupdict()
-    origin = "kernel" if gd["ident"] == "kernel" else "user"
-    wall: float | None = None
-    if "iso" in gd:
-        im = _ISO.match(gd["iso"])
-        wall = _iso_epoch(im) if im else None
-        stamp = gd["iso"]
-    elif "mon" in gd:
-        stamp = f"{gd['mon']} {gd['day']} {gd['hms']}"
-        if year is not None:
-            wall = _local_epoch(year, gd["mon"], gd["day"], gd["hms"])
-    else:
-        stamp = gd["boot"]
-        boot = float(gd["boot"])
-    return _Prefix(origin=origin, boot_seconds=boot, wall_time=wall, stamp=stamp, host=gd["host"])
-
 
 # Xid 154 prints "changed from 0x0 (None) to 0x2 (Node Reboot Required)". The
 # number is NVML's nvmlDeviceGpuRecoveryAction_t; the words vary by driver
@@ -295,8 +164,16 @@ def _int(text: str) -> int | None:
         return None
 
 
+def _bounded(digits: str, limit: int) -> int | None:
+    """A decimal field of a report, or None when it is out of any sane range."""
+    if len(digits) > len(str(limit)):
+        return None
+    value = int(digits)
+    return value if value <= limit else None
+
+
 def _shape(message: str) -> str:
-    return _SHAPE.sub("#", message)[:120]
+    return _SHAPE.sub("#", message[:240])[:120]
 
 
 def _xid_facts(code: int, detail: str) -> dict[str, object]:
@@ -348,13 +225,13 @@ def _xid_facts(code: int, detail: str) -> dict[str, object]:
 
 
 def _record(kind: str, text: str, start: int, year: int | None, **fields: object) -> KmsgRecord:
-    p = _parse_prefix(text[:start], year)
+    p = parse_prefix(text[:start], year)
     return KmsgRecord(kind, message=text[start:], **p._asdict(), **fields)  # type: ignore[arg-type]
 
 
-# KmsgRecord's fields after `message` are _Prefix's, in the same order (the
+# KmsgRecord's fields after `message` are Prefix's, in the same order (the
 # Xid fast path relies on it).
-assert KmsgRecord._fields[7:14] == _Prefix._fields
+assert KmsgRecord._fields[7:14] == Prefix._fields
 
 
 def parse_line(line: str, *, year: int | None = None) -> KmsgRecord | None:
@@ -374,6 +251,8 @@ def parse_line(line: str, *, year: int | None = None) -> KmsgRecord | None:
 def _safe_parse(line: str, year: int | None) -> KmsgRecord | None:
     if "Xid" not in line and "NVRM" not in line:
         return None
+    if len(line) > MAX_RECORD:
+        line = line[:MAX_RECORD]
     try:
         return _parse(line, year)
     except Exception:  # a parser bug must cost one line, never the reader
@@ -389,10 +268,12 @@ def _parse(line: str, year: int | None) -> KmsgRecord | None:
         bus = normalize_bus_id(m.group(1))
         if not bus:
             return _unparsed(text, m.start(), year)
-        code = int(m.group(2))
-        pid = int(m.group(3)) if m.group(3) else None
+        code = _bounded(m.group(2), MAX_CODE)
+        pid = _bounded(m.group(3), MAX_PID) if m.group(3) else None
+        if code is None or (m.group(3) and pid is None):
+            return _unparsed(text, m.start(), year)
         name = m.group(4)
-        process = "" if not name or name == "<unknown>" else name.strip()
+        process = "" if not name or name == "<unknown>" else escape_control(name.strip())
         detail = text[m.end() :].strip()
         return KmsgRecord(
             XID,
@@ -402,13 +283,16 @@ def _parse(line: str, year: int | None) -> KmsgRecord | None:
             process,
             detail,
             text[m.start() :],
-            *_parse_prefix(text[: m.start()], year),
+            *parse_prefix(text[: m.start()], year),
             **_xid_facts(code, detail),  # type: ignore[arg-type]
         )
     m = _SXID_RE.search(text)
     if m is not None:
         bus = normalize_bus_id(m.group(2))
         if not bus:
+            return _unparsed(text, m.start(), year)
+        code = _bounded(m.group(3), MAX_CODE)
+        if code is None:
             return _unparsed(text, m.start(), year)
         detail = text[m.end() :].strip()
         sev = _SXID_SEV.match(detail)
@@ -418,7 +302,7 @@ def _parse(line: str, year: int | None) -> KmsgRecord | None:
             text,
             m.start(),
             year,
-            code=int(m.group(3)),
+            code=code,
             pci_bus_id=bus,
             detail=detail,
             device=m.group(1),
@@ -494,10 +378,14 @@ class KmsgParser:
         self._group: list[KmsgRecord] = []
         self._group_n = 0
         self._recent79: dict[str, int] = {}
+        self.truncated = 0  # lines longer than MAX_RECORD, cut to it
 
     def feed(self, line: str, cursor: str = "") -> Sequence[KmsgRecord]:
         """Records completed by this line (usually none)."""
         self._n += 1
+        if len(line) > MAX_RECORD:
+            self.truncated += 1
+            line = line[:MAX_RECORD]
         if "Xid" not in line and "NVRM" not in line:
             return _EMPTY
         rec = _safe_parse(line, self.year)

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple, Protocol
 from gpuwatchd.errors import SourceError
 
 __all__ = [
+from gpuwatchd.sources.kmsg.parse import MAX_RECORD
     "FileReader",
     "JournalReader",
     "KmsgReader",
@@ -163,7 +164,10 @@ class KmsgReader:
     def _records(self, chunk: bytes, out: list[Line]) -> None:
         # One read of /dev/kmsg is one record; files and pipes (tests) give many.
         data = self._pending + chunk
-        *complete, self._pending = data.split(b"\n")
+        *complete, pending = data.split(b"\n")
+        # Keep one record's worth of an unterminated line: a hostile writer must
+        # not grow memory; the parser counts the line as truncated.
+        self._pending = pending[: MAX_RECORD + 1]
         for raw in complete:
             if not raw or raw[:1] == b" ":
                 continue  # continuation lines: " SUBSYSTEM=...", " DEVICE=..."
@@ -284,6 +288,7 @@ class JournalReader:
 
 # --- plain file or pipe ---------------------------------------------------------
 
+        self._skipped = 0
 
 class FileReader:
     """Follow a text file (`dmesg -w > file`, syslog) or a FIFO, across rotation.
@@ -374,10 +379,18 @@ class FileReader:
             if not chunk:
                 break
             data = self._buf + chunk
-            *complete, self._buf = data.split(b"\n")
+            *complete, rest = data.split(b"\n")
             for raw in complete:
-                self._offset += len(raw) + 1
-                lines.append(Line(raw.decode("utf-8", "replace"), self._cursor_at(self._offset)))
+                self._offset += len(raw) + 1 + self._skipped
+                self._skipped = 0
+                text = raw[: MAX_RECORD + 1].decode("utf-8", "replace")
+                lines.append(Line(text, self._cursor_at(self._offset)))
+            # An endless line keeps only a record's worth (the parser cuts and
+            # counts it); the rest is skipped but still counted in the offset.
+            if len(rest) > MAX_RECORD + 1:
+                self._skipped += len(rest) - (MAX_RECORD + 1)
+                rest = rest[: MAX_RECORD + 1]
+            self._buf = rest
         return lines
 
     def _rotated(self) -> bool:
@@ -392,9 +405,9 @@ class FileReader:
             os.close(self._fd)
             self._open()
             return True
-        if st.st_size < self._offset + len(self._buf):
+        if st.st_size < self._offset + len(self._buf) + self._skipped:
             os.lseek(self._fd, 0, os.SEEK_SET)
-            self._offset, self._buf = 0, b""
+            self._offset, self._buf, self._skipped = 0, b"", 0
             return True
         return False
 

@@ -84,6 +84,11 @@ METRICS = (
         "lines that look like an Xid/SXid report but could not be parsed (logged once per shape)",
     ),
     MetricSpec(
+        "gpuwatchd_kmsg_truncated_lines_total",
+        "counter",
+        "kernel log lines longer than a kernel record (8 KiB), cut to that size before parsing",
+    ),
+    MetricSpec(
         "gpuwatchd_kmsg_spoofed_xid_lines_total",
         "counter",
         "Xid/SXid lines written by user space, not the kernel; ignored unless"
@@ -344,6 +349,7 @@ class KmsgSource:
             Sample.of("gpuwatchd_kmsg_reports_total", self._reports[SXID], kind=SXID),
             Sample.of("gpuwatchd_kmsg_unparsed_xid_lines_total", self._unparsed),
             Sample.of("gpuwatchd_kmsg_spoofed_xid_lines_total", self._spoofed),
+            Sample.of("gpuwatchd_kmsg_truncated_lines_total", self._parser.truncated),
         ]
 
     def status(self) -> Mapping[str, object]:

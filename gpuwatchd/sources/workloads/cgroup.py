@@ -18,7 +18,7 @@ _CONTAINER = re.compile(
 )
 _SLURM_JOB = re.compile(r"/job_(\d+)(?:/step_([^/]+))?")
 _SLURM_UID = re.compile(r"/uid_(\d+)")
-_UNIT = re.compile(r"([^/]+\.(?:service|scope))$")
+_UNIT = re.compile(r"^([^/]{1,255}\.(?:service|scope))$")  # anchored: linear on any input
 
 
 class Attribution(NamedTuple):
@@ -81,7 +81,7 @@ def parse_cgroup(text: str) -> Attribution:
         )
     if container:
         return Attribution("container", container_id=container, cgroup=path)
-    unit = _UNIT.search(leaf)
+    unit = _UNIT.search(leaf.rpartition("/")[2])
     if unit is not None:
         return Attribution("systemd", unit=unit.group(1), cgroup=path)
     return Attribution("host", cgroup=path)

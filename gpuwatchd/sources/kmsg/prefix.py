@@ -1,0 +1,160 @@
+"""The text before a driver message in a kernel log line: who wrote it, when, where.
+
+Handles a raw /dev/kmsg record head (`priority,sequence,usec,flags;`),
+`dmesg` `[ seconds]`, `-T` / `--time-format iso` / `-x` prefixes, syslog
+and journalctl heads (`Mon DD HH:MM:SS host kernel:`, RFC 3339 stamps).
+Every pattern is anchored or bounded so that a hostile prefix costs time
+linear in its length.
+"""
+
+from __future__ import annotations
+
+import calendar
+import functools
+import re
+import time
+from datetime import datetime
+from typing import NamedTuple
+
+__all__ = ["Prefix", "parse_prefix"]
+
+_RAW = re.compile(r"(\d{1,4}),(\d{1,20}),(\d{1,20}),([^;]*);")
+_MONTHS = {m: i for i, m in enumerate(calendar.month_abbr) if m}
+_TAIL = r"(?P<ident>[^\s\[:]+)(?:\[\d+\])?:\s*(?:\[\s*(?P<kboot>\d+\.\d+)\]\s*)?$"
+_SYSLOG = re.compile(
+    r"^(?P<mon>[A-Z][a-z]{2})\s+(?P<day>\d{1,2}) (?P<hms>\d\d:\d\d:\d\d)(?:\.\d+)? (?P<host>\S+) "
+    + _TAIL
+)
+_ISO_SYSLOG = re.compile(r"^(?P<iso>\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d\S*) (?P<host>\S+) " + _TAIL)
+_MONO_SYSLOG = re.compile(r"^\[\s*(?P<boot>\d+\.\d+)\] (?P<host>\S+) " + _TAIL)
+_FACILITY = re.compile(
+    r"\b(kern|user|mail|daemon|auth|syslog|lpr|news|uucp|cron|authpriv|ftp|local[0-7])\s*:\s*"
+    r"(?:emerg|alert|crit|err|warn|warning|notice|info|debug)\s*:"
+)
+_ISO = re.compile(r"(\d{4}-\d\d-\d\d)[T ](\d\d:\d\d:\d\d)(?:[.,](\d+))?(Z|[+-]\d\d:?\d\d)?")
+_BOOT = re.compile(r"\[\s*(\d+\.\d+)\]")
+_DMESG = re.compile(r"\[\s*(\d+\.\d+)\]\s*$")
+_CTIME = re.compile(r"\[(?:[A-Z][a-z]{2} )?([A-Z][a-z]{2})\s+(\d{1,2}) (\d\d:\d\d:\d\d) (\d{4})\]")
+
+
+class Prefix(NamedTuple):
+    """Who wrote a kernel log line, when, and on which host."""
+
+    origin: str = "unknown"
+    facility: int | None = None
+    sequence: int | None = None
+    boot_seconds: float | None = None
+    wall_time: float | None = None
+    stamp: str = ""
+    host: str = ""
+
+
+def _iso_epoch(m: re.Match[str]) -> float | None:
+    date, hms, frac, tz = m.groups()
+    h, mi, sec = hms.split(":")
+    base = _iso_hour(date, h, tz or "")
+    if base is None:
+        return None
+    return base + int(mi) * 60 + int(sec) + (float(f"0.{frac}") if frac else 0.0)
+
+
+# Converting a date is the slow part of a report with a wall-clock stamp;
+# the start of each hour is computed once (zone changes happen on the hour).
+@functools.lru_cache(maxsize=256)
+def _iso_hour(date: str, hour: str, tz: str) -> float | None:
+    try:
+        if not tz:  # no zone: the reader's local time
+            return time.mktime(datetime.fromisoformat(f"{date}T{hour}:00:00").timetuple())
+        tz = "+00:00" if tz == "Z" else (tz if ":" in tz else f"{tz[:3]}:{tz[3:]}")
+        return datetime.fromisoformat(f"{date}T{hour}:00:00{tz}").timestamp()
+    except (ValueError, OverflowError):
+        return None
+
+
+def _local_epoch(year: int, mon: str, day: str, hms: str) -> float | None:
+    try:
+        h, mi, sec = (int(x) for x in hms.split(":"))
+    except ValueError:
+        return None
+    if not (0 <= mi < 60 and 0 <= sec <= 60):
+        return None
+    base = _local_hour(year, mon, day, h)
+    return None if base is None else base + mi * 60 + sec
+
+
+@functools.lru_cache(maxsize=256)
+def _local_hour(year: int, mon: str, day: str, hour: int) -> float | None:
+    month = _MONTHS.get(mon)
+    if month is None:
+        return None
+    try:
+        return time.mktime((year, month, int(day), hour, 0, 0, 0, 0, -1))
+    except (ValueError, OverflowError):
+        return None
+
+
+def parse_prefix(prefix: str, year: int | None) -> Prefix:
+    """What the text before the driver's message says: who, when, where."""
+    if not prefix or prefix.isspace():
+        return Prefix()
+    first = prefix[0]
+    if first == "[":
+        m = _DMESG.match(prefix)  # the most common text form: "[ 1843.308145] "
+        if m is not None:
+            return Prefix(boot_seconds=float(m.group(1)), stamp=m.group(1))
+        sm = _MONO_SYSLOG.match(prefix)
+    elif first.isdigit():
+        m = _RAW.match(prefix)
+        if m is not None:
+            pri, seq, usec = int(m.group(1)), int(m.group(2)), int(m.group(3))
+            facility = pri >> 3
+            return Prefix(
+                origin="kernel" if facility == 0 else "user",
+                facility=facility,
+                sequence=seq,
+                boot_seconds=usec / 1e6,
+                stamp=f"{usec / 1e6:.6f}",
+            )
+        sm = _ISO_SYSLOG.match(prefix)
+    else:
+        sm = _SYSLOG.match(prefix)
+    boot_m = _BOOT.search(prefix)
+    boot = float(boot_m.group(1)) if boot_m else None
+    if sm is not None:
+        return _syslog_prefix(sm, boot, year)
+    origin = "unknown"
+    fm = _FACILITY.search(prefix)
+    if fm is not None:
+        origin = "kernel" if fm.group(1) == "kern" else "user"
+    im = _ISO.search(prefix)
+    if im is not None:
+        return Prefix(origin=origin, boot_seconds=boot, wall_time=_iso_epoch(im), stamp=im.group(0))
+    cm = _CTIME.search(prefix)
+    if cm is not None:
+        mon, day, hms, yr = cm.groups()
+        return Prefix(
+            origin=origin,
+            boot_seconds=boot,
+            wall_time=_local_epoch(int(yr), mon, day, hms),
+            stamp=f"{mon} {day} {hms} {yr}",
+        )
+    return Prefix(origin=origin, boot_seconds=boot, stamp=boot_m.group(1) if boot_m else "")
+
+
+def _syslog_prefix(sm: re.Match[str], boot: float | None, year: int | None) -> Prefix:
+    """`<time> <host> <ident>[pid]: ` (syslog, journalctl): the identifier says who wrote it."""
+    gd = sm.groupdict()
+    origin = "kernel" if gd["ident"] == "kernel" else "user"
+    wall: float | None = None
+    if "iso" in gd:
+        im = _ISO.match(gd["iso"])
+        wall = _iso_epoch(im) if im else None
+        stamp = gd["iso"]
+    elif "mon" in gd:
+        stamp = f"{gd['mon']} {gd['day']} {gd['hms']}"
+        if year is not None:
+            wall = _local_epoch(year, gd["mon"], gd["day"], gd["hms"])
+    else:
+        stamp = gd["boot"]
+        boot = float(gd["boot"])
+    return Prefix(origin=origin, boot_seconds=boot, wall_time=wall, stamp=stamp, host=gd["host"])
