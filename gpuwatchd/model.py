@@ -13,6 +13,7 @@ from typing import Literal
 
 __all__ = [
     "Action",
+    "Clear",
     "Event",
     "Finding",
     "Health",
@@ -146,6 +147,25 @@ class Finding:
     remediation: str = ""
     labels: Labels = ()
     since: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Clear:
+    """An operator's `gpuwatchd clear`, or a GPU reset, as the event store records it.
+
+    `pci_bus_id` "" clears every GPU; `code` None every Xid code (with a code,
+    only that code is cleared and other sticky memory is kept).
+    """
+
+    time: float
+    who: str = ""
+    pci_bus_id: str = ""
+    code: int | None = None
+    kind: str = "xid"
+    reason: str = ""
+    reset: bool = False  # a GPU reset (NVML saw it come back), not an operator clear
+    boot_id: str = ""  # the boot it applies to; "" = any
+    id: int = 0  # the store's row id (0: not stored)
 
 
 @dataclass(frozen=True, slots=True)

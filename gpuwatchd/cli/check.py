@@ -295,7 +295,7 @@ def _xid_conditions(cfg: Config, events: Sequence[Event], notes: list[str]) -> l
     """Xids active now: this boot's reports, minus what operators cleared."""
     from gpuwatchd.bootid import read_boot_id
     from gpuwatchd.health.xid import catalog as xid
-    from gpuwatchd.health.xid.tracker import Clear, TrackerSettings, XidTracker
+    from gpuwatchd.health.xid.tracker import TrackerSettings, XidTracker
 
     boot = read_boot_id(cfg.paths.boot_id)
     tracker = XidTracker(xid.from_config(cfg), TrackerSettings.from_config(cfg), boot)
@@ -303,11 +303,7 @@ def _xid_conditions(cfg: Config, events: Sequence[Event], notes: list[str]) -> l
     store = _open_store(cfg, notes)
     if store is not None:
         try:
-            clears = [
-                Clear(r.time, r.who, r.pci_bus_id, r.code, r.kind, r.reason, r.reset)
-                for r in store.clears_since(0.0)
-                if r.boot_id in (boot, "")
-            ]
+            clears = [r for r in store.clears_since(0.0) if r.boot_id in (boot, "")]
         finally:
             store.close()
     tracker.restore([e for e in events if e.kind in ("xid", "sxid")], clears)

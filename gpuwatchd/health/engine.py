@@ -28,6 +28,7 @@ from gpuwatchd.health.rules import Inputs, XidCondition
 from gpuwatchd.health.stuck import StuckDetector, StuckThresholds, proc_describer
 from gpuwatchd.health.xid.tracker import ActiveXid
 from gpuwatchd.model import (
+    Clear,
     Event,
     Finding,
     Health,
@@ -41,7 +42,6 @@ from gpuwatchd.state import NodeSnapshot, State
 
 __all__ = [
     "COMPONENTS",
-    "Clear",
     "HealthEngine",
     "METRICS",
     "Rollup",
@@ -89,29 +89,14 @@ METRICS: tuple[MetricSpec, ...] = (
 Listener = Callable[[Sequence[Finding], float], None]
 Key = tuple[str, Labels, Labels]
 XidProvider = Callable[[float], Sequence["ActiveXid | XidCondition"]]
-ClearFetcher = Callable[[float], Sequence["Clear"]]
-
-
-@dataclass(frozen=True)
-class Clear:
-    """An operator's `gpuwatchd clear` as the store keeps it: a GPU (bus id) or all ("")."""
-
-    id: int
-    time: float
-    target: str  # pci_bus_id, uuid or index; "" = all
-    who: str = ""
-    reason: str = ""
-    code: int | None = None  # only this Xid code (then sticky GPU memory is kept)
+ClearFetcher = Callable[[float], Sequence[Clear]]
 
 
 def store_clears(store: Any) -> ClearFetcher:
     """A ClearFetcher over the event store (sinks/store.py `clears_since`)."""
 
     def fetch(since: float) -> list[Clear]:
-        return [
-            Clear(r.id, r.time, r.pci_bus_id, r.who, r.reason, r.code)
-            for r in store.clears_since(since)
-        ]
+        return list(store.clears_since(since))
 
     return fetch
 
@@ -389,23 +374,24 @@ class HealthEngine:
             h = self.history
             view = self._last_view
             keys = set(h.gpus_seen) | (set(view.gpus) if view else set())
-            if clear.target:
-                want = {clear.target, norm_bus_id(clear.target)}
+            if clear.pci_bus_id:  # a bus id; an index or UUID is matched too
+                want = {clear.pci_bus_id, norm_bus_id(clear.pci_bus_id)}
                 keys = {k for k in keys if want & _ids(h, view, k)}
             for rk in [rk for rk in h.last_rise if gpu_key(dict(rk[1])) in keys]:
                 del h.last_rise[rk]
             h.links_up = {(k, link) for k, link in h.links_up if k not in keys}
             for k in keys:
                 h.gpus_seen.pop(k, None)
-            if not clear.target and view is not None:
+            if not clear.pci_bus_id and view is not None:
                 h.max_gpus = len(view.gpus)  # a GPU removed on purpose: new baseline
                 self._save_baseline()
-            for ok in [ok for ok in self._open if gpu_key(dict(ok[1])) in keys or not clear.target]:
+            every = not clear.pci_bus_id
+            for ok in [ok for ok in self._open if gpu_key(dict(ok[1])) in keys or every]:
                 self._open.pop(ok, None)
                 self._pending.pop(ok, None)
             log.warning(
                 "clear %s by %s: %s",
-                clear.target or "all",
+                clear.pci_bus_id or "all",
                 clear.who or "?",
                 clear.reason or "(no reason)",
             )

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gpuwatchd.errors import StoreError
-from gpuwatchd.model import Event, Severity
+from gpuwatchd.model import Clear, Event, Severity
 
 if TYPE_CHECKING:
     from gpuwatchd.config import Config
@@ -112,18 +112,22 @@ class Record(NamedTuple):
     reports: int = 1
 
 
-class ClearRow(NamedTuple):
-    """An operator clear or a GPU reset, as stored."""
+ClearRow = Clear  # an operator clear or a GPU reset, as stored (one type: model.Clear)
 
-    id: int
-    time: float
-    who: str
-    kind: str
-    pci_bus_id: str
-    code: int | None
-    reason: str
-    reset: bool
-    boot_id: str
+
+def _clear_of(r: Sequence[Any]) -> Clear:
+    """A row of `SELECT id, time, who, kind, pci_bus_id, code, reason, reset, boot_id`."""
+    return Clear(
+        id=r[0],
+        time=r[1],
+        who=r[2],
+        kind=r[3],
+        pci_bus_id=r[4],
+        code=r[5],
+        reason=r[6],
+        reset=bool(r[7]),
+        boot_id=r[8],
+    )
 
 
 def _int(text: str) -> int | None:
@@ -284,7 +288,7 @@ class EventStore:
         reset: bool = False,
         boot_id: str = "",
         when: float | None = None,
-    ) -> ClearRow:
+    ) -> Clear:
         """Record an operator clear (who, when, what) or a GPU reset."""
         t = self._now() if when is None else when
         try:
@@ -296,8 +300,16 @@ class EventStore:
                 )
         except sqlite3.Error as exc:
             raise StoreError(f"writing to {self.path}: {exc}") from None
-        return ClearRow(
-            int(cur.lastrowid or 0), t, who, kind, pci_bus_id, code, reason, reset, boot_id
+        return Clear(
+            id=int(cur.lastrowid or 0),
+            time=t,
+            who=who,
+            kind=kind,
+            pci_bus_id=pci_bus_id,
+            code=code,
+            reason=reason,
+            reset=reset,
+            boot_id=boot_id,
         )
 
     def prune(self) -> int:
@@ -385,16 +397,16 @@ class EventStore:
             )
         return out
 
-    def clears_since(self, since: float) -> list[ClearRow]:
+    def clears_since(self, since: float) -> list[Clear]:
         with self._lock:
             rows = self._db.execute(
                 "SELECT id, time, who, kind, pci_bus_id, code, reason, reset, boot_id"
                 " FROM clears WHERE time >= ? ORDER BY time, id",
                 (since,),
             ).fetchall()
-        return [ClearRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], bool(r[7]), r[8]) for r in rows]
+        return [_clear_of(r) for r in rows]
 
-    def clears_after(self, clear_id: int) -> list[ClearRow]:
+    def clears_after(self, clear_id: int) -> list[Clear]:
         """Clears added after row `clear_id` (by another process, e.g. `gpuwatchd clear`)."""
         with self._lock:
             rows = self._db.execute(
@@ -402,7 +414,7 @@ class EventStore:
                 " FROM clears WHERE id > ? ORDER BY id",
                 (clear_id,),
             ).fetchall()
-        return [ClearRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], bool(r[7]), r[8]) for r in rows]
+        return [_clear_of(r) for r in rows]
 
     def load_gpu_baseline(self) -> int:
         """The most GPUs the health engine has seen on this node (0 = none yet)."""

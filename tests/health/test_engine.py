@@ -10,9 +10,9 @@ import pytest
 from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import Config
 from gpuwatchd.health import rules
-from gpuwatchd.health.engine import Clear, HealthEngine
+from gpuwatchd.health.engine import HealthEngine
 from gpuwatchd.health.rules import Inputs, XidCondition
-from gpuwatchd.model import Action, Finding, Health, Severity
+from gpuwatchd.model import Action, Clear, Finding, Health, Severity
 from gpuwatchd.state import State
 from tests.health.snapshots import GPU0, GPU1, T0, Node, source
 from tests.health.test_rules import cfg_with
@@ -135,7 +135,9 @@ def test_xids_from_tracker_and_clear_hooks() -> None:
     assert (f.alertname, dict(f.subject)["gpu"], f.since) == ("GpuXidCritical", "1", T0 - 30)
     assert engine.rollup().components["kmsg"] is Health.UNHEALTHY
     active.clear()  # what the tracker does on a clear
-    engine.apply_clear(Clear(1, clock.time(), "1", who="alice", reason="reseated"))
+    engine.apply_clear(
+        Clear(id=1, time=clock.time(), pci_bus_id="1", who="alice", reason="reseated")
+    )
     assert [c.who for c in cleared] == ["alice"]
     assert state.snapshot().findings == ()
 
@@ -147,7 +149,7 @@ def test_clear_forgets_sticky_memory_of_one_gpu() -> None:
     both = Node(gpus={U0: {"ecc_unc_vol": 1}, U1: {"ecc_unc_vol": 1}})
     publish(state, both, clock)
     assert len(state.snapshot().findings) == 2
-    engine.apply_clear(Clear(1, clock.time(), GPU0["pci_bus_id"], who="bob"))
+    engine.apply_clear(Clear(id=1, time=clock.time(), pci_bus_id=GPU0["pci_bus_id"], who="bob"))
     [left] = state.snapshot().findings
     assert dict(left.subject)["gpu"] == "1"
 
@@ -158,7 +160,7 @@ def test_clear_all_resets_gpu_count_baseline() -> None:
     clock.advance(10)
     publish(state, Node(gpus={U0: {}}), clock)
     assert {f.alertname for f in state.snapshot().findings} == {"GpuLost", "GpuCountLow"}
-    engine.apply_clear(Clear(2, clock.time(), ""))
+    engine.apply_clear(Clear(id=2, time=clock.time()))
     assert state.snapshot().findings == ()
 
 

@@ -6,8 +6,8 @@ import pytest
 
 from gpuwatchd import config
 from gpuwatchd.health.xid import catalog as xid
-from gpuwatchd.health.xid.tracker import Clear, Policy, TrackerSettings, XidTracker
-from gpuwatchd.model import Action, Event, Severity
+from gpuwatchd.health.xid.tracker import Policy, TrackerSettings, XidTracker
+from gpuwatchd.model import Action, Clear, Event, Severity
 
 T0 = 1_700_000_000.0
 BUS = "0000:00:06.0"
@@ -91,7 +91,7 @@ def test_warning_holds_then_clears_and_info_is_never_active() -> None:
 def test_operator_clear_ends_a_sticky_condition_until_it_comes_back() -> None:
     t = tracker()
     t.observe(ev(79))
-    assert t.clear(Clear(T0 + 5, "alice", BUS, 79)) == 1
+    assert t.clear(Clear(time=T0 + 5, who="alice", pci_bus_id=BUS, code=79)) == 1
     assert active_codes(t, T0 + 6) == {}
     t.observe(ev(79, T0 + 10))
     assert 79 in active_codes(t, T0 + 11)
@@ -101,7 +101,7 @@ def test_clear_is_scoped() -> None:
     t = tracker()
     t.observe(ev(79, bus="0000:00:06.0"))
     t.observe(ev(48, bus="0000:00:07.0"))
-    t.clear(Clear(T0 + 1, "bob", "0000:00:07.0"))
+    t.clear(Clear(time=T0 + 1, who="bob", pci_bus_id="0000:00:07.0"))
     assert [(a.pci_bus_id, a.code) for a in t.active(T0 + 2)] == [("0000:00:06.0", 79)]
 
 
@@ -209,7 +209,7 @@ def test_restore_brings_back_this_boots_conditions_and_clears() -> None:
         first.observe(ev(48, T0 + 1, bus="0000:00:07.0")).event,
     ]
     again = tracker()
-    again.restore(stored, [Clear(T0 + 5, "alice", "0000:00:07.0")])
+    again.restore(stored, [Clear(time=T0 + 5, who="alice", pci_bus_id="0000:00:07.0")])
     assert [(a.pci_bus_id, a.code) for a in again.active(T0 + 10)] == [("0000:00:06.0", 79)]
     # restoring does not count reports a second time
     assert not [s for s in again.samples(T0) if s.name == "gpuwatchd_xid_errors_total"]

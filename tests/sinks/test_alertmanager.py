@@ -372,8 +372,9 @@ def test_real_xid_line_to_alertmanager_and_operator_clear(
 ) -> None:
     """kernel log line -> Xid pipeline -> health engine -> sink -> Alertmanager, and back."""
     from gpuwatchd import config as configmod
-    from gpuwatchd.health.engine import Clear, HealthEngine
+    from gpuwatchd.health.engine import HealthEngine
     from gpuwatchd.health.xid.stage import XidStage
+    from gpuwatchd.model import Clear
     from gpuwatchd.sources import SourceContext
     from gpuwatchd.sources.kmsg.source import KmsgSource
     from gpuwatchd.sources.nvml.source import NvmlSource
@@ -424,7 +425,15 @@ def test_real_xid_line_to_alertmanager_and_operator_clear(
         assert "pid 650 python3" in ann["description"]
 
         pipeline.clear("alice", pci_bus_id=GPU0["pci_bus_id"], reason="job fixed")
-        engine.apply_clear(Clear(1, time.time(), GPU0["pci_bus_id"], "alice", "job fixed"))
+        engine.apply_clear(
+            Clear(
+                id=1,
+                time=time.time(),
+                pci_bus_id=GPU0["pci_bus_id"],
+                who="alice",
+                reason="job fixed",
+            )
+        )
         assert sink.flush()
         assert am.alerts(node=node) == []
     finally:

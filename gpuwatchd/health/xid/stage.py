@@ -26,11 +26,10 @@ from gpuwatchd.health.xid.tracker import (
 )
 from gpuwatchd.health.xid.tracker import (
     ActiveXid,
-    Clear,
     TrackerSettings,
     XidTracker,
 )
-from gpuwatchd.model import Event, MetricSpec, Sample, SourceSnapshot
+from gpuwatchd.model import Clear, Event, MetricSpec, Sample, SourceSnapshot
 from gpuwatchd.pci import normalize_bus_id
 
 if TYPE_CHECKING:
@@ -63,29 +62,6 @@ METRICS: tuple[MetricSpec, ...] = (
 )
 
 
-class StoredClear(Protocol):
-    """A clear row as the store returns it (sinks/store.py ClearRow)."""
-
-    @property
-    def id(self) -> int: ...
-    @property
-    def time(self) -> float: ...
-    @property
-    def who(self) -> str: ...
-    @property
-    def kind(self) -> str: ...
-    @property
-    def pci_bus_id(self) -> str: ...
-    @property
-    def code(self) -> int | None: ...
-    @property
-    def reason(self) -> str: ...
-    @property
-    def reset(self) -> bool: ...
-    @property
-    def boot_id(self) -> str: ...
-
-
 class EventSink(Protocol):
     """What the pipeline needs of the event store (sinks/store.py)."""
 
@@ -95,9 +71,9 @@ class EventSink(Protocol):
 
     def events_since(self, since: float) -> list[Event]: ...
 
-    def clears_since(self, since: float) -> Sequence[StoredClear]: ...
+    def clears_since(self, since: float) -> Sequence[Clear]: ...
 
-    def clears_after(self, clear_id: int) -> Sequence[StoredClear]: ...
+    def clears_after(self, clear_id: int) -> Sequence[Clear]: ...
 
     def add_clear(
         self,
@@ -110,7 +86,7 @@ class EventSink(Protocol):
         reset: bool = False,
         boot_id: str = "",
         when: float | None = None,
-    ) -> StoredClear: ...
+    ) -> Clear: ...
 
 
 class XidStage:
@@ -172,7 +148,7 @@ class XidStage:
             log.error("cannot restore Xid state from the store: %s", exc)
             return
         boot = self.tracker.boot_id
-        clears = [_clear(r) for r in rows if r.boot_id in (boot, "")]
+        clears = [r for r in rows if r.boot_id in (boot, "")]
         self._last_clear_id = max((r.id for r in rows), default=0)
         with self._lock:
             self.tracker.restore(events, clears)
@@ -269,7 +245,9 @@ class XidStage:
             )
             self._last_clear_id = max(self._last_clear_id, row.id)
         with self._lock:
-            n = self.tracker.clear(Clear(now, who, pci_bus_id, code, kind, reason))
+            n = self.tracker.clear(
+                Clear(time=now, who=who, pci_bus_id=pci_bus_id, code=code, kind=kind, reason=reason)
+            )
             self._publish(now)
         return n
 
@@ -302,17 +280,13 @@ class XidStage:
                 if r.reset:
                     self.tracker.gpu_reset(r.pci_bus_id, r.time, r.who)
                 else:
-                    self.tracker.clear(_clear(r))
+                    self.tracker.clear(r)
             log.info("applied clear by %s: %s %s %s", r.who, r.kind, r.code or "*", r.pci_bus_id)
 
     def active(self, now: float | None = None) -> list[ActiveXid]:
         """Active Xid/SXid conditions (for the health engine)."""
         with self._lock:
             return self.tracker.active(self.clock.time() if now is None else now)
-
-
-def _clear(r: StoredClear) -> Clear:
-    return Clear(r.time, r.who, r.pci_bus_id, r.code, r.kind, r.reason, r.reset)
 
 
 def journal_fields(ev: Event) -> dict[str, str]:
