@@ -74,6 +74,39 @@ DCGM: dict[str, str] = {
         "DCGM_FI_DEV_NVLINK_{CRC_FLIT,CRC_DATA,REPLAY,RECOVERY}_ERROR_COUNT_TOTAL (all links)"
     ),
     "gpuwatchd_xid_errors_total": "DCGM_FI_DEV_XID_ERRORS (there: the last Xid code, a gauge)",
+    "gpuwatchd_gpu_memory_reserved_bytes": "DCGM_FI_DEV_FB_RESERVED (MiB)",
+    "gpuwatchd_gpu_clock_hz": (
+        "DCGM_FI_DEV_SM_CLOCK (clock=sm), DCGM_FI_DEV_MEM_CLOCK (clock=memory); MHz"
+    ),
+    "gpuwatchd_gpu_clock_max_hz": "DCGM_FI_DEV_MAX_SM_CLOCK, DCGM_FI_DEV_MAX_MEM_CLOCK; MHz",
+    "gpuwatchd_gpu_clock_application_hz": (
+        "DCGM_FI_DEV_APP_SM_CLOCK, DCGM_FI_DEV_APP_MEM_CLOCK; MHz"
+    ),
+    "gpuwatchd_gpu_performance_state": "DCGM_FI_DEV_PSTATE",
+    "gpuwatchd_gpu_clock_event_seconds_total": (
+        "DCGM_FI_DEV_POWER_VIOLATION (sw_power_cap), DCGM_FI_DEV_SYNC_BOOST_VIOLATION "
+        "(sync_boost), DCGM_FI_DEV_THERMAL_VIOLATION; in us"
+    ),
+    # GPM: the same quantities as DCGM's profiling fields, from NVML without DCGM
+    "gpuwatchd_gpu_sm_active_ratio": "DCGM_FI_PROF_SM_ACTIVE",
+    "gpuwatchd_gpu_sm_occupancy_ratio": "DCGM_FI_PROF_SM_OCCUPANCY",
+    "gpuwatchd_gpu_pipe_active_ratio": (
+        "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE (pipe=tensor), DCGM_FI_PROF_PIPE_FP64_ACTIVE (fp64), "
+        "DCGM_FI_PROF_PIPE_FP32_ACTIVE (fp32), DCGM_FI_PROF_PIPE_FP16_ACTIVE (fp16)"
+    ),
+    "gpuwatchd_gpu_dram_active_ratio": "DCGM_FI_PROF_DRAM_ACTIVE",
+    "gpuwatchd_gpu_pcie_bytes_per_second": (
+        "DCGM_FI_PROF_PCIE_RX_BYTES (direction=rx), DCGM_FI_PROF_PCIE_TX_BYTES (tx)"
+    ),
+    "gpuwatchd_gpu_nvlink_bytes_per_second": (
+        "DCGM_FI_PROF_NVLINK_RX_BYTES (direction=rx), DCGM_FI_PROF_NVLINK_TX_BYTES (tx)"
+    ),
+    "gpuwatchd_mig_device_info": "labels GPU_I_ID, GPU_I_PROFILE of every dcgm-exporter series",
+    "gpuwatchd_gpu_fabric_state": "DCGM_FI_DEV_FABRIC_MANAGER_STATUS",
+    "gpuwatchd_gpu_fabric_info": (
+        "DCGM_FI_DEV_FABRIC_CLIQUE_ID, DCGM_FI_DEV_FABRIC_CLUSTER_UUID, "
+        "DCGM_FI_DEV_FABRIC_MANAGER_ERROR_CODE"
+    ),
 }
 
 HEADER = """# Metrics

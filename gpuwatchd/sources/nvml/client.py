@@ -23,6 +23,7 @@ from typing import Any, NamedTuple, Protocol
 
 from gpuwatchd.errors import NvmlError
 from gpuwatchd.pci import normalize_bus_id
+from gpuwatchd.sources.nvml.structured import STRUCTURED_CALLS, GpmSamples
 
 __all__ = [
     "DEVICE_CALLS",
@@ -204,14 +205,25 @@ def _pci(v: Any) -> object:
     return out
 
 
+_NO_INSTANCE = 0xFFFFFFFF  # a process outside MIG has no GPU/compute instance
+
+
 def _procs(v: Any) -> object:
-    return [
-        {
+    out = []
+    for p in v:
+        proc: dict[str, object] = {
             "pid": int(p.pid),
             "used_memory": None if p.usedGpuMemory is None else int(p.usedGpuMemory),
         }
-        for p in v
-    ]
+        for attr, key in (
+            ("gpuInstanceId", "gpu_instance"),
+            ("computeInstanceId", "compute_instance"),
+        ):
+            value = getattr(p, attr, None)
+            if isinstance(value, int) and value != _NO_INSTANCE:
+                proc[key] = value
+        out.append(proc)
+    return out
 
 
 Spec = tuple[tuple[str, ...], Callable[[Any], object]]
@@ -268,6 +280,13 @@ DEVICE_CALLS: dict[str, Spec] = {
     "nvlink_state": (("nvmlDeviceGetNvLinkState",), int),
     "nvlink_error_counter": (("nvmlDeviceGetNvLinkErrorCounter",), int),
     "supported_event_types": (("nvmlDeviceGetSupportedEventTypes",), int),
+    # clocks in MHz by nvmlClockType_t; P-state 0-15 (32 = unknown); MIG mode [current, pending]
+    "clock_info": (("nvmlDeviceGetClockInfo",), int),
+    "max_clock_info": (("nvmlDeviceGetMaxClockInfo",), int),
+    "applications_clock": (("nvmlDeviceGetApplicationsClock",), int),
+    "performance_state": (("nvmlDeviceGetPerformanceState",), int),
+    "mig_mode": (("nvmlDeviceGetMigMode",), _ints),
+    "max_mig_device_count": (("nvmlDeviceGetMaxMigDeviceCount",), int),
 }
 
 # nvmlValueType_t -> member of the c_nvmlValue_t union
@@ -306,8 +325,18 @@ class PynvmlDevice:
     def __init__(self, index: int, handle: Any) -> None:
         self.index = index
         self.handle = handle
+        self.gpm = GpmSamples()
 
     def call(self, name: str, *args: int) -> object:
+        structured = STRUCTURED_CALLS.get(name)
+        if structured is not None:
+            nv = _module()
+            with nvml_errors():
+                try:
+                    return structured(nv, self.handle, self.gpm, *args)
+                except (AttributeError, TypeError, ValueError) as exc:
+                    # this nvidia-ml-py lacks or changed a struct: unsupported here
+                    raise nvml_error("FUNCTION_NOT_FOUND", f"{name}: {exc!r}") from None
         spec = DEVICE_CALLS.get(name)
         if spec is None:
             raise nvml_error("FUNCTION_NOT_FOUND", f"unknown device call {name!r}")
@@ -335,6 +364,10 @@ class PynvmlDevice:
             else:
                 out[key] = nvml_error("UNKNOWN", f"value type {fv.valueType}")
         return out
+
+    def release(self) -> None:
+        """Free what the handle holds (GPM samples); the handle itself needs no freeing."""
+        self.gpm.free_all(_module())
 
 
 class Pynvml:

@@ -7,6 +7,12 @@ own labels; all label values are bounded (enums, link numbers, reasons).
 from __future__ import annotations
 
 from gpuwatchd.model import MetricSpec, MetricType
+from gpuwatchd.sources.nvml.metrics_more import (
+    FABRIC_METRICS,
+    GPM_METRICS,
+    MIG_METRICS,
+    PERF_METRICS,
+)
 
 __all__ = ["METRICS"]
 
@@ -154,3 +160,5 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     _m("gpuwatchd_gpu_compute_processes", "gauge", "Compute processes on the GPU."),
 )
+# clocks, P-state, reserved memory, GPM, MIG and fabric (metrics_more.py)
+METRICS += PERF_METRICS + GPM_METRICS + MIG_METRICS + FABRIC_METRICS

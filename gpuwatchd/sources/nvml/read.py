@@ -24,6 +24,10 @@ from gpuwatchd.sources.nvml.client import (
     call_key,
     normalize_bus_id,
 )
+from gpuwatchd.sources.nvml.fabric import read_fabric
+from gpuwatchd.sources.nvml.gpm import read_gpm
+from gpuwatchd.sources.nvml.mig import read_mig
+from gpuwatchd.sources.nvml.perf import clock_event_fields, read_max_clocks, read_perf
 
 __all__ = [
     "CLOCK_EVENT_REASONS",
@@ -114,6 +118,9 @@ class Identity:
     thresholds: Mapping[str, float] = field(default_factory=dict)
     pcie_max: Mapping[str, float] = field(default_factory=dict)
     nvlinks: int = 0
+    max_clocks: Mapping[str, float] = field(default_factory=dict)
+    gpm: bool = False
+    mig_slots: int = 0
 
     def labels(self) -> dict[str, str]:
         return {"gpu": str(self.index), "uuid": self.uuid, "pci_bus_id": self.pci_bus_id}
@@ -172,6 +179,13 @@ class DeviceReader:
             self._failed(key, exc)
             return None
 
+    def release(self) -> None:
+        """Drop the handle, freeing what it holds (GPM samples)."""
+        release = getattr(self._dev, "release", None)
+        if callable(release):
+            release()
+        self._dev = None
+
     def fields(self, keys: Iterable[FieldKey]) -> dict[FieldKey, float]:
         """Batch field values; unsupported ones are remembered and left out."""
         assert self._dev is not None
@@ -228,7 +242,7 @@ class DeviceReader:
         except NvmlError as exc:
             self._errors[exc.code.lower()] += 1
             if exc.code != "GPU_IS_LOST":
-                self._dev = None  # a fresh handle next time
+                self.release()  # a fresh handle next time
             return Reading(
                 identity,
                 errors=self._take_errors(),
@@ -273,6 +287,7 @@ class DeviceReader:
             if value is not None:
                 pcie_max[label] = value
         links = self.fields([(FI_NVLINK_COUNT, 0)]).get((FI_NVLINK_COUNT, 0))
+        mig_slots = self.get("max_mig_device_count")
         return Identity(
             index=self.index,
             uuid=str(uuid),
@@ -284,6 +299,9 @@ class DeviceReader:
             thresholds=thresholds,
             pcie_max=pcie_max,
             nvlinks=MAX_NVLINKS if links is None else int(links),
+            max_clocks=read_max_clocks(self.get),
+            gpm=self.get("gpm_support") == 1,
+            mig_slots=mig_slots if isinstance(mig_slots, int) else 0,
         )
 
     def read(
@@ -308,6 +326,7 @@ class DeviceReader:
             ]
             + [(name, 0) for name in PCIE_ERROR_FIELDS]
             + [(FI_NVLINK_SPEED, link) for link in links]
+            + clock_event_fields()
         )
 
         temp = _num(self.get("temperature", 0))
@@ -334,9 +353,13 @@ class DeviceReader:
                     engine=engine,
                 )
             last["utilization_ratio"] = _scaled(util.get("gpu"), 0.01)
-        mem = self.get("memory_info")
+        # v2 answers as nvidia-smi does (reserved apart from used); v1 where it is missing
+        mem = self.get("memory_info_v2")
+        if not isinstance(mem, dict):
+            mem = self.get("memory_info")
         if isinstance(mem, dict):
             put("gpuwatchd_gpu_memory_used_bytes", _num(mem.get("used")))
+            put("gpuwatchd_gpu_memory_reserved_bytes", _num(mem.get("reserved")))
             put("gpuwatchd_gpu_memory_free_bytes", _num(mem.get("free")))
             put("gpuwatchd_gpu_memory_capacity_bytes", _num(mem.get("total")))
             last["memory_used_bytes"] = _num(mem.get("used"))
@@ -349,6 +372,10 @@ class DeviceReader:
 
         self._read_memory(put, last)
         self._read_pcie(put, ident, fv)
+        read_perf(self.get, put, ident.max_clocks, fv, last)
+        read_gpm(self.get, put, ident.gpm, last)
+        read_fabric(self.get, put, last)
+        mig_procs = read_mig(self._mig_get, put, ident.mig_slots, ident.gpm, last)
 
         action = fv.get((FI_RECOVERY_ACTION, 0))
         if action is not None:
@@ -385,7 +412,20 @@ class DeviceReader:
             if isinstance(found, list):
                 procs = tuple(p for p in found if isinstance(p, dict))
                 put("gpuwatchd_gpu_compute_processes", len(procs))
+            procs += tuple(mig_procs)
         return out, {k: v for k, v in last.items() if v is not None}, procs
+
+    def _mig_get(self, name: str, *args: int) -> object | None:
+        """Like get(), but NOT_FOUND (an empty MIG slot) is an answer, not an error."""
+        key = call_key(name, args)
+        if key in self.unsupported or self._dev is None:
+            return None
+        try:
+            return self._dev.call(name, *args)
+        except NvmlError as exc:
+            if exc.code != "NOT_FOUND":
+                self._failed(key, exc)
+            return None
 
     def _read_memory(self, put: _Put, last: dict[str, object]) -> None:
         mode = self.get("ecc_mode")

@@ -28,6 +28,7 @@ from gpuwatchd.errors import ConfigError, NvmlError, SourceError
 from gpuwatchd.model import Event, Sample, labels_of
 from gpuwatchd.sources.nvml.client import NvmlClient, NvmlDevice, Pynvml, XidEventSet
 from gpuwatchd.sources.nvml.events import XidListener
+from gpuwatchd.sources.nvml.fabric import FabricManagerProbe
 from gpuwatchd.sources.nvml.metrics import METRICS
 from gpuwatchd.sources.nvml.read import DeviceReader, Identity, Reading, sorted_processes
 
@@ -90,6 +91,7 @@ class NvmlSource:
         clock: Clock | None = None,
         xid_events: bool = False,
         nudge: Callable[[], None] = lambda: None,
+        fabricmanager: FabricManagerProbe | None = None,
     ) -> None:
         self.interval = interval
         self.client = client
@@ -111,6 +113,7 @@ class NvmlSource:
         self._want_xid_events = xid_events
         self._nudge = nudge
         self._xid_listener: XidListener | None = None
+        self._fabricmanager = fabricmanager
 
     @classmethod
     def from_config(cls, cfg: Config, ctx: SourceContext) -> NvmlSource:
@@ -134,6 +137,8 @@ class NvmlSource:
             clock=ctx.clock,
             xid_events=nc.xid_events,
             nudge=lambda: ctx.nudge(cls.name),
+            # a replay is not this host: its fabric manager is not ours to report
+            fabricmanager=None if nc.replay else FabricManagerProbe(),
         )
 
     # --- polling ---------------------------------------------------------------
@@ -163,6 +168,8 @@ class NvmlSource:
             if g.identity is not None
         }
         out.extend(self._xid_events())
+        if self._fabricmanager is not None and self._gpus:
+            self._fabricmanager.samples(lambda name, v, **kw: out.append(Sample.of(name, v, **kw)))
         return out
 
     def _xid_events(self) -> list[Event]:
@@ -377,6 +384,11 @@ class NvmlSource:
         if self._xid_listener is not None:
             self._xid_listener.close()
             self._xid_listener = None
+        for gpu in self._gpus:
+            try:
+                self._deadline.call(gpu.key, gpu.reader.release, min(self._timeout, 1.0))
+            except Exception as exc:
+                log.debug("gpu %d: releasing the handle: %s", gpu.index, exc)
         if self._ready:
             try:
                 self._deadline.call("nvml", self.client.shutdown, min(self._timeout, 1.0))

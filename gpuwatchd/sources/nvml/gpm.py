@@ -1,0 +1,73 @@
+"""GPM profiling metrics (Hopper and later): what DCGM's profiling fields report.
+
+The client answers `gpm_metrics` with the values between this poll's
+sample and the previous poll's (an empty answer the first time), so each
+value covers one poll interval. NVML gives activities in percent and
+throughput in MiB/s; they are exported as ratios and bytes per second.
+Where the GPU has no GPM, only `gpuwatchd_gpu_gpm_supported 0` is exported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+__all__ = ["DCGM_FIELDS", "read_gpm", "samples_from_gpm"]
+
+Get = Callable[..., object | None]
+Put = Callable[..., None]
+
+_MIB = 1024.0 * 1024.0
+# our metric -> (family, extra labels, scale)
+_FAMILIES: Mapping[str, tuple[str, Mapping[str, str], float]] = {
+    "sm_active": ("gpuwatchd_gpu_sm_active_ratio", {}, 0.01),
+    "sm_occupancy": ("gpuwatchd_gpu_sm_occupancy_ratio", {}, 0.01),
+    "tensor_active": ("gpuwatchd_gpu_pipe_active_ratio", {"pipe": "tensor"}, 0.01),
+    "fp64_active": ("gpuwatchd_gpu_pipe_active_ratio", {"pipe": "fp64"}, 0.01),
+    "fp32_active": ("gpuwatchd_gpu_pipe_active_ratio", {"pipe": "fp32"}, 0.01),
+    "fp16_active": ("gpuwatchd_gpu_pipe_active_ratio", {"pipe": "fp16"}, 0.01),
+    "dram_active": ("gpuwatchd_gpu_dram_active_ratio", {}, 0.01),
+    "pcie_rx_per_second": ("gpuwatchd_gpu_pcie_bytes_per_second", {"direction": "rx"}, _MIB),
+    "pcie_tx_per_second": ("gpuwatchd_gpu_pcie_bytes_per_second", {"direction": "tx"}, _MIB),
+    "nvlink_rx_per_second": ("gpuwatchd_gpu_nvlink_bytes_per_second", {"direction": "rx"}, _MIB),
+    "nvlink_tx_per_second": ("gpuwatchd_gpu_nvlink_bytes_per_second", {"direction": "tx"}, _MIB),
+}
+
+# family (and label) -> the DCGM field dcgm-exporter users know it as
+DCGM_FIELDS = {
+    "gpuwatchd_gpu_sm_active_ratio": "DCGM_FI_PROF_SM_ACTIVE",
+    "gpuwatchd_gpu_sm_occupancy_ratio": "DCGM_FI_PROF_SM_OCCUPANCY",
+    "gpuwatchd_gpu_pipe_active_ratio": (
+        "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE (tensor), DCGM_FI_PROF_PIPE_FP64_ACTIVE (fp64), "
+        "DCGM_FI_PROF_PIPE_FP32_ACTIVE (fp32), DCGM_FI_PROF_PIPE_FP16_ACTIVE (fp16)"
+    ),
+    "gpuwatchd_gpu_dram_active_ratio": "DCGM_FI_PROF_DRAM_ACTIVE",
+    "gpuwatchd_gpu_pcie_bytes_per_second": (
+        "DCGM_FI_PROF_PCIE_RX_BYTES (rx), DCGM_FI_PROF_PCIE_TX_BYTES (tx)"
+    ),
+    "gpuwatchd_gpu_nvlink_bytes_per_second": (
+        "DCGM_FI_PROF_NVLINK_RX_BYTES (rx), DCGM_FI_PROF_NVLINK_TX_BYTES (tx)"
+    ),
+}
+
+
+def samples_from_gpm(values: Mapping[str, object], put: Put, **labels: object) -> dict[str, float]:
+    """Put one sample per GPM value NVML answered; returns the ratios by our name."""
+    out = {}
+    for name, (family, extra, scale) in _FAMILIES.items():
+        value = values.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            put(family, float(value) * scale, **extra, **labels)
+            out[name] = float(value) * scale
+    return out
+
+
+def read_gpm(get: Get, put: Put, supported: bool, last: dict[str, object]) -> None:
+    """GPM support flag and, where supported, the metrics over the last interval."""
+    put("gpuwatchd_gpu_gpm_supported", 1 if supported else 0)
+    if not supported:
+        return
+    values = get("gpm_metrics")
+    if isinstance(values, dict):
+        got = samples_from_gpm(values, put)
+        if "sm_active" in got:
+            last["sm_active_ratio"] = got["sm_active"]

@@ -1,0 +1,103 @@
+"""MIG: the GPU's MIG mode and, with MIG on, its MIG devices.
+
+Each MIG device (one compute instance of one GPU instance) is read through
+the client's `mig_device(i)` call, i up to nvmlDeviceGetMaxMigDeviceCount;
+an empty slot answers NOT_FOUND. Per-instance series carry the parent
+GPU's labels plus `gpu_instance` and `compute_instance`; the MIG device
+UUID and profile are on the info series only. GPM per GPU instance
+(nvmlGpmMigSampleGet) gives SM and DRAM activity where the driver allows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from gpuwatchd.sources.nvml.gpm import samples_from_gpm
+
+__all__ = ["MigDevice", "read_mig"]
+
+Get = Callable[..., object | None]
+Put = Callable[..., None]
+
+# profile name: the text after "MIG " in the MIG device's name, e.g. "3g.40gb"
+MigDevice = Mapping[str, object]
+
+
+def _profile(name: object) -> str:
+    text = str(name or "")
+    return text.rsplit("MIG ", 1)[1].strip() if "MIG " in text else text
+
+
+def read_mig(
+    get: Get,
+    put: Put,
+    max_devices: int,
+    gpm_supported: bool,
+    last: dict[str, object],
+) -> list[dict[str, object]]:
+    """MIG mode, MIG devices and their readings; returns their processes, tagged."""
+    mode = get("mig_mode")
+    if not (isinstance(mode, list) and len(mode) == 2):
+        return []
+    put("gpuwatchd_gpu_mig_mode", mode[0], which="current")
+    put("gpuwatchd_gpu_mig_mode", mode[1], which="pending")
+    last["mig_mode"] = bool(mode[0])
+    if mode[0] != 1:
+        return []
+    processes: list[dict[str, object]] = []
+    instances: set[int] = set()
+    found = []
+    for index in range(max_devices):
+        dev = get("mig_device", index)
+        if not isinstance(dev, dict):
+            continue
+        gi, ci = dev.get("gpu_instance"), dev.get("compute_instance")
+        if not isinstance(gi, int) or not isinstance(ci, int):
+            continue
+        instances.add(gi)
+        ids = {"gpu_instance": str(gi), "compute_instance": str(ci)}
+        uuid = str(dev.get("uuid", ""))
+        found.append({"gpu_instance": gi, "compute_instance": ci, "uuid": uuid})
+        put(
+            "gpuwatchd_mig_device_info",
+            1,
+            **ids,
+            mig_uuid=uuid,
+            profile=_profile(dev.get("name")),
+        )
+        mem = dev.get("memory")
+        if isinstance(mem, dict):
+            for key, family in (
+                ("used", "gpuwatchd_mig_memory_used_bytes"),
+                ("free", "gpuwatchd_mig_memory_free_bytes"),
+                ("total", "gpuwatchd_mig_memory_capacity_bytes"),
+            ):
+                value = mem.get(key)
+                if isinstance(value, int):
+                    put(family, value, **ids)
+        attrs = dev.get("attributes")
+        if isinstance(attrs, dict) and isinstance(attrs.get("multiprocessors"), int):
+            put("gpuwatchd_mig_multiprocessors", attrs["multiprocessors"], **ids)
+        procs = dev.get("processes")
+        if isinstance(procs, list):
+            put("gpuwatchd_mig_compute_processes", len(procs), **ids)
+            for p in procs:
+                if isinstance(p, dict):
+                    processes.append({**p, **ids, "mig_uuid": uuid})
+    put("gpuwatchd_gpu_mig_devices", len(found))
+    last["mig_devices"] = found
+    if gpm_supported:
+        for gi in sorted(instances):
+            values = get("gpm_mig_metrics", gi)
+            if isinstance(values, dict):
+                samples_from_gpm(values, _mig_put(put), gpu_instance=str(gi))
+    return processes
+
+
+def _mig_put(put: Put) -> Put:
+    """Route GPM families to their per-GPU-instance twins (gpuwatchd_mig_*)."""
+
+    def mig(name: str, value: float | None, **labels: object) -> None:
+        put(name.replace("gpuwatchd_gpu_", "gpuwatchd_mig_", 1), value, **labels)
+
+    return mig

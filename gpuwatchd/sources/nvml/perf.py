@@ -1,0 +1,84 @@
+"""Clocks, performance state and time spent in each clock-event reason.
+
+Read as `nvidia-smi -q` shows them: current, maximum and application
+clocks by domain (NVML reports MHz; exported in Hz), the P-state, and the
+nanosecond counters behind "Clocks Event Reasons Counters" (field values)
+as seconds since the driver loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from gpuwatchd.sources.nvml.client import FieldKey
+
+__all__ = [
+    "CLOCK_DOMAINS",
+    "CLOCK_EVENT_TIME_FIELDS",
+    "clock_event_fields",
+    "read_max_clocks",
+    "read_perf",
+]
+
+Get = Callable[..., object | None]
+Put = Callable[..., None]
+
+CLOCK_DOMAINS = {"graphics": 0, "sm": 1, "memory": 2, "video": 3}  # nvmlClockType_t
+_MHZ = 1e6
+_UNKNOWN_PSTATE = 32
+# NVML_FI_DEV_CLOCKS_EVENT_REASON_* (nanoseconds; the first two share ids with
+# the power and sync-boost perf-policy counters)
+CLOCK_EVENT_TIME_FIELDS = {
+    "NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_POWER_CAP": "sw_power_cap",
+    "NVML_FI_DEV_CLOCKS_EVENT_REASON_SYNC_BOOST": "sync_boost",
+    "NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_THERM_SLOWDOWN": "sw_thermal_slowdown",
+    "NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN": "hw_thermal_slowdown",
+    "NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN": "hw_power_brake_slowdown",
+}
+
+
+def clock_event_fields() -> list[FieldKey]:
+    """The field values read() must batch for the clock-event counters."""
+    return [(name, 0) for name in CLOCK_EVENT_TIME_FIELDS]
+
+
+def _num(value: object) -> float | None:
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def read_max_clocks(get: Get) -> dict[str, float]:
+    """Maximum clock per domain in Hz (read once: it does not change)."""
+    out = {}
+    for domain, kind in CLOCK_DOMAINS.items():
+        mhz = _num(get("max_clock_info", kind))
+        if mhz is not None:
+            out[domain] = mhz * _MHZ
+    return out
+
+
+def read_perf(
+    get: Get,
+    put: Put,
+    max_clocks: Mapping[str, float],
+    fv: Mapping[FieldKey, float],
+    last: dict[str, object],
+) -> None:
+    """Current and application clocks, P-state and clock-event seconds."""
+    for domain, kind in CLOCK_DOMAINS.items():
+        mhz = _num(get("clock_info", kind))
+        if mhz is not None:
+            put("gpuwatchd_gpu_clock_hz", mhz * _MHZ, clock=domain)
+        if domain in max_clocks:
+            put("gpuwatchd_gpu_clock_max_hz", max_clocks[domain], clock=domain)
+        if domain in ("graphics", "memory"):  # NVML has application clocks for these only
+            app = _num(get("applications_clock", kind))
+            if app is not None:
+                put("gpuwatchd_gpu_clock_application_hz", app * _MHZ, clock=domain)
+    pstate = get("performance_state")
+    if isinstance(pstate, int) and 0 <= pstate < _UNKNOWN_PSTATE:
+        put("gpuwatchd_gpu_performance_state", pstate)
+        last["performance_state"] = f"P{pstate}"
+    for name, reason in CLOCK_EVENT_TIME_FIELDS.items():
+        ns = fv.get((name, 0))
+        if ns is not None:
+            put("gpuwatchd_gpu_clock_event_seconds_total", ns * 1e-9, reason=reason)

@@ -1,0 +1,530 @@
+"""Compare every NVML-derived gpuwatchd metric with nvidia-smi on the same GPUs.
+
+Run as root on a GPU machine (not part of the test suite):
+
+    python tests/gpu/compare_nvidia_smi.py --json OUT.json --markdown OUT.md
+
+The NVML source is polled twice, a second apart (so GPM has an interval);
+the second poll starts together with `nvidia-smi --query-gpu` and
+`nvidia-smi -q`, so both read the GPU at the same moment. Each row says
+whether the two agree within the row's tolerance: exact for identity,
+limits and counters, a small margin for live readings (temperature, power,
+clocks, utilisation) that move between two reads. Series with no
+nvidia-smi counterpart (GPM, NVLink speed) are listed as `no counterpart`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from gpuwatchd.model import Sample  # noqa: E402
+from gpuwatchd.pci import normalize_bus_id  # noqa: E402
+from gpuwatchd.sources.nvml.client import NvmlClient, Pynvml  # noqa: E402
+from gpuwatchd.sources.nvml.source import NvmlSource  # noqa: E402
+
+MIB = 1024 * 1024
+
+
+def _num(text: str) -> float | None:
+    m = re.match(r"\s*(-?[0-9.]+)", text)
+    return float(m.group(1)) if m else None
+
+
+def _flag(text: str) -> float | None:
+    t = text.strip().lower()
+    if t in ("enabled", "active", "yes", "1"):
+        return 1.0
+    if t in ("disabled", "not active", "no", "0"):
+        return 0.0
+    return None
+
+
+def _pstate(text: str) -> float | None:
+    m = re.match(r"\s*P(\d+)", text)
+    return float(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class Row:
+    """One metric of gpuwatchd against one nvidia-smi value."""
+
+    family: str
+    labels: Mapping[str, str]
+    source: str  # "query:FIELD" or "q:Section/Key"
+    convert: Callable[[str], float | None]
+    scale: float = 1.0
+    tolerance: float = 0.0  # absolute, in the metric's unit
+    relative: float = 0.0  # fraction of the nvidia-smi value
+
+
+def _rows() -> list[Row]:
+    rows = [
+        Row(
+            "gpuwatchd_gpu_temperature_celsius",
+            {"sensor": "gpu"},
+            "query:temperature.gpu",
+            _num,
+            tolerance=2,
+        ),
+        Row(
+            "gpuwatchd_gpu_temperature_celsius",
+            {"sensor": "memory"},
+            "query:temperature.memory",
+            _num,
+            tolerance=2,
+        ),
+        Row(
+            "gpuwatchd_gpu_temperature_threshold_celsius",
+            {"threshold": "shutdown"},
+            "q:Temperature/GPU Shutdown Temp",
+            _num,
+        ),
+        Row(
+            "gpuwatchd_gpu_temperature_threshold_celsius",
+            {"threshold": "slowdown"},
+            "q:Temperature/GPU Slowdown Temp",
+            _num,
+        ),
+        Row(
+            "gpuwatchd_gpu_temperature_threshold_celsius",
+            {"threshold": "gpu_max"},
+            "q:Temperature/GPU Max Operating Temp",
+            _num,
+        ),
+        Row(
+            "gpuwatchd_gpu_temperature_threshold_celsius",
+            {"threshold": "memory_max"},
+            "q:Temperature/Memory Max Operating Temp",
+            _num,
+        ),
+        Row(
+            "gpuwatchd_gpu_power_watts",
+            {},
+            "query:power.draw.instant",
+            _num,
+            tolerance=15,
+            relative=0.1,
+        ),
+        Row(
+            "gpuwatchd_gpu_power_limit_watts", {}, "query:enforced.power.limit", _num, tolerance=0.5
+        ),
+        Row(
+            "gpuwatchd_gpu_utilization_ratio",
+            {"engine": "gpu"},
+            "query:utilization.gpu",
+            _num,
+            scale=0.01,
+            tolerance=0.1,
+        ),
+        Row(
+            "gpuwatchd_gpu_utilization_ratio",
+            {"engine": "memory"},
+            "query:utilization.memory",
+            _num,
+            scale=0.01,
+            tolerance=0.1,
+        ),
+        Row(
+            "gpuwatchd_gpu_memory_capacity_bytes",
+            {},
+            "query:memory.total",
+            _num,
+            scale=MIB,
+            tolerance=MIB,
+        ),
+        Row(
+            "gpuwatchd_gpu_memory_reserved_bytes",
+            {},
+            "query:memory.reserved",
+            _num,
+            scale=MIB,
+            tolerance=MIB,
+        ),
+        Row(
+            "gpuwatchd_gpu_memory_used_bytes",
+            {},
+            "query:memory.used",
+            _num,
+            scale=MIB,
+            tolerance=4 * MIB,
+        ),
+        Row(
+            "gpuwatchd_gpu_memory_free_bytes",
+            {},
+            "query:memory.free",
+            _num,
+            scale=MIB,
+            tolerance=4 * MIB,
+        ),
+        Row("gpuwatchd_gpu_performance_state", {}, "query:pstate", _pstate),
+        Row(
+            "gpuwatchd_gpu_pcie_link_generation",
+            {"which": "current"},
+            "query:pcie.link.gen.current",
+            _num,
+        ),
+        Row(
+            "gpuwatchd_gpu_pcie_link_generation", {"which": "max"}, "query:pcie.link.gen.max", _num
+        ),
+        Row(
+            "gpuwatchd_gpu_pcie_link_width",
+            {"which": "current"},
+            "query:pcie.link.width.current",
+            _num,
+        ),
+        Row("gpuwatchd_gpu_pcie_link_width", {"which": "max"}, "query:pcie.link.width.max", _num),
+        Row("gpuwatchd_gpu_ecc_enabled", {"which": "current"}, "query:ecc.mode.current", _flag),
+        Row("gpuwatchd_gpu_ecc_enabled", {"which": "pending"}, "query:ecc.mode.pending", _flag),
+        Row(
+            "gpuwatchd_gpu_remapped_rows_total",
+            {"cause": "correctable"},
+            "query:remapped_rows.correctable",
+            _num,
+        ),
+        Row(
+            "gpuwatchd_gpu_remapped_rows_total",
+            {"cause": "uncorrectable"},
+            "query:remapped_rows.uncorrectable",
+            _num,
+        ),
+        Row("gpuwatchd_gpu_row_remap_pending", {}, "query:remapped_rows.pending", _flag),
+        Row("gpuwatchd_gpu_row_remap_failure", {}, "query:remapped_rows.failure", _flag),
+        Row("gpuwatchd_gpu_mig_mode", {"which": "current"}, "query:mig.mode.current", _flag),
+        Row("gpuwatchd_gpu_mig_mode", {"which": "pending"}, "query:mig.mode.pending", _flag),
+    ]
+    for err in ("corrected", "uncorrected"):
+        for scope in ("volatile", "aggregate"):
+            rows.append(
+                Row(
+                    "gpuwatchd_gpu_ecc_errors_total",
+                    {"error": err, "scope": scope},
+                    f"query:ecc.errors.{err}.{scope}.total",
+                    _num,
+                )
+            )
+    for clock, field, q_name in (
+        ("graphics", "gr", "Graphics"),
+        ("sm", "sm", "SM"),
+        ("memory", "mem", "Memory"),
+        ("video", "video", "Video"),
+    ):
+        rows.append(
+            Row(
+                "gpuwatchd_gpu_clock_hz",
+                {"clock": clock},
+                f"query:clocks.{field}",
+                _num,
+                scale=1e6,
+                relative=0.05,
+            )
+        )
+        rows.append(
+            Row(
+                "gpuwatchd_gpu_clock_max_hz",
+                {"clock": clock},
+                f"q:Max Clocks/{q_name}",
+                _num,
+                scale=1e6,
+            )
+        )
+    for clock, q_name in (("graphics", "Graphics"), ("memory", "Memory")):
+        rows.append(
+            Row(
+                "gpuwatchd_gpu_clock_application_hz",
+                {"clock": clock},
+                f"q:Applications Clocks/{q_name}",
+                _num,
+                scale=1e6,
+            )
+        )
+    for reason in (
+        "gpu_idle",
+        "applications_clocks_setting",
+        "sw_power_cap",
+        "hw_slowdown",
+        "sync_boost",
+        "sw_thermal_slowdown",
+        "hw_thermal_slowdown",
+        "hw_power_brake_slowdown",
+    ):
+        rows.append(
+            Row(
+                "gpuwatchd_gpu_clock_event_active",
+                {"reason": reason},
+                f"query:clocks_event_reasons.{reason}",
+                _flag,
+            )
+        )
+    return rows
+
+
+# -q section names for the clock-event time counters differ between drivers
+_COUNTER_SECTIONS = (
+    "Clocks Event Reasons Counters",
+    "Clocks Event Reasons",
+    "Clocks Throttle Reasons",
+)
+_COUNTER_KEYS = {
+    "sw_power_cap": ("SW Power Capping", "SW Power Cap"),
+    "sync_boost": ("Sync Boost",),
+    "sw_thermal_slowdown": ("SW Thermal Slowdown",),
+    "hw_thermal_slowdown": ("HW Thermal Slowdown",),
+    "hw_power_brake_slowdown": ("HW Power Braking", "HW Power Brake Slowdown"),
+}
+
+
+def parse_q(text: str) -> dict[str, dict[str, str]]:
+    """`nvidia-smi -q` as {bus id: {"Section/Sub/Key": value}}."""
+    gpus: dict[str, dict[str, str]] = {}
+    current: dict[str, str] | None = None
+    stack: list[tuple[int, str]] = []
+    for line in text.splitlines():
+        if line.startswith("GPU ") and ":" in line:
+            current = gpus.setdefault(normalize_bus_id(line[4:].strip()).upper(), {})
+            stack = []
+            continue
+        if current is None or not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip())
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        if ":" in line:
+            key, _, value = line.strip().partition(":")
+            path = "/".join([s for _, s in stack] + [key.strip()])
+            current[path] = value.strip()
+            if not value.strip():
+                stack.append((indent, key.strip()))
+        else:
+            stack.append((indent, line.strip()))
+    return gpus
+
+
+def _q_value(q: Mapping[str, str], path: str) -> str | None:
+    """A -q value by "Section/Key", wherever the section nests (older drivers differ)."""
+    if path in q:
+        return q[path]
+    section, key = path.rsplit("/", 1)
+    for full, value in q.items():
+        if full.endswith(f"{section}/{key}") or full.endswith(f"/{key}") and section in full:
+            return value
+    return None
+
+
+def query_fields(smi: str) -> list[str]:
+    """Field names this nvidia-smi accepts in --query-gpu."""
+    out = subprocess.run([smi, "--help-query-gpu"], capture_output=True, text=True, timeout=30)
+    return re.findall(r'^"([a-z0-9_.]+)"', out.stdout, re.M)
+
+
+def run_query(smi: str, fields: list[str]) -> dict[str, dict[str, str]]:
+    """--query-gpu for `fields` (plus pci.bus_id first) as {bus id: {field: text}}."""
+    ask = ["pci.bus_id", *fields]
+    out = subprocess.run(
+        [smi, f"--query-gpu={','.join(ask)}", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"nvidia-smi --query-gpu failed: {out.stderr or out.stdout}")
+    gpus = {}
+    for line in out.stdout.strip().splitlines():
+        values = [v.strip() for v in line.split(",")]
+        gpus[normalize_bus_id(values[0]).upper()] = dict(zip(ask, values, strict=False))
+    return gpus
+
+
+def _match(
+    samples: Iterable[Sample], family: str, bus: str, labels: Mapping[str, str]
+) -> float | None:
+    for s in samples:
+        lab = dict(s.labels)
+        if (
+            s.name == family
+            and lab.get("pci_bus_id", "").upper() == bus
+            and all(lab.get(k) == v for k, v in labels.items())
+        ):
+            return s.value
+    return None
+
+
+def compare(
+    samples: list[Sample],
+    query: Mapping[str, Mapping[str, str]],
+    q: Mapping[str, Mapping[str, str]],
+    accepted: set[str],
+) -> list[dict[str, Any]]:
+    """One result per (GPU, row), plus the rows of series with no counterpart."""
+    results: list[dict[str, Any]] = []
+    buses = sorted({dict(s.labels).get("pci_bus_id", "").upper() for s in samples} - {""})
+    for bus in buses:
+        qgpu = q.get(bus, {})
+        rows = _rows()
+        for reason, keys in _COUNTER_KEYS.items():
+            for section in _COUNTER_SECTIONS:
+                hit = next(
+                    (k for k in keys if f"{section}/{k}" in qgpu and _unit(qgpu[f"{section}/{k}"])),
+                    None,
+                )
+                if hit:
+                    rows.append(
+                        Row(
+                            "gpuwatchd_gpu_clock_event_seconds_total",
+                            {"reason": reason},
+                            f"q:{section}/{hit}",
+                            _seconds,
+                            tolerance=0.05,
+                            relative=0.01,
+                        )
+                    )
+                    break
+        for row in rows:
+            ours = _match(samples, row.family, bus, row.labels)
+            where, _, name = row.source.partition(":")
+            if where == "query":
+                text = query.get(bus, {}).get(name) if name in accepted else None
+            else:
+                text = _q_value(qgpu, name)
+            theirs_raw = None if text is None else row.convert(text)
+            theirs = None if theirs_raw is None else theirs_raw * row.scale
+            if ours is None and theirs is None:
+                verdict = "both n/a"
+            elif ours is None:
+                verdict = "missing in gpuwatchd"
+            elif theirs is None:
+                verdict = "n/a in nvidia-smi"
+            else:
+                allowed = max(row.tolerance, abs(theirs) * row.relative)
+                verdict = "agree" if abs(ours - theirs) <= allowed + 1e-9 else "MISMATCH"
+            results.append(
+                {
+                    "gpu": bus,
+                    "metric": row.family + _fmt(row.labels),
+                    "gpuwatchd": ours,
+                    "nvidia_smi": row.source,
+                    "nvidia_smi_text": text,
+                    "nvidia_smi_value": theirs,
+                    "verdict": verdict,
+                }
+            )
+        covered = {r.family for r in rows}
+        for family in sorted(
+            {s.name for s in samples if dict(s.labels).get("pci_bus_id", "").upper() == bus}
+            - covered
+        ):
+            value = _match(samples, family, bus, {})
+            results.append(
+                {
+                    "gpu": bus,
+                    "metric": family,
+                    "gpuwatchd": value,
+                    "nvidia_smi": "",
+                    "nvidia_smi_text": None,
+                    "nvidia_smi_value": None,
+                    "verdict": "no counterpart",
+                }
+            )
+    return results
+
+
+def _unit(text: str) -> bool:
+    return bool(re.match(r"\s*[0-9]+\s*(us|ns|ms|s)\b", text))
+
+
+def _seconds(text: str) -> float | None:
+    m = re.match(r"\s*([0-9.]+)\s*(us|ns|ms|s)\b", text)
+    if not m:
+        return None
+    return float(m.group(1)) * {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}[m.group(2)]
+
+
+def _fmt(labels: Mapping[str, str]) -> str:
+    return "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
+
+
+def markdown(results: list[dict[str, Any]]) -> str:
+    """The comparison as a Markdown table."""
+    lines = [
+        "| GPU | gpuwatchd metric | gpuwatchd | nvidia-smi | nvidia-smi says | verdict |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        ours = "" if r["gpuwatchd"] is None else f"{r['gpuwatchd']:.6g}"
+        said = r["nvidia_smi_text"] or ""
+        lines.append(
+            f"| {r['gpu']} | `{r['metric']}` | {ours} | {r['nvidia_smi']} | {said} "
+            f"| {r['verdict']} |"
+        )
+    counts: dict[str, int] = {}
+    for r in results:
+        counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
+    lines.append("")
+    lines.append("Totals: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    return "\n".join(lines) + "\n"
+
+
+def collect(
+    client: NvmlClient, smi: str, gap: float
+) -> tuple[list[Sample], dict[str, Any], dict[str, Any], set[str]]:
+    """Poll twice; the second poll and nvidia-smi run at the same moment."""
+    accepted = set(query_fields(smi))
+    wanted = sorted(
+        {r.source.split(":", 1)[1] for r in _rows() if r.source.startswith("query:")} & accepted
+    )
+    source = NvmlSource(client, call_timeout=10.0, interval=gap)
+    try:
+        source.poll(time.time())
+        time.sleep(gap)
+        smi_out: dict[str, Any] = {}
+
+        def run_smi() -> None:
+            smi_out["query"] = run_query(smi, wanted)
+            smi_out["q"] = subprocess.run(
+                [smi, "-q"], capture_output=True, text=True, timeout=60
+            ).stdout
+
+        thread = threading.Thread(target=run_smi)
+        thread.start()
+        items = source.poll(time.time())
+        thread.join()
+    finally:
+        source.close()
+    samples = [s for s in items if isinstance(s, Sample)]
+    return samples, smi_out["query"], parse_q(smi_out["q"]), accepted
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Poll, compare, print the table; exit 1 when any value disagrees."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nvidia-smi", default="nvidia-smi", help="the nvidia-smi to run")
+    parser.add_argument("--gap", type=float, default=1.0, help="seconds between the two polls")
+    parser.add_argument("--json", type=Path, help="write the results as JSON here")
+    parser.add_argument("--markdown", type=Path, help="write the table here")
+    args = parser.parse_args(argv)
+    samples, query, q, accepted = collect(Pynvml(), args.nvidia_smi, args.gap)
+    results = compare(samples, query, q, accepted)
+    table = markdown(results)
+    print(table)
+    if args.json:
+        args.json.write_text(json.dumps({"results": results, "query": query, "q": q}, indent=1))
+    if args.markdown:
+        args.markdown.write_text(table)
+    return 1 if any(r["verdict"] == "MISMATCH" for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
