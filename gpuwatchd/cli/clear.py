@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import getpass
 import os
+import socket
 import sys
 import time
 from collections.abc import Mapping
@@ -93,14 +94,16 @@ def _run_clear(args: argparse.Namespace) -> int:
 
 
 def _resume(cfg: Config, args: argparse.Namespace) -> int:
-    from gpuwatchd.pipeline import node_name
     from gpuwatchd.sinks.remediation.resume import resume
+
+    # The daemon's node name (pipeline.node_name), without importing the whole pipeline.
+    node = cfg.daemon.node_name or os.environ.get("GPUWATCHD_NODE_NAME") or socket.gethostname()
 
     store = EventStore(
         os.path.join(cfg.daemon.state_dir, DB_NAME), cfg.store.max_events, cfg.store.max_age_days
     )
     try:
-        for line in resume(cfg, node_name(cfg), store, operator(), args.reason):
+        for line in resume(cfg, node, store, operator(), args.reason):
             print(line)
     except GpuwatchdError as exc:
         print(f"gpuwatchd clear --resume: {exc}", file=sys.stderr)
