@@ -1,5 +1,7 @@
 """Where kernel log lines come from: /dev/kmsg, the systemd journal, or a file/pipe.
 
+The journal reader lives in journal.py; `journal_line` (its record format) is here.
+
 Each reader implements `LineReader`: `read(timeout)` waits at most
 `timeout` seconds for input and returns what is there, each line with a
 cursor that says where to resume after it. Readers raise `ReaderError`
@@ -22,7 +24,6 @@ from gpuwatchd.errors import SourceError
 __all__ = [
 from gpuwatchd.sources.kmsg.parse import MAX_RECORD
     "FileReader",
-    "JournalReader",
     "KmsgReader",
     "Line",
     "LineReader",
@@ -226,64 +227,6 @@ def _as_int(value: object, default: int) -> int:
         return int(value)  # type: ignore[call-overload, no-any-return]
     except (TypeError, ValueError):
         return default
-
-
-class JournalReader:
-    """Kernel records from the systemd journal (`_TRANSPORT=kernel`), this boot."""
-
-    name = "journald"
-
-    def __init__(self, cursor: str | None = None, max_lines: int = MAX_LINES) -> None:
-        try:
-            from systemd import journal
-        except ImportError:
-            raise ReaderError(
-                "unavailable",
-                "the journald backend needs systemd-python (pip install 'gpuwatchd[systemd]'"
-                " or the distribution's python3-systemd package)",
-            ) from None
-        self._max = max_lines
-        self._cursor = cursor or ""
-        try:
-            self._j = journal.Reader()
-            self._j.add_match(_TRANSPORT="kernel")
-            self._j.this_boot()
-            if cursor:
-                self._j.seek_cursor(cursor)
-                self._j.get_next()  # the entry at the cursor was handled already
-            else:
-                self._j.seek_head()
-        except OSError as exc:
-            raise ReaderError("open", f"cannot open the journal: {exc}") from None
-
-    def read(self, timeout: float) -> list[Line]:
-        lines = self._drain()
-        if not lines:
-            self._j.wait(timeout)
-            lines = self._drain()
-        return lines
-
-    def _drain(self) -> list[Line]:
-        lines: list[Line] = []
-        try:
-            while len(lines) < self._max:
-                entry = self._j.get_next()
-                if not entry:
-                    break
-                self._cursor = f"journal:{entry.get('__CURSOR', '')}"
-                lines.append(Line(journal_line(entry), self._cursor))
-        except OSError as exc:
-            raise ReaderError("read", f"reading the journal: {exc}") from None
-        return lines
-
-    def cursor(self) -> str:
-        return self._cursor
-
-    def take_lost(self) -> int:
-        return 0
-
-    def close(self) -> None:
-        self._j.close()
 
 
 # --- plain file or pipe ---------------------------------------------------------

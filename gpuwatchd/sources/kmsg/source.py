@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from gpuwatchd.bootid import read_boot_id
 from gpuwatchd.clock import Clock
 from gpuwatchd.model import Event, MetricSpec, Sample
+from gpuwatchd.sources.kmsg.journal import JournalReader
 from gpuwatchd.sources.kmsg.parse import (
     GPU,
     SXID,
@@ -29,7 +30,6 @@ from gpuwatchd.sources.kmsg.parse import (
 )
 from gpuwatchd.sources.kmsg.readers import (
     FileReader,
-    JournalReader,
     KmsgReader,
     LineReader,
     ReaderError,
