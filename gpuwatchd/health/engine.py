@@ -181,7 +181,12 @@ class HealthEngine:
         self.history = History(cfg.health.rate_window_seconds)
         self._pending: dict[Key, float] = {}
         self._open: dict[Key, Finding] = {}
-        self._rule_errors: dict[str, int] = {}
+        # every rule from the start, so the counter exists at 0 before anything fails
+        self._rule_errors: dict[str, int] = dict.fromkeys(
+            ["xid_tracker", "node_rules", "gpu_stuck"]
+            + [getattr(r, "__name__", "rule") for r in rules.RULES],
+            0,
+        )
         self._started = clock.time()
         self._expected = set(expected_sources)
         self._ready = not self._expected
