@@ -29,14 +29,17 @@ from gpuwatchd.http.server import Route, json_route, make_app, serve
 from gpuwatchd.pipeline import Pipeline, SourceSet, node_name, source_names
 from gpuwatchd.sinks.alertmanager import sink as alertmanager
 from gpuwatchd.sinks.prometheus import SnapshotCollector, write_textfile
+from gpuwatchd.sources.nvml.rollup import nvlink_rollup
 from gpuwatchd.state import State
 from gpuwatchd.systemd import Notifier
 
 __all__ = [
     "Daemon",
     "EX_CONFIG",
+    "OVERRIDE_FLAGS",
     "Overrides",
     "apply_overrides",
+    "flag_error",
     "split_listen",
 ]
 
@@ -68,6 +71,23 @@ def apply_overrides(cfg: Config, ov: Overrides) -> Config:
     if ov.log_level is not None:
         cfg = r(cfg, daemon=r(cfg.daemon, log_level=ov.log_level))
     return cfg
+
+
+# config key -> the `gpuwatchd run` flag that overrides it
+OVERRIDE_FLAGS = {
+    "http.listen": ("listen", "--listen"),
+    "sources.nvml.replay": ("nvml_replay", "--nvml-replay"),
+    "daemon.state_dir": ("state_dir", "--state-dir"),
+    "daemon.log_level": ("log_level", "--log-level"),
+}
+
+
+def flag_error(exc: ConfigError, ov: Overrides) -> ConfigError:
+    """The error named after the command-line flag when a flag set the bad value."""
+    field, flag = OVERRIDE_FLAGS.get(exc.key, ("", ""))
+    if field and getattr(ov, field) is not None:
+        return ConfigError("command line", flag, exc.problem)
+    return exc
 
 
 def split_listen(listen: str) -> tuple[str, int]:
@@ -156,9 +176,12 @@ class Daemon:
     def load_config(self) -> Config:
         cfg = apply_overrides(config.load(self.cfg_path), self.overrides)
         source = self.cfg_path or "<defaults>"
-        config.check_paths(cfg, source)
-        alertmanager.validate_config(cfg, source)
-        check_state_dir(cfg, source)
+        try:
+            config.check_paths(cfg, source)
+            alertmanager.validate_config(cfg, source)
+            check_state_dir(cfg, source)
+        except ConfigError as exc:
+            raise flag_error(exc, self.overrides) from None
         if cfg.http.web_config_file:
             self.web = webconfig.load(cfg.http.web_config_file)
         return cfg
@@ -212,7 +235,8 @@ class Daemon:
         if self._collector is not None:
             self.registry.unregister(self._collector)
         specs = SourceSet.metric_specs(with_consumers=self.pipeline is not None)
-        self._collector = SnapshotCollector(self.state, specs)
+        rollup = nvlink_rollup if cfg.sources.nvml.nvlink_detail == "gpu" else None
+        self._collector = SnapshotCollector(self.state, specs, transform=rollup)
         self.registry.register(self._collector)
         return self.wiring
 

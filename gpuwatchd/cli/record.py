@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
+from gpuwatchd.errors import NvmlError
+from gpuwatchd.sources.nvml.client import NvmlClient, Pynvml
 from gpuwatchd.sources.nvml.record import record
 from gpuwatchd.sources.nvml.replay import ReplayClient
 
@@ -30,8 +33,41 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _nvml_missing(client: NvmlClient, timeout: float) -> str:
+    """Why NVML cannot be initialised ("" when it can), within `timeout` seconds."""
+    answer: list[str] = []
+
+    def probe() -> None:
+        try:
+            client.init()
+        except NvmlError as exc:
+            answer.append(exc.code if str(exc) == exc.code else f"{exc.code} ({exc})")
+            return
+        except Exception as exc:  # anything else is as fatal for a recording
+            answer.append(f"{type(exc).__name__}: {exc}")
+            return
+        try:
+            client.shutdown()
+        except NvmlError:
+            pass
+        answer.append("")
+
+    worker = threading.Thread(target=probe, name="nvml-probe", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    return answer[0] if answer else f"nvmlInit did not return within {timeout:g}s"
+
+
 def _handle(args: argparse.Namespace) -> int:
-    client = ReplayClient.load(args.from_replay) if args.from_replay else None
+    client: NvmlClient = ReplayClient.load(args.from_replay) if args.from_replay else Pynvml()
+    missing = _nvml_missing(client, args.call_timeout)
+    if missing:
+        # a capture of nothing would only mislead a test that replays it
+        print(
+            f"gpuwatchd record: NVML is not usable here: {missing}; nothing written",
+            file=sys.stderr,
+        )
+        return 1
     capture = record(
         args.out,
         polls=max(1, args.polls),

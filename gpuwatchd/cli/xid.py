@@ -15,7 +15,7 @@ import shutil
 import sys
 import textwrap
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any, TextIO
 
@@ -26,6 +26,9 @@ from gpuwatchd.model import Action, Severity
 from gpuwatchd.sources.kmsg.parse import GPU, SXID, UNPARSED, XID, KmsgParser, KmsgRecord
 
 __all__ = ["explain", "register", "scan"]
+
+FALLEN_OFF_CODE = 79  # Xid 79, "GPU has fallen off the bus"
+FALLEN_LINES = 10  # the text and its Xid 79 line come within this many lines
 
 _COLORS = {
     Severity.CRITICAL: "\033[1;31m",
@@ -51,7 +54,7 @@ def register(subparsers: Any) -> None:
     )
     ex.add_argument("codes", nargs="+", metavar="CODE", help="e.g. 79, 13, sxid:12028")
     _common(ex)
-    ex.set_defaults(func=explain)
+    ex.set_defaults(func=_quiet_pipe(explain))
 
     sc = sub.add_parser(
         "scan",
@@ -70,8 +73,26 @@ def register(subparsers: Any) -> None:
         help="also count Xid lines written from user space (ignored by default)",
     )
     _common(sc)
-    sc.set_defaults(func=scan)
+    sc.set_defaults(func=_quiet_pipe(scan))
     parser.set_defaults(func=lambda _a: (parser.print_help(sys.stderr), 2)[1])
+
+
+def _quiet_pipe(
+    command: Callable[[argparse.Namespace], int],
+) -> Callable[[argparse.Namespace], int]:
+    """Run `command`; a reader that went away (`| head`) ends it quietly, exit 0."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return command(args)
+        except BrokenPipeError:
+            # stdout is gone: point it at /dev/null so the final flush cannot fail again
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            return 0
+
+    return run
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -150,6 +171,19 @@ def explain(args: argparse.Namespace) -> int:
             continue
         if i:
             out.write("\n")
+        if not info.known:
+            out.write(style.bold(f"{code} · unknown code") + "\n")
+            out.write(
+                _wrap(
+                    f"Not in the catalog as an Xid or an NVSwitch SXid (read as "
+                    f"{'an SXid: 5 digits' if kind == 'sxid' else 'an Xid'}). Record the full "
+                    "kernel line, check NVIDIA's current Xid catalog and escalate if it repeats.",
+                    "  ",
+                    width,
+                )
+                + "\n"
+            )
+            continue
         title = f"{info.label} · {info.name}" + ("" if info.known else " (not in the catalog)")
         out.write(style.bold(title) + "\n")
         out.write(f"  severity   {style.sev(info.severity)}  category  {info.category}\n")
@@ -270,6 +304,7 @@ def scan(args: argparse.Namespace) -> int:
     groups: dict[tuple[str, int, str], _Group] = {}
     worst = Severity.OK
     printed_header = False
+    fallen: dict[str, int] = {}  # bus id -> line of an inferred Xid 79 ("fallen off the bus")
     with contextlib.nullcontext(stream) if stream is sys.stdin else stream:
         for rec in _records(stream, result):
             if rec.kind == GPU:
@@ -283,6 +318,14 @@ def scan(args: argparse.Namespace) -> int:
             if rec.origin == "user" and not args.include_userspace:
                 result.userspace += 1
                 continue
+            if rec.kind == XID and rec.code == FALLEN_OFF_CODE:
+                # the text and its Xid 79 line are one event, as in the daemon
+                seen = fallen.get(rec.pci_bus_id)
+                if rec.synthetic:
+                    fallen[rec.pci_bus_id] = result.lines
+                elif seen is not None and result.lines - seen <= FALLEN_LINES:
+                    del fallen[rec.pci_bus_id]
+                    continue
             info = cat.resolve(rec.code, rec.kind, rec.detail, rec.fatal, rec.recovery_action)
             uuid = uuids.get(rec.pci_bus_id, "")
             data = report_json(rec, info, uuid)
