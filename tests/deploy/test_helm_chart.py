@@ -218,8 +218,13 @@ def test_host_access() -> None:
         assert host[name] == path
         assert mounts[name]["readOnly"] is True
     assert mounts["state"].get("readOnly") is not True
-    assert host["machine-id"] == "/etc/machine-id"  # journal mode by default
-    assert "SYSLOG" not in json.dumps(spec["containers"][0]["securityContext"])
+    # auto mode by default: /dev/kmsg with SYSLOG, the journal as the fallback
+    assert host["kmsg"] == "/dev/kmsg" and mounts["kmsg"]["readOnly"] is True
+    assert host["machine-id"] == "/etc/machine-id"
+    assert spec["containers"][0]["securityContext"]["capabilities"]["add"] == ["SYSLOG"]
+    journal_only = daemonset({"kernelLog": {"mode": "journal"}})["spec"]["template"]["spec"]
+    assert "SYSLOG" not in json.dumps(journal_only["containers"][0]["securityContext"])
+    assert "kmsg" not in {v["name"] for v in journal_only["volumes"]}
 
 
 def test_kmsg_mode_adds_syslog_and_the_device() -> None:

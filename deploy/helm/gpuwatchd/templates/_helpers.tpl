@@ -60,7 +60,8 @@ app.kubernetes.io/component: node-agent
 {{- define "gpuwatchd.config" -}}
 {{- $kmsg := dict "enabled" true -}}
 {{- $mode := .Values.kernelLog.mode -}}
-{{- if eq $mode "journal" -}}{{- $_ := set $kmsg "backend" "journald" -}}
+{{- if eq $mode "auto" -}}{{- $_ := set $kmsg "backend" "auto" -}}
+{{- else if eq $mode "journal" -}}{{- $_ := set $kmsg "backend" "journald" -}}
 {{- else if eq $mode "kmsg" -}}{{- $_ := set $kmsg "backend" "kmsg" -}}
 {{- else if eq $mode "file" -}}{{- $_ := set $kmsg "backend" "file" -}}{{- $_ := set $kmsg "file" (printf "/host%s" .Values.kernelLog.file) -}}
 {{- else -}}{{- $_ := set $kmsg "enabled" false -}}
@@ -76,4 +77,24 @@ app.kubernetes.io/component: node-agent
   "sources" (dict "kmsg" $kmsg)
 -}}
 {{- toYaml (mustMergeOverwrite $base (deepCopy .Values.config)) -}}
+{{- end -}}
+
+
+{{/* "true" when a monitoring.coreos.com/v1 kind should be rendered: `enabled` true, or
+     "auto" and the cluster serves that kind. Call with (list . "ServiceMonitor" $enabled). */}}
+{{- define "gpuwatchd.monitoringEnabled" -}}
+{{- $root := index . 0 -}}
+{{- $kind := index . 1 -}}
+{{- $enabled := index . 2 -}}
+{{- if eq (toString $enabled) "auto" -}}
+{{- if $root.Capabilities.APIVersions.Has (printf "monitoring.coreos.com/v1/%s" $kind) -}}true{{- end -}}
+{{- else if $enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/* Kernel log mounts: /dev/kmsg in kmsg and auto modes, the journal in journal and auto. */}}
+{{- define "gpuwatchd.kmsgMounted" -}}
+{{- if has .Values.kernelLog.mode (list "auto" "kmsg") -}}true{{- end -}}
+{{- end -}}
+{{- define "gpuwatchd.journalMounted" -}}
+{{- if has .Values.kernelLog.mode (list "auto" "journal") -}}true{{- end -}}
 {{- end -}}
