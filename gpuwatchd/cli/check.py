@@ -33,7 +33,8 @@ from gpuwatchd.clock import Clock, SystemClock
 from gpuwatchd.config import Config
 from gpuwatchd.errors import GpuwatchdError
 from gpuwatchd.health import alerts
-from gpuwatchd.health.engine import HealthEngine, finding_json
+from gpuwatchd.health.engine import HealthEngine
+from gpuwatchd.health.rollup import finding_json
 from gpuwatchd.model import Event, Finding, Severity, SourceSnapshot
 from gpuwatchd.sources import Source, SourceContext, build_sources
 from gpuwatchd.sources.runner import Runner

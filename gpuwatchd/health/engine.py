@@ -1,13 +1,13 @@
 """Health engine: runs the rules after each poll and event, keeps open conditions.
 
-The engine subscribes to the State, so it runs in whichever source thread
-just published; one lock serialises evaluations. Each evaluation:
-observe the snapshot into History, run the rules, apply `for_seconds`
-(a condition must last that long before it opens), track open/resolved
-transitions with their `since`, roll health up per GPU, per component and
-for the node, then publish: `state.set_findings`, `gpuwatchd_health`
-samples via `state.publish_extra`, and the open findings to listeners
-(the Alertmanager sink) when they changed.
+In the daemon the engine runs on the pipeline's consumer thread (after the
+Xid stage, for each source publish, and on the 1 s tick); one lock
+serialises evaluations against /status readers. Each evaluation: observe
+the snapshot into History, run the rules, apply `for_seconds` (a condition
+must last that long before it opens), track open/resolved transitions
+with their `since`, then publish: `state.set_findings`, the roll-up
+samples (health/rollup.py) via `state.publish_extra`, and the open
+findings to listeners (the Alertmanager sink) when they changed.
 """
 
 from __future__ import annotations
@@ -15,15 +15,22 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config, HealthConfig
-from gpuwatchd.health import alerts, rules
+from gpuwatchd.health import rules
+from gpuwatchd.health.alerts import WORKLOAD_ATTRS
 from gpuwatchd.health.history import History, View, gpu_key, norm_bus_id
 from gpuwatchd.health.node_rules import NodeRules
+from gpuwatchd.health.rollup import (
+    METRICS,
+    Rollup,
+    health_samples,
+    roll_up,
+    status_json,
+)
 from gpuwatchd.health.rules import Inputs, XidCondition
 from gpuwatchd.health.stuck import StuckDetector, StuckThresholds, proc_describer
 from gpuwatchd.health.xid.tracker import ActiveXid
@@ -31,9 +38,7 @@ from gpuwatchd.model import (
     Clear,
     Event,
     Finding,
-    Health,
     Labels,
-    MetricSpec,
     Sample,
     Severity,
     SourceSnapshot,
@@ -41,50 +46,13 @@ from gpuwatchd.model import (
 from gpuwatchd.state import NodeSnapshot, State
 
 __all__ = [
-    "COMPONENTS",
     "HealthEngine",
     "METRICS",
-    "Rollup",
-    "component_of",
-    "finding_json",
-    "health_of",
     "store_clears",
     "xid_condition",
 ]
 
 log = logging.getLogger("gpuwatchd.health")
-
-COMPONENTS = ("nvml", "kmsg", "shm", "infiniband", "daemon")
-_HEALTH_LABELS = ("scope", "component", "gpu", "uuid", "pci_bus_id")
-
-METRICS: tuple[MetricSpec, ...] = (
-    MetricSpec(
-        "gpuwatchd_health",
-        "gauge",
-        "Health verdict: 0 healthy, 1 degraded (a warning condition), 2 unhealthy (a critical"
-        " one). scope is node, gpu or component; the other labels are empty where they do"
-        " not apply.",
-        _HEALTH_LABELS,
-    ),
-    MetricSpec(
-        "gpuwatchd_health_conditions",
-        "gauge",
-        "Open health conditions (findings) by severity.",
-        ("severity",),
-    ),
-    MetricSpec(
-        "gpuwatchd_gpus_expected",
-        "gauge",
-        "GPUs this node should have: health.expected_gpus, else the most seen since the"
-        " first start (GpuCountLow fires while gpuwatchd_gpus_visible is lower).",
-    ),
-    MetricSpec(
-        "gpuwatchd_health_rule_errors_total",
-        "counter",
-        "Rule evaluations that raised (a bug; the log has the traceback).",
-        ("rule",),
-    ),
-)
 
 Listener = Callable[[Sequence[Finding], float], None]
 Key = tuple[str, Labels, Labels]
@@ -123,34 +91,8 @@ def xid_condition(a: ActiveXid | XidCondition) -> XidCondition:
         kind=a.kind,
         count=a.count,
         detail="; ".join(parts),
+        workload=tuple((k, v) for k, v in ev.attrs if k in WORKLOAD_ATTRS),
     )
-
-
-@dataclass(frozen=True)
-class Rollup:
-    """Health of the node, of each component and of each GPU (by history.gpu_key)."""
-
-    node: Health
-    components: Mapping[str, Health]
-    gpus: Mapping[str, Health]
-
-
-def health_of(severity: Severity) -> Health:
-    """critical -> unhealthy, warning -> degraded, else healthy."""
-    if severity >= Severity.CRITICAL:
-        return Health.UNHEALTHY
-    if severity >= Severity.WARNING:
-        return Health.DEGRADED
-    return Health.HEALTHY
-
-
-def component_of(f: Finding) -> str:
-    """Which component a finding counts against (a failing collector: its own)."""
-    collector = dict(f.subject).get("collector")
-    if collector in COMPONENTS:
-        return collector
-    info = alerts.ALERTS.get(f.alertname)
-    return info.component if info is not None else "daemon"
 
 
 def _key(f: Finding) -> Key:
@@ -433,101 +375,23 @@ class HealthEngine:
         with self._lock:
             view = self._last_view
             open_ = list(self._open.values())
-        gpus = {u: Health.HEALTHY for u in (view.gpus if view else {})}
-        comps = {c: Health.HEALTHY for c in self._components(view)}
-        for f in open_:
-            h = health_of(f.severity)
-            key = gpu_key(dict(f.subject))
-            if key:
-                gpus[key] = max(gpus.get(key, Health.HEALTHY), h)
-            c = component_of(f)
-            comps[c] = max(comps.get(c, Health.HEALTHY), h)
-        node = max([*gpus.values(), *comps.values()], default=Health.HEALTHY)
-        return Rollup(node, comps, gpus)
-
-    def _components(self, view: View | None) -> list[str]:
-        present = set(view.snapshot.sources) if view else set()
-        return [c for c in COMPONENTS if c in present or c in self._expected or c == "daemon"]
+        return roll_up(open_, view, self._expected)
 
     def samples(
         self, current: Sequence[Finding] | None = None, view: View | None = None
     ) -> list[Sample]:
         """gpuwatchd_health and friends (see METRICS)."""
-        roll = self.rollup()
         view = view or self._last_view
-        out = [_health("node", "", None, roll.node)]
-        for comp, h in roll.components.items():
-            out.append(_health("component", comp, None, h))
-        gpus = view.gpus if view else {}
-        for key, h in roll.gpus.items():
-            gpu = gpus.get(key) or self.history.gpus_seen.get(key)
-            if gpu is not None:
-                out.append(_health("gpu", "", gpu.subject, h))
-        counts = {"warning": 0, "critical": 0}
-        for f in current if current is not None else self.open_findings():
-            if f.severity >= Severity.WARNING:
-                counts[str(f.severity)] += 1
-        out.extend(
-            Sample.of("gpuwatchd_health_conditions", n, severity=s) for s, n in counts.items()
-        )
+        findings = current if current is not None else self.open_findings()
         with self._lock:
-            out.extend(
-                Sample.of("gpuwatchd_health_rule_errors_total", n, rule=r)
-                for r, n in self._rule_errors.items()
-            )
+            errors = dict(self._rule_errors)
             expected = self.cfg.health.expected_gpus or self.history.max_gpus
-        if expected:
-            out.append(Sample.of("gpuwatchd_gpus_expected", expected))
-        return out
+            seen = dict(self.history.gpus_seen)
+        return health_samples(self.rollup(), findings, view, seen, errors, expected)
 
     def status(self) -> dict[str, object]:
         """JSON-able health for /status."""
-        roll = self.rollup()
-        view = self._last_view
-        gpus = view.gpus if view else {}
-        return {
-            "health": str(roll.node),
-            "components": {c: str(h) for c, h in roll.components.items()},
-            "gpus": {
-                (gpus[k].index if k in gpus else k): {
-                    "uuid": gpus[k].uuid if k in gpus else k,
-                    "health": str(h),
-                }
-                for k, h in roll.gpus.items()
-            },
-            "conditions": [finding_json(f) for f in self.open_findings()],
-        }
-
-
-def finding_json(f: Finding) -> dict[str, object]:
-    """A finding as JSON-able data (status, check --json)."""
-    return {
-        "rule": f.rule,
-        "alertname": f.alertname,
-        "severity": str(f.severity),
-        "scope": f.scope,
-        "component": component_of(f),
-        "subject": dict(f.subject),
-        "labels": dict(f.labels),
-        "summary": alerts.summary(f),
-        "reason": f.reason,
-        "action": str(f.action),
-        "remediation": f.remediation,
-        "since": f.since,
-    }
-
-
-def _health(scope: str, component: str, subject: Labels | None, h: Health) -> Sample:
-    labels: Mapping[str, str] = dict(subject or ())
-    return Sample.of(
-        "gpuwatchd_health",
-        int(h),
-        scope=scope,
-        component=component,
-        gpu=labels.get("gpu", ""),
-        uuid=labels.get("uuid", ""),
-        pci_bus_id=labels.get("pci_bus_id", ""),
-    )
+        return status_json(self.rollup(), self._last_view, self.open_findings())
 
 
 def _with_since(f: Finding, since: float) -> Finding:

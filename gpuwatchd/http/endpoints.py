@@ -10,7 +10,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from gpuwatchd.health.engine import finding_json
+from gpuwatchd.health.rollup import finding_json
 from gpuwatchd.http.server import Route
 from gpuwatchd.sinks.store import EventStore
 from gpuwatchd.state import NodeSnapshot
