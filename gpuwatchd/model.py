@@ -22,6 +22,9 @@ __all__ = [
     "Sample",
     "Severity",
     "SourceSnapshot",
+    "WORKLOAD_ALERT_LABELS",
+    "Workload",
+    "WorkloadProcess",
     "labels_of",
 ]
 
@@ -180,3 +183,71 @@ class SourceSnapshot:
     duration_seconds: float = 0.0
     last_success: float = 0.0
     status: Mapping[str, object] = field(default_factory=dict)
+
+
+# Bounded enough for alert labels (one value per job); the other workload
+# fields go into annotations and event attributes only.
+WORKLOAD_ALERT_LABELS = ("namespace", "pod", "slurm_job")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadProcess:
+    """One process of a workload on one GPU, with its torch.distributed rank when known."""
+
+    pid: int
+    gpu: str
+    uuid: str = ""
+    pci_bus_id: str = ""
+    name: str = ""
+    used_memory_bytes: int | None = None
+    rank: str = ""
+    local_rank: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """One job on this node: a Kubernetes pod, a Slurm job, or a bare process.
+
+    `kind` is "k8s", "slurm" or "process"; `id` is namespace/pod (or the
+    pod UID when the kubelet cannot be asked), the Slurm job id, or the pid.
+    """
+
+    kind: Literal["k8s", "slurm", "process"]
+    id: str
+    namespace: str = ""
+    pod: str = ""
+    container: str = ""
+    pod_uid: str = ""
+    slurm_job: str = ""
+    slurm_step: str = ""
+    slurm_user: str = ""
+    slurm_job_name: str = ""
+    world_size: str = ""
+    run_id: str = ""  # TORCHELASTIC_RUN_ID
+    processes: tuple[WorkloadProcess, ...] = ()
+    gpus: tuple[str, ...] = ()  # UUIDs assigned or in use
+
+    def process(self, pid: int) -> WorkloadProcess | None:
+        """This workload's process with that pid, if any."""
+        return next((p for p in self.processes if p.pid == pid), None)
+
+    def attrs(self, pid: int | None = None) -> Labels:
+        """Event attributes naming this workload (and the rank of `pid`), non-empty only."""
+        out = {
+            "workload": self.kind,
+            "workload_id": self.id,
+            "namespace": self.namespace,
+            "pod": self.pod,
+            "container": self.container,
+            "pod_uid": self.pod_uid,
+            "slurm_job": self.slurm_job,
+            "slurm_step": self.slurm_step,
+            "slurm_user": self.slurm_user,
+            "slurm_job_name": self.slurm_job_name,
+            "world_size": self.world_size,
+            "torchelastic_run_id": self.run_id,
+        }
+        proc = self.process(pid) if pid is not None else None
+        if proc is not None:
+            out.update(rank=proc.rank, local_rank=proc.local_rank)
+        return tuple(sorted((k, v) for k, v in out.items() if v))

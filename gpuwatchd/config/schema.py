@@ -31,6 +31,7 @@ __all__ = [
     "StoreConfig",
     "StuckConfig",
     "UdevConfig",
+    "WorkloadsConfig",
     "XidConfig",
     "XidRule",
     "opt",
@@ -206,12 +207,30 @@ class StuckConfig:
 
 
 @dataclass(frozen=True)
+class WorkloadsConfig:
+    enabled: bool = opt(True, "name the pod, Slurm job and rank of each GPU process")
+    kubelet_socket: str = opt(
+        "/var/lib/kubelet/pod-resources/kubelet.sock",
+        "kubelet pod-resources socket (asked at most once per NVML poll); absent = no pod names",
+    )
+    call_timeout: float = opt(2.0, "seconds one kubelet or Slurm call may take", min=0.05, max=60)
+    slurm: bool = opt(True, "ask Slurm (scontrol/squeue) for job name and user, cached per job")
+    rank_env: bool = opt(
+        True, "read RANK, LOCAL_RANK, WORLD_SIZE... from /proc/PID/environ (only those names)"
+    )
+    keep_seconds: float = opt(
+        600.0, "remember an exited GPU process this long, for Xids reported after it died", min=0
+    )
+
+
+@dataclass(frozen=True)
 class SourcesConfig:
     nvml: NvmlConfig = section(NvmlConfig, "NVIDIA Management Library")
     kmsg: KmsgConfig = section(KmsgConfig, "kernel log (Xid, SXid)")
     shm: ShmConfig = section(ShmConfig, "/dev/shm")
     infiniband: InfinibandConfig = section(InfinibandConfig, "InfiniBand ports")
     udev: UdevConfig = section(UdevConfig, "hotplug events")
+    workloads: WorkloadsConfig = section(WorkloadsConfig, "pods, Slurm jobs and ranks on each GPU")
 
 
 @dataclass(frozen=True)

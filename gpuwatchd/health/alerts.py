@@ -10,12 +10,37 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpuwatchd.model import Action, Finding, Severity
+from gpuwatchd.model import WORKLOAD_ALERT_LABELS, Action, Finding, Severity
 
-__all__ = ["ALERTS", "AlertInfo", "GPU_LABELS", "PORT_LABELS", "summary"]
+__all__ = [
+    "ALERTS",
+    "AlertInfo",
+    "GPU_LABELS",
+    "PORT_LABELS",
+    "WORKLOAD_ANNOTATIONS",
+    "WORKLOAD_ATTRS",
+    "summary",
+]
 
 GPU_LABELS = ("gpu", "uuid", "pci_bus_id")
 PORT_LABELS = ("device", "port")
+# Workload fields an Xid alert carries: the bounded ones as labels
+# (model.WORKLOAD_ALERT_LABELS), these as annotations.
+WORKLOAD_ANNOTATIONS = (
+    "workload",
+    "container",
+    "pod_uid",
+    "slurm_user",
+    "slurm_job_name",
+    "slurm_step",
+    "pid",
+    "process",
+    "rank",
+    "local_rank",
+    "world_size",
+)
+WORKLOAD_ATTRS = frozenset((*WORKLOAD_ALERT_LABELS, *WORKLOAD_ANNOTATIONS))
+_XID_LABELS = (*GPU_LABELS, "xid", *WORKLOAD_ALERT_LABELS)
 
 
 @dataclass(frozen=True)
@@ -37,10 +62,10 @@ class AlertInfo:
 _W, _C = Severity.WARNING, Severity.CRITICAL
 ALERTS: dict[str, AlertInfo] = {
     "GpuXidCritical": AlertInfo(
-        _C, "kmsg", Action.RESET_GPU, "Critical Xid {xid} on GPU {gpu}", "", (*GPU_LABELS, "xid")
+        _C, "kmsg", Action.RESET_GPU, "Critical Xid {xid} on GPU {gpu}", "", _XID_LABELS
     ),
     "GpuXidWarning": AlertInfo(
-        _W, "kmsg", Action.RESTART_APP, "Xid {xid} on GPU {gpu}", "", (*GPU_LABELS, "xid")
+        _W, "kmsg", Action.RESTART_APP, "Xid {xid} on GPU {gpu}", "", _XID_LABELS
     ),
     "NvswitchSxidCritical": AlertInfo(
         _C,

@@ -54,6 +54,7 @@ class XidCondition:
     kind: str = "xid"
     count: int = 1
     detail: str = ""
+    workload: Labels = ()  # the report's workload attributes (pod, Slurm job, rank...)
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,7 @@ def xid(inp: Inputs) -> list[Finding]:
         if x.severity < Severity.WARNING:
             continue
         critical = x.severity >= Severity.CRITICAL
+        labels: Labels
         if x.kind == "sxid":
             name = "NvswitchSxidCritical" if critical else "NvswitchSxidWarning"
             subject, scope, labels = (
@@ -127,7 +129,7 @@ def xid(inp: Inputs) -> list[Finding]:
             name = "GpuXidCritical" if critical else "GpuXidWarning"
             gpu = inp.view.gpu_by_bus(x.pci_bus_id)
             subject = gpu.subject if gpu else labels_of({"pci_bus_id": x.pci_bus_id})
-            scope, labels = "gpu", (("xid", str(x.code)),)
+            scope, labels = "gpu", (("xid", str(x.code)), *x.workload)
         times = f" ({x.count} times)" if x.count > 1 else ""
         detail = f": {x.detail}" if x.detail else ""
         reason = f"{x.kind.capitalize()} {x.code} ({x.name}){times}{detail}"

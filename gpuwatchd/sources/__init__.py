@@ -80,6 +80,7 @@ def _registry() -> dict[str, SourceSpec]:
     from gpuwatchd.sources.kmsg import source as kmsg
     from gpuwatchd.sources.nvml import source as nvml
     from gpuwatchd.sources.shm import source as shm
+    from gpuwatchd.sources.workloads import source as workloads
 
     return {
         "nvml": SourceSpec(nvml.NvmlSource.from_config, True, nvml.METRICS),
@@ -87,6 +88,7 @@ def _registry() -> dict[str, SourceSpec]:
         "shm": SourceSpec(shm.ShmSource.from_config, True, shm.METRICS),
         "infiniband": SourceSpec(infiniband.InfinibandSource.from_config, True, infiniband.METRICS),
         "udev": SourceSpec(udev.UdevSource.from_config, True, udev.METRICS),
+        "workloads": SourceSpec(workloads.WorkloadSource.from_config, True, workloads.METRICS),
     }
 
 

@@ -20,17 +20,21 @@ from gpuwatchd.bootid import read_boot_id
 from gpuwatchd.clock import Clock
 from gpuwatchd.errors import StoreError
 from gpuwatchd.health.xid import catalog as xid
+from gpuwatchd.health.xid.bursts import JOIN_WINDOW, MULTILINE_XIDS
 from gpuwatchd.health.xid.merge import XidMerger
 from gpuwatchd.health.xid.tracker import (
     METRICS as TRACKER_METRICS,
 )
 from gpuwatchd.health.xid.tracker import (
     ActiveXid,
+    Observation,
     TrackerSettings,
     XidTracker,
 )
+from gpuwatchd.health.xid.workload import attach_workload
 from gpuwatchd.model import Clear, Event, MetricSpec, Sample, SourceSnapshot
 from gpuwatchd.pci import normalize_bus_id
+from gpuwatchd.sources.workloads.source import workloads_from_status
 
 if TYPE_CHECKING:
     from gpuwatchd.config import Config
@@ -109,6 +113,7 @@ class XidStage:
         self._cursors: dict[str, str] = {}
         self._store_errors = 0
         self._last_clear_id = 0
+        self._unlogged: dict[str, tuple[float, Event]] = {}
 
     @classmethod
     def from_config(
@@ -167,6 +172,10 @@ class XidStage:
         if source is not None and source.source == "kmsg":
             cursor = str(source.status.get("cursor") or "")
         xids = [e for e in events if e.kind in KINDS]
+        workloads = snap.sources.get("workloads")
+        if xids and workloads is not None:
+            known = workloads_from_status(workloads.status)
+            xids = [attach_workload(e, known) for e in xids]
         self._process(xids, {"kmsg": cursor} if cursor else {})
 
     def tick(self) -> None:
@@ -188,8 +197,11 @@ class XidStage:
             for ev in passed:
                 obs = self.tracker.observe(ev)
                 records.append((obs.event, obs.burst_id, obs.count))
-                if obs.kind == "new" and obs.raised:
-                    self._log(obs.event)
+                self._log_once(obs, mono)
+            for bid, (due, ev) in list(self._unlogged.items()):
+                if mono >= due:  # the line naming the process did not come
+                    del self._unlogged[bid]
+                    self._log(ev)
             changed = {k: v for k, v in cursors.items() if v and self._cursors.get(k) != v}
             if self.store is not None and (records or changed):
                 try:
@@ -199,6 +211,22 @@ class XidStage:
                     self._store_errors += 1
                     log.error("event store: %s", exc)
             self._publish(now)
+
+    def _log_once(self, obs: Observation, mono: float) -> None:
+        """Log a raised report once, with every line of it joined (waits JOIN_WINDOW at most)."""
+        if not obs.raised or obs.kind == "repeat":
+            return
+        if obs.kind == "new" and (obs.event.attr("pid") or obs.event.code not in MULTILINE_XIDS):
+            self._log(obs.event)
+        elif obs.kind == "new":
+            self._unlogged[obs.burst_id] = (mono + JOIN_WINDOW, obs.event)
+        elif obs.burst_id in self._unlogged:  # a line of a report not logged yet
+            due = self._unlogged[obs.burst_id][0]
+            if obs.event.attr("pid"):
+                del self._unlogged[obs.burst_id]
+                self._log(obs.event)
+            else:
+                self._unlogged[obs.burst_id] = (due, obs.event)
 
     def _log(self, ev: Event) -> None:
         log.warning(
@@ -299,5 +327,10 @@ def journal_fields(ev: Event) -> dict[str, str]:
         "XID_SEVERITY": str(ev.severity),
         "XID_ACTION": ev.attr("action"),
         "XID_PID": ev.attr("pid"),
+        "XID_PROCESS": ev.attr("process"),
+        "XID_RANK": ev.attr("rank"),
+        "K8S_NAMESPACE": ev.attr("namespace"),
+        "K8S_POD": ev.attr("pod"),
+        "SLURM_JOB_ID": ev.attr("slurm_job"),
     }
     return {k: v for k, v in fields.items() if v}

@@ -4,7 +4,11 @@ Pure logic over events and times (no I/O, no clock of its own), fed by
 health/xid/stage.py and read by the health engine through `active(now)`.
 
 - Repeats of one code on one GPU within `burst_window` collapse into one
-  event with a count (one bad node can log 100,000 identical Xid 95s).
+  event with a count (one bad node can log 100,000 identical Xid 95s), per
+  process: reports naming different pids are different faults.
+- Lines of one multi-line report (Xid 13: GPC/TPC/SM, ESR, then the line
+  with pid and channel, within a few ms) join into one event (kind "line"):
+  it takes the pid and keeps every parsed field; only the first line counts.
 - Per-code policy: ignore, N reports within a window before it counts,
   hold time, severity/action overrides (the latter live in the catalog).
 - A critical Xid whose action is reset_gpu, reboot_node, drain_and_inspect
@@ -19,10 +23,11 @@ health/xid/stage.py and read by the health engine through `active(now)`.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from gpuwatchd.health.xid.bursts import Bursts
 from gpuwatchd.health.xid.catalog import Catalog, XidInfo
 from gpuwatchd.model import Action, Clear, Event, MetricSpec, Sample, Severity, labels_of
 
@@ -131,7 +136,8 @@ class TrackerSettings:
 
 @dataclass(frozen=True)
 class Observation:
-    """What one report did: started a burst ("new") or joined one ("repeat")."""
+    """What one report did: started a burst ("new"), repeated one ("repeat"), or
+    completed the report before it ("line": a continuation line, not another fault)."""
 
     kind: str
     event: Event  # classified: severity set, name/action/burst/epoch in attrs
@@ -177,6 +183,7 @@ class _State:
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=10000))
     event: Event | None = None
     escalated: bool = False
+    bursts: Bursts = field(default_factory=Bursts)
 
 
 class XidTracker:
@@ -217,24 +224,27 @@ class XidTracker:
         st.gpu = event.attr("gpu") or st.gpu
         st.uuid = event.attr("uuid") or st.uuid
         policy = self.settings.policy(event.kind, code)
+        joined = st.bursts.join(event)
+        if joined is not None:
+            burst, event = joined
         base = self.classify(event)
         if (event.kind, code) == ("xid", RECOVERY_CODE) and self._recovered(event):
             self.gpu_reset(event.pci_bus_id, event.time, who="xid 154: recovery action None")
         epoch = event.attr("epoch") or self._epoch(event.pci_bus_id)
         window = policy.window or self.settings.burst_window
-        st.recent.append(event.time)
+        if joined is None:
+            st.recent.append(event.time)
         while st.recent and st.recent[0] < event.time - window:
             st.recent.popleft()
         raised = not policy.ignore and len(st.recent) >= policy.threshold
         info = self._escalate(key, base, epoch, event.time, raised)
         escalated = info.action is not base.action
 
-        if event.time - st.burst_last <= self.settings.burst_window and st.burst_id:
-            kind, st.count = "repeat", st.count + 1
+        if joined is not None:
+            kind = "line"
         else:
-            self._seq += 1
-            kind, st.count = "new", 1
-            st.burst_id = event.attr("burst_id") or f"{self.boot_id}:{event.time:.6f}:{self._seq}"
+            kind, burst = st.bursts.observe(event, self.settings.burst_window, self._new_id(event))
+        st.burst_id, st.count = burst.id, burst.count
         st.burst_last = max(st.burst_last, event.time)
 
         was_active = self._is_active(st, event.time)
@@ -251,10 +261,17 @@ class XidTracker:
         st.escalated = st.escalated or escalated
         classified = self._classified(event, info, st, epoch, escalated, policy)
         st.event = classified
-        if not restoring:
+        if not restoring and joined is None:
             labels = self._labels(st, info)
             self._totals[labels] = self._totals.get(labels, 0) + 1
         return Observation(kind, classified, info, st.burst_id, st.count, raised)
+
+    def _new_id(self, event: Event) -> Callable[[], str]:
+        def new_id() -> str:
+            self._seq += 1
+            return f"{self.boot_id}:{event.time:.6f}:{self._seq}"
+
+        return new_id
 
     @staticmethod
     def _recovered(event: Event) -> bool:

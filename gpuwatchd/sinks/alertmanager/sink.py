@@ -26,7 +26,7 @@ from datetime import UTC, datetime
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config
 from gpuwatchd.errors import ConfigError
-from gpuwatchd.health.alerts import ALERTS, GPU_LABELS, summary
+from gpuwatchd.health.alerts import ALERTS, GPU_LABELS, WORKLOAD_ANNOTATIONS, summary
 from gpuwatchd.model import Finding, MetricSpec, Sample, Severity
 from gpuwatchd.sinks.alertmanager.client import AlertmanagerClient
 from gpuwatchd.sinks.alertmanager.outbox import RESOLVED_RETENTION, Outbox, StoredAlert
@@ -230,6 +230,8 @@ class AlertSink:
             "remediation": f.remediation,
             "action": str(f.action),
         }
+        keep = WORKLOAD_ANNOTATIONS if f.alertname.startswith("GpuXid") else ()
+        ann.update((k, v) for k, v in f.labels if k in keep and v)
         if self._am.runbook_base_url:
             ann["runbook_url"] = f"{self._am.runbook_base_url.rstrip('/')}/{f.alertname}.md"
         # Text from kernel log lines can carry undecodable bytes: never lose an alert for that.

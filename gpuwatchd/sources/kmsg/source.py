@@ -35,6 +35,7 @@ from gpuwatchd.sources.kmsg.readers import (
     ReaderError,
 )
 from gpuwatchd.sources.workloads.cgroup import attribute
+from gpuwatchd.sources.workloads.environ import read_torch_env
 
 if TYPE_CHECKING:
     from gpuwatchd.config import Config
@@ -331,7 +332,10 @@ class KmsgSource:
         if now - when > ATTRIBUTE_MAX_AGE:
             out["attribution"] = "report too old to attribute (the pid may be reused)"
             return out
-        out.update(attribute(self.cfg.paths.procfs, rec.pid, rec.process).attrs())
+        who = attribute(self.cfg.paths.procfs, rec.pid, rec.process)
+        out.update(who.attrs())
+        if self.cfg.sources.workloads.rank_env and who.status not in ("process gone", "pid reused"):
+            out.update(read_torch_env(self.cfg.paths.procfs, rec.pid))  # only the rank names
         return out
 
     # --- outputs -------------------------------------------------------------------

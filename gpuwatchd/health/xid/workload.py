@@ -1,0 +1,54 @@
+"""Which workload an Xid hit: the pid's, else the only one on that GPU.
+
+Pure matching over the workloads source's last poll (and the processes
+that exited shortly before). The report's own cgroup attribution, read
+when the line arrived, breaks ties when the pid is gone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from gpuwatchd.model import Event, Workload
+
+__all__ = ["attach_workload", "match_workload"]
+
+
+def _pid(ev: Event) -> int | None:
+    text = ev.attr("pid")
+    return int(text) if text.isdigit() else None
+
+
+def match_workload(ev: Event, workloads: Sequence[Workload]) -> Workload | None:
+    """The workload of the event's pid, its cgroup's job or pod, or the GPU's only one."""
+    pid = _pid(ev)
+    if pid is not None:
+        for w in workloads:
+            if w.process(pid) is not None:
+                return w
+        job, pod_uid = ev.attr("slurm_job"), ev.attr("pod_uid")
+        for w in workloads:
+            if (job and w.slurm_job == job) or (pod_uid and w.pod_uid == pod_uid):
+                return w
+        if job or pod_uid or ev.attr("attribution") not in ("", "process gone"):
+            return None  # the cgroup placed it and no known workload matches
+    uuid, bus = ev.attr("uuid"), ev.pci_bus_id
+    on_gpu = {
+        w.id: w
+        for w in workloads
+        if (uuid and uuid in w.gpus)
+        or any(p.pci_bus_id == bus or (uuid and p.uuid == uuid) for p in w.processes)
+    }
+    return next(iter(on_gpu.values())) if len(on_gpu) == 1 else None
+
+
+def attach_workload(ev: Event, workloads: Sequence[Workload]) -> Event:
+    """The event with its workload's attributes added (what the report said stays)."""
+    w = match_workload(ev, workloads)
+    if w is None:
+        return ev
+    attrs = dict(ev.attrs)
+    for k, v in w.attrs(_pid(ev)):
+        attrs.setdefault(k, v)
+    return replace(ev, attrs=tuple(sorted(attrs.items())))

@@ -1,0 +1,320 @@
+"""The workloads source: which pod, Slurm job or process holds each GPU, with ranks.
+
+Polled at the NVML interval. Processes per GPU come from the NVML source's
+last poll (ctx.gpu_index, no second NVML client); each pid is placed by
+its cgroup (pod UID, Slurm job), named through the kubelet pod-resources
+API (one List per poll, matched by GPU/MIG UUID) or Slurm (cached per
+job), and given its torch.distributed rank from /proc/PID/environ. A
+backend that is absent or fails leaves its fields empty; the poll never
+fails for it (errors are counted).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from gpuwatchd.errors import SourceError
+from gpuwatchd.model import Event, MetricSpec, Sample, Workload, WorkloadProcess
+from gpuwatchd.sources.workloads.cgroup import Attribution, attribute
+from gpuwatchd.sources.workloads.environ import read_torch_env
+from gpuwatchd.sources.workloads.podresources import PodDevice, PodResourcesClient
+from gpuwatchd.sources.workloads.slurm import SlurmJobs
+
+if TYPE_CHECKING:
+    from gpuwatchd.config import Config
+    from gpuwatchd.sources import SourceContext
+
+__all__ = ["METRICS", "WorkloadSource", "workload_json", "workloads_from_status"]
+
+log = logging.getLogger("gpuwatchd.sources.workloads")
+
+INFO_LABELS = ("gpu", "uuid", "pci_bus_id", "namespace", "pod", "container", "slurm_job")
+
+METRICS = (
+    MetricSpec(
+        "gpuwatchd_gpu_workload_info",
+        "info",
+        "1 per GPU and the workload on it (pod or Slurm job; empty labels for a bare process):"
+        " join any GPU metric to its workload on gpu/uuid",
+        INFO_LABELS,
+    ),
+    MetricSpec(
+        "gpuwatchd_workload_lookup_errors_total",
+        "counter",
+        "failed kubelet pod-resources or Slurm lookups (the workload keeps what the cgroup says)",
+        ("backend",),
+    ),
+)
+
+GpuIndex = Callable[[], Mapping[str, Mapping[str, Any]]]
+
+
+class _Proc:
+    """What one pid is, read once while it stays on a GPU."""
+
+    __slots__ = ("attribution", "env", "seen")
+
+    def __init__(self, attribution: Attribution, env: Mapping[str, str], seen: float) -> None:
+        self.attribution = attribution
+        self.env = env
+        self.seen = seen
+
+
+class WorkloadSource:
+    """Builds the `Workload`s of this node once per NVML poll."""
+
+    name = "workloads"
+
+    def __init__(
+        self,
+        gpu_index: GpuIndex,
+        *,
+        procfs: str = "/proc",
+        interval: float = 10.0,
+        kubelet: PodResourcesClient | None = None,
+        slurm: SlurmJobs | None = None,
+        rank_env: bool = True,
+        keep_seconds: float = 600.0,
+    ) -> None:
+        self.interval = interval
+        self._gpu_index = gpu_index
+        self.procfs = procfs
+        self.kubelet = kubelet
+        self.slurm = slurm
+        self.rank_env = rank_env
+        self.keep_seconds = keep_seconds
+        self._procs: dict[int, _Proc] = {}
+        self._workloads: tuple[Workload, ...] = ()
+        self._exited: dict[int, tuple[float, Workload]] = {}
+        self._errors = {"kubelet": 0, "slurm": 0}
+        self._kubelet_error = ""
+
+    @classmethod
+    def from_config(cls, cfg: Config, ctx: SourceContext) -> WorkloadSource:
+        """Build from sources.workloads; the interval is the NVML poll interval."""
+        wc = cfg.sources.workloads
+        return cls(
+            ctx.gpu_index,
+            procfs=cfg.paths.procfs,
+            interval=cfg.sources.nvml.interval,
+            kubelet=PodResourcesClient(wc.kubelet_socket, wc.call_timeout),
+            slurm=SlurmJobs(timeout=wc.call_timeout) if wc.slurm else None,
+            rank_env=wc.rank_env,
+            keep_seconds=wc.keep_seconds,
+        )
+
+    # --- the poll ------------------------------------------------------------------
+
+    def poll(self, now: float) -> Sequence[Sample | Event]:
+        """Read processes, place and name them; samples: workload info and lookup errors."""
+        gpus = self._gpus()
+        devices = self._pod_devices(gpus)
+        groups: dict[tuple[str, str], dict[str, Any]] = {}
+        seen: set[int] = set()
+        for gpu, uuid, bus, procs in gpus:
+            for pod_dev in devices.get(uuid, ()):
+                self._group(groups, _k8s_fields(pod_dev), gpu_uuid=uuid)
+            for pid, used in procs:
+                seen.add(pid)
+                info = self._proc(pid, now)
+                fields = self._fields_of(info.attribution, devices.get(uuid, []), pid, now)
+                wp = WorkloadProcess(
+                    pid=pid,
+                    gpu=gpu,
+                    uuid=uuid,
+                    pci_bus_id=bus,
+                    name=info.env.get("_comm", ""),
+                    used_memory_bytes=used,
+                    rank=info.env.get("rank", ""),
+                    local_rank=info.env.get("local_rank", ""),
+                )
+                group = self._group(groups, fields, gpu_uuid=uuid)
+                group["processes"].append(wp)
+                for key, env in (("world_size", "world_size"), ("run_id", "torchelastic_run_id")):
+                    group[key] = group.get(key) or info.env.get(env, "")
+        workloads = tuple(_build(g) for g in groups.values())
+        self._forget(seen, workloads, now)
+        self._workloads = workloads
+        return self._samples(gpus, workloads)
+
+    def _gpus(self) -> list[tuple[str, str, str, list[tuple[int, int | None]]]]:
+        out = []
+        for bus, gpu in sorted(self._gpu_index().items()):
+            procs = []
+            for p in gpu.get("processes") or ():
+                pid = p.get("pid") if isinstance(p, Mapping) else None
+                if isinstance(pid, int) and pid > 0:
+                    used = p.get("used_memory")
+                    procs.append((pid, used if isinstance(used, int) else None))
+            out.append((str(gpu.get("gpu", "")), str(gpu.get("uuid", "")), bus, procs))
+        return out
+
+    def _pod_devices(self, gpus: list[Any]) -> Mapping[str, list[PodDevice]]:
+        if self.kubelet is None or not gpus or not self.kubelet.available():
+            return {}
+        try:
+            found = self.kubelet.list_pods()
+        except SourceError as exc:
+            self._errors["kubelet"] += 1
+            if str(exc) != self._kubelet_error:
+                log.warning("kubelet pod-resources: %s", exc)
+            self._kubelet_error = str(exc)
+            return {}
+        self._kubelet_error = ""
+        return found
+
+    def _proc(self, pid: int, now: float) -> _Proc:
+        info = self._procs.get(pid)
+        if info is None:
+            env: dict[str, str] = read_torch_env(self.procfs, pid) if self.rank_env else {}
+            env["_comm"] = _comm(self.procfs, pid)
+            info = self._procs[pid] = _Proc(attribute(self.procfs, pid), env, now)
+        info.seen = now
+        return info
+
+    def _fields_of(
+        self, a: Attribution, assigned: list[PodDevice], pid: int, now: float
+    ) -> dict[str, str]:
+        if a.status == "kubernetes":
+            pods = {(d.namespace, d.pod) for d in assigned}
+            if len(pods) == 1:
+                return {**_k8s_fields(assigned[0]), "pod_uid": a.pod_uid}
+            return {"kind": "k8s", "id": a.pod_uid, "pod_uid": a.pod_uid}
+        if a.status == "slurm":
+            fields = {"kind": "slurm", "id": a.slurm_job, "slurm_job": a.slurm_job}
+            fields["slurm_step"] = a.slurm_step
+            job = self.slurm.lookup(a.slurm_job, now) if self.slurm is not None else None
+            if job is not None:
+                fields.update(slurm_user=job.user, slurm_job_name=job.name)
+            return fields
+        return {"kind": "process", "id": str(pid)}
+
+    @staticmethod
+    def _group(
+        groups: dict[tuple[str, str], dict[str, Any]], fields: Mapping[str, str], gpu_uuid: str
+    ) -> dict[str, Any]:
+        key = (fields["kind"], fields["id"])
+        group = groups.setdefault(key, {"processes": [], "gpus": []})
+        for k, v in fields.items():
+            if v and not group.get(k):
+                group[k] = v
+        if gpu_uuid and gpu_uuid not in group["gpus"]:
+            group["gpus"].append(gpu_uuid)
+        return group
+
+    def _forget(self, seen: set[int], workloads: tuple[Workload, ...], now: float) -> None:
+        """Keep exited processes' workloads for keep_seconds (an Xid may name them late)."""
+        for w in self._workloads:
+            for p in w.processes:
+                if p.pid not in seen:
+                    self._exited[p.pid] = (now, dataclasses.replace(w, processes=(p,)))
+        for pid in [p for p in self._procs if p not in seen]:
+            del self._procs[pid]
+        for pid in seen:
+            self._exited.pop(pid, None)
+        for pid in [p for p, (t, _) in self._exited.items() if now - t > self.keep_seconds]:
+            del self._exited[pid]
+
+    def _samples(self, gpus: list[Any], workloads: tuple[Workload, ...]) -> list[Sample]:
+        by_uuid = {uuid: (gpu, bus) for gpu, uuid, bus, _ in gpus}
+        series: set[tuple[tuple[str, str], ...]] = set()
+        for w in workloads:
+            for uuid in w.gpus:
+                gpu, bus = by_uuid.get(uuid, ("", ""))
+                labels = dict.fromkeys(INFO_LABELS, "")
+                labels.update(gpu=gpu, uuid=uuid, pci_bus_id=bus)
+                labels.update(namespace=w.namespace, pod=w.pod, container=w.container)
+                labels["slurm_job"] = w.slurm_job
+                series.add(tuple(sorted(labels.items())))
+        out = [Sample("gpuwatchd_gpu_workload_info", 1.0, labels) for labels in sorted(series)]
+        if self.slurm is not None:
+            self._errors["slurm"] = sum(self.slurm.errors.values())
+        for backend, n in sorted(self._errors.items()):
+            out.append(Sample.of("gpuwatchd_workload_lookup_errors_total", n, backend=backend))
+        return out
+
+    # --- for other parts of the daemon ------------------------------------------------
+
+    def workloads(self) -> tuple[Workload, ...]:
+        """The workloads of the last poll."""
+        return self._workloads
+
+    def status(self) -> Mapping[str, object]:
+        """For /status: current workloads, recently exited processes, backends."""
+        kubelet = "absent"
+        if self.kubelet is not None and self.kubelet.available():
+            kubelet = f"error: {self._kubelet_error}" if self._kubelet_error else "ok"
+        slurm = "off"
+        if self.slurm is not None:
+            slurm = "available" if self.slurm.available() else "no client commands"
+        return {
+            "workloads": [workload_json(w) for w in self._workloads],
+            "exited": [workload_json(w) for _, w in sorted(self._exited.values(), key=_first)],
+            "kubelet": kubelet,
+            "slurm": slurm,
+            "rank_env": self.rank_env,
+        }
+
+    def close(self) -> None:
+        """Drop the kubelet channel."""
+        if self.kubelet is not None:
+            self.kubelet.close()
+
+
+def _first(item: tuple[float, Workload]) -> float:
+    return item[0]
+
+
+def _k8s_fields(d: PodDevice) -> dict[str, str]:
+    return {
+        "kind": "k8s",
+        "id": f"{d.namespace}/{d.pod}",
+        "namespace": d.namespace,
+        "pod": d.pod,
+        "container": d.container,
+    }
+
+
+def _build(group: Mapping[str, Any]) -> Workload:
+    names = {f.name for f in dataclasses.fields(Workload)}
+    kwargs = {k: v for k, v in group.items() if k in names and k not in ("processes", "gpus")}
+    procs = tuple(sorted(group["processes"], key=lambda p: (p.gpu, p.pid)))
+    return Workload(**kwargs, processes=procs, gpus=tuple(group["gpus"]))
+
+
+def _comm(procfs: str, pid: int) -> str:
+    try:
+        with open(f"{procfs}/{pid}/comm", encoding="utf-8", errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def workload_json(w: Workload) -> dict[str, object]:
+    """A workload as plain JSON (empty fields dropped)."""
+    out: dict[str, object] = {
+        k: v for k, v in dataclasses.asdict(w).items() if v not in ("", None, (), [])
+    }
+    out["processes"] = [
+        {k: v for k, v in dataclasses.asdict(p).items() if v not in ("", None)} for p in w.processes
+    ]
+    return out
+
+
+def workloads_from_status(status: Mapping[str, object]) -> list[Workload]:
+    """Workloads (current, then recently exited) back from `status()`'s JSON form."""
+    out = []
+    for key in ("workloads", "exited"):
+        items = status.get(key)
+        for item in items if isinstance(items, list) else ():
+            if not isinstance(item, Mapping):
+                continue
+            procs = tuple(
+                WorkloadProcess(**p) for p in item.get("processes") or () if isinstance(p, dict)
+            )
+            fields = {k: v for k, v in item.items() if k not in ("processes", "gpus")}
+            out.append(Workload(**fields, processes=procs, gpus=tuple(item.get("gpus") or ())))
+    return out
