@@ -235,7 +235,7 @@ class Daemon:
         if self._collector is not None:
             self.registry.unregister(self._collector)
         specs = SourceSet.metric_specs(with_consumers=self.pipeline is not None)
-        rollup = nvlink_rollup if cfg.sources.nvml.nvlink_detail == "gpu" else None
+        rollup = nvlink_rollup() if cfg.sources.nvml.nvlink_detail == "gpu" else None
         self._collector = SnapshotCollector(self.state, specs, transform=rollup)
         self.registry.register(self._collector)
         return self.wiring

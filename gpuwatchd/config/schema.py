@@ -112,6 +112,12 @@ class NvmlConfig:
         min=0,
         max=3600,
     )
+    nvlink_detail: str = opt(
+        "gpu",
+        "NVLink series in /metrics: gpu = links up per link, errors summed per GPU plus the"
+        " links with errors; link = every counter of every link (5 x 18 per H100/H200)",
+        choices=("gpu", "link"),
+    )
 
 
 @dataclass(frozen=True)

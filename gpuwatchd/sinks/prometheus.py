@@ -15,7 +15,7 @@ import os
 import platform
 import tempfile
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -95,9 +95,15 @@ class SnapshotCollector(Collector):
     """Yields metric families from the current snapshot; never blocks."""
 
     def __init__(
-        self, state: State, specs: Iterable[MetricSpec], strict: bool | None = None
+        self,
+        state: State,
+        specs: Iterable[MetricSpec],
+        strict: bool | None = None,
+        transform: Callable[[Iterable[Sample]], Iterable[Sample]] | None = None,
     ) -> None:
         self._state = state
+        # Exposition-only reshaping (the NVLink roll-up); the snapshot keeps every sample.
+        self._transform = transform
         self._specs = {s.name: s for s in (*DAEMON_METRICS, *specs)}
         self._strict = os.environ.get(STRICT_ENV) == "1" if strict is None else strict
         self._dropped = dict.fromkeys(DROP_REASONS, 0)
@@ -116,7 +122,8 @@ class SnapshotCollector(Collector):
         grouped: dict[str, list[Sample]] = defaultdict(list)
         for sample in _self_samples(snap):
             grouped[sample.name].append(sample)
-        for sample in snap.samples():
+        samples = snap.samples()
+        for sample in self._transform(samples) if self._transform else samples:
             grouped[sample.name].append(sample)
         families: list[Family] = []
         for name, samples in grouped.items():

@@ -13,6 +13,7 @@ from gpuwatchd.sources.nvml.metrics_more import (
     MIG_METRICS,
     PERF_METRICS,
 )
+from gpuwatchd.sources.nvml.rollup import ROLLUP_METRICS
 
 __all__ = ["METRICS"]
 
@@ -162,3 +163,5 @@ METRICS: tuple[MetricSpec, ...] = (
 )
 # clocks, P-state, reserved memory, GPM, MIG and fabric (metrics_more.py)
 METRICS += PERF_METRICS + GPM_METRICS + MIG_METRICS + FABRIC_METRICS
+# NVLink errors per GPU, exported in place of per-link counters by default (rollup.py)
+METRICS += ROLLUP_METRICS

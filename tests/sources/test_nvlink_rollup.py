@@ -1,0 +1,75 @@
+"""The NVLink roll-up at the exposition: per-GPU sums, per-link series only for
+links whose counters moved, and a real HGX-sized daemon under 2,000 series."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpuwatchd.model import Sample
+from gpuwatchd.sources.nvml.rollup import nvlink_rollup
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _errors(link: int, value: float, gpu: str = "0", error: str = "crc_flit") -> Sample:
+    return Sample.of(
+        "gpuwatchd_nvlink_errors_total",
+        value,
+        gpu=gpu,
+        uuid=f"GPU-{gpu}",
+        pci_bus_id=f"0000:0{gpu}:00.0",
+        link=link,
+        error=error,
+    )
+
+
+def _poll(values: dict[int, float]) -> list[Sample]:
+    return [
+        Sample.of("gpuwatchd_gpu_power_watts", 300.0, gpu="0", uuid="GPU-0", pci_bus_id="x"),
+        Sample.of("gpuwatchd_nvlink_speed_bytes_per_second", 5e10, gpu="0", link=0),
+        *(_errors(link, v) for link, v in values.items()),
+    ]
+
+
+def test_sums_per_gpu_and_names_only_links_that_move() -> None:
+    rollup = nvlink_rollup()
+    first = list(rollup(_poll({0: 2.0, 1: 0.0, 2: 0.0})))
+    names = [s.name for s in first]
+    assert "gpuwatchd_nvlink_errors_total" not in names  # old counts: GPU sum only
+    assert "gpuwatchd_nvlink_speed_bytes_per_second" not in names
+    assert "gpuwatchd_gpu_power_watts" in names
+    [total] = [s for s in first if s.name == "gpuwatchd_nvlink_gpu_errors_total"]
+    assert total.value == 2.0
+    assert dict(total.labels) == {
+        "gpu": "0",
+        "uuid": "GPU-0",
+        "pci_bus_id": "0000:00:00.0",
+        "error": "crc_flit",
+    }
+
+    second = list(rollup(_poll({0: 2.0, 1: 7.0, 2: 0.0})))
+    links = [s.label("link") for s in second if s.name == "gpuwatchd_nvlink_errors_total"]
+    assert links == ["1"]
+    # Once named, a link stays in the exposition (rates stay continuous).
+    third = list(rollup(_poll({0: 2.0, 1: 7.0, 2: 0.0})))
+    assert [s.label("link") for s in third if s.name == "gpuwatchd_nvlink_errors_total"] == ["1"]
+    [total] = [s for s in third if s.name == "gpuwatchd_nvlink_gpu_errors_total"]
+    assert total.value == 9.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_hgx_node_under_2000_series_with_defaults() -> None:
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.cardinality import measure
+
+    counts = measure()
+    total = sum(counts.values())
+    assert counts["gpuwatchd_nvlink_up"] == 8 * 18
+    assert counts["gpuwatchd_nvlink_gpu_errors_total"] == 8 * 5
+    assert "gpuwatchd_nvlink_errors_total" not in counts
+    assert counts["gpuwatchd_infiniband_port_info"] == 8
+    assert total < 2000, counts.most_common(10)
