@@ -17,6 +17,7 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from gpuwatchd.errors import CatalogError, ConfigError
+from gpuwatchd.health.xid import nvlink5
 from gpuwatchd.model import Action, Severity
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ CATEGORIES = frozenset(
     {"hardware", "driver", "application", "nvlink", "memory", "thermal_power", "fabric", "unknown"}
 )
 KINDS = ("xid", "sxid")
+_DISRUPTIVE = frozenset({Action.REBOOT_NODE, Action.RESET_GPU})
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +125,11 @@ class Catalog:
     ) -> XidInfo:
         """The entry adjusted by what the report itself says (trust the line)."""
         info = self.lookup(code, kind)
+        if kind == "xid" and info.line_overrides:
+            # NVLink5: the decoded unit/status decides before the Fatal/Nonfatal word
+            rule = nvlink5.decide(code, text)
+            if rule is not None:
+                return replace(info, severity=rule.severity, action=rule.action)
         for ov in info.line_overrides:
             if (ov.contains and ov.contains in text) or (
                 ov.recovery_action and ov.recovery_action == recovery_action
@@ -133,8 +140,10 @@ class Catalog:
             if fatal and info.severity < Severity.CRITICAL:
                 action = info.action if info.action is not Action.NONE else Action.REBOOT_NODE
                 return replace(info, severity=Severity.CRITICAL, action=action)
-            if not fatal and info.severity > Severity.WARNING:
-                return replace(info, severity=Severity.WARNING)
+            if not fatal:
+                # absorbed by the fabric: track it, but a reboot or reset is not called for
+                kept = Action.NONE if info.action in _DISRUPTIVE else info.action
+                return replace(info, severity=min(info.severity, Severity.WARNING), action=kept)
         return info
 
     def action_text(self, action: Action) -> str:
