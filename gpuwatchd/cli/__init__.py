@@ -13,7 +13,8 @@ from gpuwatchd.errors import ConfigError
 
 __all__ = ["main"]
 
-# Modules that add a subcommand through `register(subparsers)`.
+# Modules that add a subcommand through `register(subparsers)`; a module is named
+# after its subcommand, so a command line loads only the module it runs.
 COMMANDS: tuple[str, ...] = (
     "gpuwatchd.cli.run",
     "gpuwatchd.cli.config",
@@ -25,7 +26,9 @@ COMMANDS: tuple[str, ...] = (
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    """Parse the command line, run the subcommand, map errors to exit codes."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(_wanted(argv))
     args = parser.parse_args(argv)
     if not hasattr(args, "func"):
         parser.print_help(sys.stderr)
@@ -48,12 +51,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _wanted(argv: Sequence[str]) -> str | None:
+    """The subcommand named on the command line, if it is a known one."""
+    words = [a for a in argv if not a.startswith("-")]
+    known = {name.rpartition(".")[2] for name in COMMANDS}
+    return words[0] if words and words[0] in known else None
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The full parser, or one with only the subcommand `only` (so `run` loads no other)."""
     parser = argparse.ArgumentParser(prog="gpuwatchd", description="Node-level GPU health daemon.")
     parser.add_argument("--version", action="version", version=f"gpuwatchd {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(metavar="COMMAND")
 
     for name in COMMANDS:
-        importlib.import_module(name).register(sub)
+        if only is None or name.rpartition(".")[2] == only:
+            importlib.import_module(name).register(sub)
     return parser
