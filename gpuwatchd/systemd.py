@@ -33,7 +33,9 @@ class Notifier:
     def __init__(self, env: Mapping[str, str] | None = None, use_library: bool = True) -> None:
         env = os.environ if env is None else env
         self._address = env.get("NOTIFY_SOCKET", "")
-        self._library = _library_notify() if use_library and env is os.environ else None
+        # Load the bindings (and libsystemd) only when there is someone to notify.
+        wanted = use_library and env is os.environ and bool(self._address)
+        self._library = _library_notify() if wanted else None
         usec = env.get("WATCHDOG_USEC", "")
         pid = env.get("WATCHDOG_PID", "")
         self._watchdog_usec = int(usec) if usec.isdigit() else 0
