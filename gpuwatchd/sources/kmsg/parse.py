@@ -99,6 +99,8 @@ _XID_RE = re.compile(
     r"(?:pid=(?:'?<unknown>'?|(\d+))\s*(?:,\s*|$))?"
     r"(?:name=(<unknown>|[^,]{0,64}?)\s*(?:,\s*|$))?"
 )
+_MIG_IDS = re.compile(r"\s*GPU-(I|CI):\s*(\d{1,4})")
+_MIG_KEYS = {"I": "gpu_instance", "CI": "compute_instance"}
 _SXID_RE = re.compile(
     r"(nvidia-nvswitch\d{0,4}): SXid \((?:PCI:)?([^)]{0,64})\):\s*(\d+)\s*(?:,\s*)?"
 )
@@ -265,7 +267,10 @@ def _parse(line: str, year: int | None) -> KmsgRecord | None:
         text = text.replace("\\x0a", "\n").rstrip("\n")
     m = _XID_RE.search(text)
     if m is not None:
-        bus = normalize_bus_id(m.group(1))
+        where = m.group(1)
+        # MIG: "(PCI:0000:3b:00 GPU-I:01 GPU-CI:00)" names the GPU and compute instance
+        instance = tuple((_MIG_KEYS[k], str(int(v))) for k, v in _MIG_IDS.findall(where))
+        bus = normalize_bus_id(_MIG_IDS.sub("", where) if instance else where)
         if not bus:
             return _unparsed(text, m.start(), year)
         code = _bounded(m.group(2), MAX_CODE)
@@ -275,6 +280,10 @@ def _parse(line: str, year: int | None) -> KmsgRecord | None:
         name = m.group(4)
         process = "" if not name or name == "<unknown>" else escape_control(name.strip())
         detail = text[m.end() :].strip()
+        facts = _xid_facts(code, detail)
+        if instance:
+            known = facts.get("extras", ())
+            facts["extras"] = instance + (known if isinstance(known, tuple) else ())
         return KmsgRecord(
             XID,
             code,
@@ -284,7 +293,7 @@ def _parse(line: str, year: int | None) -> KmsgRecord | None:
             detail,
             text[m.start() :],
             *parse_prefix(text[: m.start()], year),
-            **_xid_facts(code, detail),  # type: ignore[arg-type]
+            **facts,  # type: ignore[arg-type]
         )
     m = _SXID_RE.search(text)
     if m is not None:
