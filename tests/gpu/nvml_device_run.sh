@@ -36,14 +36,14 @@ step compare idle
 tail -2 "$DEST/compare-idle.md"
 
 step record idle
-"$PY" -m gpuwatchd record --out "$DEST/h100-idle-record.json" --polls 3 --interval 1 2>&1 | tail -2
+"$PY" -m gpuwatchd.cli.record --out "$DEST/h100-idle-record.json" --polls 3 --interval 1 2>&1 | tail -2
 
 step load + compare + record + dmon
 load 40
 sleep 5
 "$PY" tests/gpu/compare_nvidia_smi.py --json "$DEST/compare-load.json" --markdown "$DEST/compare-load.md" > /dev/null 2>&1
 tail -2 "$DEST/compare-load.md"
-"$PY" -m gpuwatchd record --out "$DEST/h100-gpm-record.json" --polls 5 --interval 1 2>&1 | tail -2
+"$PY" -m gpuwatchd.cli.record --out "$DEST/h100-gpm-record.json" --polls 5 --interval 1 2>&1 | tail -2
 timeout 20 nvidia-smi dmon -c 3 --gpm-metrics 1,2,3,5,10,11,12,13,20,21,60,61 > "$DEST/dmon-gpm.txt" 2>&1
 step bench gpm
 "$PY" benchmarks/bench_gpm.py --json "$DEST/bench-gpm.json" --polls 100 --gap 0.05 > /dev/null 2>&1
@@ -61,11 +61,11 @@ nvidia-smi mig -lgi >> "$DEST/mig-list.txt" 2>&1
 nvidia-smi mig -lci >> "$DEST/mig-list.txt" 2>&1
 cat "$DEST/mig-list.txt"
 mig=$(nvidia-smi -L | grep -o 'MIG-[0-9a-f-]*' | head -1)
-if [ -n "$mig" ]; then CUDA_VISIBLE_DEVICES=$mig load 25; sleep 5; fi
+if [ -n "$mig" ]; then export CUDA_VISIBLE_DEVICES=$mig; load 25; unset CUDA_VISIBLE_DEVICES; sleep 5; fi
 nvidia-smi -q > "$DEST/smi-q-mig.txt" 2>&1
 "$PY" tests/gpu/compare_nvidia_smi.py --json "$DEST/compare-mig.json" --markdown "$DEST/compare-mig.md" > /dev/null 2>&1
 tail -2 "$DEST/compare-mig.md"
-"$PY" -m gpuwatchd record --out "$DEST/h100-mig-record.json" --polls 4 --interval 1 2>&1 | tail -2
+"$PY" -m gpuwatchd.cli.record --out "$DEST/h100-mig-record.json" --polls 4 --interval 1 2>&1 | tail -2
 wait
 
 step MIG off
