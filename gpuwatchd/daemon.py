@@ -27,7 +27,7 @@ from gpuwatchd.http import webconfig
 from gpuwatchd.http.endpoints import healthz_route, status_document, summary_line
 from gpuwatchd.http.server import Route, json_route, make_app, serve
 from gpuwatchd.pipeline import Pipeline, SourceSet, node_name, source_names
-from gpuwatchd.sinks.alertmanager import sink as alertmanager
+from gpuwatchd.sinks.durability import StateDirLock
 from gpuwatchd.sinks.prometheus import SnapshotCollector, write_textfile
 from gpuwatchd.sources.nvml.rollup import nvlink_rollup
 from gpuwatchd.state import State
@@ -84,6 +84,8 @@ OVERRIDE_FLAGS = {
 
 def flag_error(exc: ConfigError, ov: Overrides) -> ConfigError:
     """The error named after the command-line flag when a flag set the bad value."""
+    if isinstance(exc, config.ConfigErrors):
+        return config.ConfigErrors([flag_error(e, ov) for e in exc.errors])
     field, flag = OVERRIDE_FLAGS.get(exc.key, ("", ""))
     if field and getattr(ov, field) is not None:
         return ConfigError("command line", flag, exc.problem)
@@ -95,16 +97,24 @@ def split_listen(listen: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
-def check_state_dir(cfg: Config, source: str) -> None:
+def lock_state_dir(cfg: Config, source: str) -> StateDirLock:
+    """Create and lock the state dir; ConfigError naming the dir (and the holder's pid)."""
     path = cfg.daemon.state_dir
+    lock = StateDirLock(path)
     try:
         os.makedirs(path, exist_ok=True)
+        holder = lock.acquire()
     except OSError as exc:
         raise ConfigError(
-            source, "daemon.state_dir", f"cannot create {path}: {exc.strerror}"
+            source, "daemon.state_dir", f"cannot lock {path}: {exc.strerror}"
         ) from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(source, "daemon.state_dir", f"{path} is not writable")
+    if holder is not None:
+        raise ConfigError(
+            source,
+            "daemon.state_dir",
+            f"{path} is in use by another gpuwatchd (pid {holder or 'unknown'})",
+        )
+    return lock
 
 
 class Wiring:
@@ -172,14 +182,13 @@ class Daemon:
         self._collector: SnapshotCollector | None = None
         self.web: webconfig.WebConfig | None = None
         self.pipeline: Pipeline | None = None
+        self.lock: StateDirLock | None = None
 
     def load_config(self) -> Config:
-        cfg = apply_overrides(config.load(self.cfg_path), self.overrides)
+        cfg = apply_overrides(config.read(self.cfg_path), self.overrides)
         source = self.cfg_path or "<defaults>"
         try:
-            config.check_paths(cfg, source)
-            alertmanager.validate_config(cfg, source)
-            check_state_dir(cfg, source)
+            config.validate(cfg, source)  # the very checks of `gpuwatchd config check`
         except ConfigError as exc:
             raise flag_error(exc, self.overrides) from None
         if cfg.http.web_config_file:
@@ -193,6 +202,11 @@ class Daemon:
             log.error("%s", exc)
             return EX_CONFIG
         logs.setup(cfg.daemon.log_level)
+        try:
+            self.lock = lock_state_dir(cfg, self.cfg_path or "<defaults>")
+        except ConfigError as exc:
+            log.error("%s", flag_error(exc, self.overrides))
+            return EX_CONFIG
         self._install_signals()
         try:
             self.pipeline = Pipeline(
@@ -256,7 +270,7 @@ class Daemon:
         next_status = 0.0
         while True:
             try:
-                signum = self.signals.get(timeout=tick)
+                signum = self._next_signal(self.signals.get(timeout=tick))
             except queue.Empty:
                 signum = 0
             if signum == signal.SIGTERM:
@@ -273,6 +287,19 @@ class Daemon:
                 assert self.wiring is not None
                 self.notifier.status(self.wiring.summary())
                 next_status = now + 10.0
+
+    def _next_signal(self, first: int) -> int:
+        """The signal to act on now: a stop wins over reloads, pending reloads are one."""
+        pending = {first}
+        while True:
+            try:
+                pending.add(self.signals.get_nowait())
+            except queue.Empty:
+                break
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            if signum in pending:
+                return signum
+        return 0
 
     def _housekeeping(self, watchdog: float | None) -> None:
         assert self.wiring is not None
@@ -332,6 +359,8 @@ class Daemon:
             self.wiring.stop()
         if self.pipeline is not None:
             self.pipeline.stop()  # flushes alerts (bounded); the rest stays queued on disk
+        if self.lock is not None:
+            self.lock.release()
         log.info("stopped")
 
 

@@ -23,6 +23,7 @@ from gpuwatchd.health.engine import HealthEngine
 from gpuwatchd.health.xid.stage import METRICS as XID_METRICS
 from gpuwatchd.health.xid.stage import XidStage
 from gpuwatchd.http.endpoints import events_route
+from gpuwatchd.health import storage as _storage  # noqa: F401 (registers its rule)
 from gpuwatchd.http.server import Route
 from gpuwatchd.model import MetricSpec, Sample
 from gpuwatchd.sinks import store
@@ -79,6 +80,7 @@ def node_name(cfg: Config) -> str:
     return cfg.daemon.node_name or os.environ.get("GPUWATCHD_NODE_NAME") or socket.gethostname()
 
 
+    *store.METRICS,
 def source_names(cfg: Config) -> list[str]:
     return [name for name in registry() if enabled(cfg, name)]
 

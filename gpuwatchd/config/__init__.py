@@ -10,7 +10,7 @@ reading and checking.
 
 from __future__ import annotations
 
-from gpuwatchd.config.load import check_paths, load, load_text, render_default, validate_listen
+from gpuwatchd.config.load import load, load_text, read, render_default
 from gpuwatchd.config.schema import (
     DEFAULT_PORT,
     AlertmanagerConfig,
@@ -30,10 +30,18 @@ from gpuwatchd.config.schema import (
     XidConfig,
     XidRule,
 )
+from gpuwatchd.config.validate import (
+    ConfigErrors,
+    check_paths,
+    check_state_dir,
+    validate,
+    validate_listen,
+)
 
 __all__ = [
     "AlertmanagerConfig",
     "Config",
+    "ConfigErrors",
     "DEFAULT_PORT",
     "DaemonConfig",
     "HealthConfig",
@@ -50,8 +58,11 @@ __all__ = [
     "XidConfig",
     "XidRule",
     "check_paths",
+    "check_state_dir",
     "load",
     "load_text",
+    "read",
     "render_default",
+    "validate",
     "validate_listen",
 ]

@@ -3,107 +3,168 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import types
 import typing
-from pathlib import Path
 from typing import Any, TypeVar, Union
 
 import yaml
 
 from gpuwatchd.config.schema import Config
+from gpuwatchd.config.validate import check_paths, raise_all, validate, validate_listen
 from gpuwatchd.errors import ConfigError
 
-__all__ = ["check_paths", "load", "load_text", "render_default", "validate_listen"]
+__all__ = ["check_paths", "load", "load_text", "read", "render_default", "validate_listen"]
 
 T = TypeVar("T")
+# Bounds for numbers whose schema gives none: beyond them no setting makes sense
+# and some would overflow (time.sleep, SQLite, C longs).
+INT_LIMIT = 1 << 53
+FLOAT_LIMIT = 1e9
+MAX_FILE = 4 << 20  # a config file is a few KiB; refuse to parse a huge one
 
 
 # --- loading -----------------------------------------------------------------
 
 
 def load(path: str | os.PathLike[str] | None) -> Config:
-    """Read and validate a config file; None means all defaults."""
+    """Read a config file and run every check `run` runs; None means all defaults."""
+    cfg = read(path)
+    validate(cfg, str(path) if path is not None else "<defaults>")
+    return cfg
+
+
+def read(path: str | os.PathLike[str] | None) -> Config:
+    """Parse and type-check a config file (all problems at once), without machine checks."""
     if path is None:
         return Config()
     name = str(path)
     try:
-        text = Path(name).read_text(encoding="utf-8")
+        with open(name, "rb") as f:
+            raw = f.read(MAX_FILE + 1)
     except OSError as exc:
         raise ConfigError(name, "", f"cannot read: {exc.strerror or exc}") from None
-    return load_text(text, name)
+    if len(raw) > MAX_FILE:
+        raise ConfigError(name, "", f"larger than {MAX_FILE >> 20} MiB; not a config file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(name, "", f"not UTF-8 (byte {exc.start})") from None
+    return _parse(text, name)
 
 
 def load_text(text: str, name: str = "<config>") -> Config:
+    """Parse and validate config text (tests, `config check` of stdin)."""
+    cfg = _parse(text, name)
+    validate(cfg, name)
+    return cfg
+
+
+def _parse(text: str, name: str) -> Config:
+    if "\x00" in text:
+        raise ConfigError(name, "", "contains a NUL byte")
     try:
         data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, ValueError, OverflowError, RecursionError) as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or "invalid YAML"
         raise ConfigError(name, where, f"invalid YAML: {problem}") from None
     if data is None:
         data = {}
-    cfg = _build(Config, data, name, "")
-    check_paths(cfg, name)
+    errors: list[ConfigError] = []
+    cfg = _build(Config, data, name, "", errors)
+    raise_all(errors)
     return cfg
 
 
-def _build(cls: type[T], data: object, file: str, prefix: str) -> T:
+def _build(cls: type[T], data: object, file: str, prefix: str, errors: list[ConfigError]) -> T:
+    """The dataclass from `data`; a bad key is recorded in `errors` and left at its default."""
     if not isinstance(data, dict):
         raise ConfigError(file, prefix or "(top level)", f"must be a mapping, got {_tname(data)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
-        path = f"{prefix}.{key}" if prefix else str(key)
+        path = f"{prefix}.{_key(key)}" if prefix else _key(key)
         if key not in fields:
             known = ", ".join(sorted(fields))
-            raise ConfigError(file, path, f"unknown key (known here: {known})")
-        kwargs[key] = _convert(hints[key], value, file, path, fields[key].metadata)
+            errors.append(ConfigError(file, path, f"unknown key (known here: {known})"))
+            continue
+        try:
+            kwargs[key] = _convert(hints[key], value, file, path, fields[key].metadata, errors)
+        except ConfigError as exc:
+            errors.append(exc)
     return cls(**kwargs)
 
 
-def _convert(tp: Any, value: object, file: str, path: str, meta: Any) -> Any:
+def _key(key: object) -> str:
+    return repr(key) if not isinstance(key, (str, int)) or "\x00" in str(key) else str(key)
+
+
+def _number(tp: Any, value: object, file: str, path: str, meta: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(file, path, f"must be a number, got {_tname(value)}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(file, path, f"must be a finite number, got {value}")
+    if tp is int and isinstance(value, float) and not value.is_integer():
+        raise ConfigError(file, path, "must be a whole number")
+    try:
+        num = tp(value)
+    except OverflowError:
+        raise ConfigError(file, path, "too large") from None
+    lo, hi = meta.get("min"), meta.get("max")
+    shown = num if abs(num) < 1e30 else "a huge number"
+    limit = INT_LIMIT if tp is int else FLOAT_LIMIT
+    if abs(num) > limit and hi is None:
+        raise ConfigError(file, path, f"too large, got {shown}")
+    if lo is not None and num < lo:
+        raise ConfigError(file, path, f"must be >= {lo}, got {shown}")
+    if hi is not None and num > hi:
+        raise ConfigError(file, path, f"must be <= {hi}, got {shown}")
+    return num
+
+
+def _convert(
+    tp: Any, value: object, file: str, path: str, meta: Any, errors: list[ConfigError]
+) -> Any:
     origin = typing.get_origin(tp)
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        return _build(tp, value, file, path)
+        return _build(tp, value, file, path, errors)
     if origin in (Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
-        return _convert(args[0], value, file, path, meta)
+        return _convert(args[0], value, file, path, meta, errors)
     if origin is list:
         (item,) = typing.get_args(tp)
         if not isinstance(value, list):
             raise ConfigError(file, path, f"must be a list, got {_tname(value)}")
         # A list's checks (choices, regex, filename) apply to each item.
-        return [_convert(item, v, file, f"{path}[{i}]", meta) for i, v in enumerate(value)]
+        return [_convert(item, v, file, f"{path}[{i}]", meta, errors) for i, v in enumerate(value)]
     if origin is dict:
         _k, item = typing.get_args(tp)
         if not isinstance(value, dict):
             raise ConfigError(file, path, f"must be a mapping, got {_tname(value)}")
-        return {str(k): _convert(item, v, file, f"{path}.{k}", {}) for k, v in value.items()}
+        out = {}
+        for k, v in value.items():
+            if isinstance(k, float) or "\x00" in str(k):
+                raise ConfigError(file, f"{path}.{_key(k)}", "invalid key")
+            out[str(k)] = _convert(item, v, file, f"{path}.{_key(k)}", {}, errors)
+        return out
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(file, path, f"must be true or false, got {_tname(value)}")
         return value
     if tp in (int, float):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(file, path, f"must be a number, got {_tname(value)}")
-        if tp is int and not float(value).is_integer():
-            raise ConfigError(file, path, "must be a whole number")
-        num = tp(value)
-        lo, hi = meta.get("min"), meta.get("max")
-        if lo is not None and num < lo:
-            raise ConfigError(file, path, f"must be >= {lo}, got {num}")
-        if hi is not None and num > hi:
-            raise ConfigError(file, path, f"must be <= {hi}, got {num}")
-        return num
+        return _number(tp, value, file, path, meta)
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(file, path, f"must be a string, got {_tname(value)}")
+        if "\x00" in value:
+            raise ConfigError(file, path, "contains a NUL byte")
         choices = meta.get("choices")
         if choices and value not in choices:
             raise ConfigError(file, path, f"must be one of {', '.join(choices)}, got {value!r}")
@@ -124,24 +185,6 @@ def _tname(value: object) -> str:
     return {dict: "mapping", list: "list", str: "string", bool: "boolean"}.get(
         type(value), type(value).__name__
     )
-
-
-def check_paths(cfg: Config, file: str) -> None:
-    """Files the config names must exist and be readable (directories: exist)."""
-    named = {
-        "sources.nvml.replay": cfg.sources.nvml.replay,
-        "http.web_config_file": cfg.http.web_config_file,
-    }
-    for key, value in named.items():
-        if value and not os.access(value, os.R_OK):
-            raise ConfigError(file, key, f"cannot read {value}")
-    validate_listen(cfg, file)
-
-
-def validate_listen(cfg: Config, file: str) -> None:
-    host, sep, port = cfg.http.listen.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(file, "http.listen", f"must be host:port, got {cfg.http.listen!r}")
 
 
 # --- rendering ---------------------------------------------------------------

@@ -11,6 +11,7 @@ and age.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -19,7 +20,15 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gpuwatchd.errors import StoreError
-from gpuwatchd.model import Clear, Event, Severity
+from gpuwatchd.model import Clear, Event, Sample, Severity
+from gpuwatchd.sinks.durability import HeldWrites, dir_identity, quarantine
+from gpuwatchd.sinks.store_schema import (
+    METRICS,
+    MIGRATIONS,
+    SCHEMA_VERSION,
+    STORE_OPS,
+    upsert_event,
+)
 
 if TYPE_CHECKING:
     from gpuwatchd.config import Config
@@ -28,80 +37,19 @@ __all__ = [
     "ClearRow",
     "DB_NAME",
     "EventStore",
+    "METRICS",
     "Record",
     "SCHEMA_VERSION",
 ]
 
 DB_NAME = "gpuwatchd.db"
-ATTRIBUTION_KEYS = (
-    "attribution",
-    "pod_uid",
-    "container_id",
-    "slurm_job",
-    "slurm_step",
-    "slurm_uid",
-    "unit",
-    "cgroup",
-)
 
-# Each entry moves the schema one version up; never edit a released one.
-MIGRATIONS: tuple[str, ...] = (
-    """
-    CREATE TABLE events (
-        id INTEGER PRIMARY KEY,
-        time REAL NOT NULL,
-        last_time REAL NOT NULL,
-        boot_id TEXT NOT NULL DEFAULT '',
-        sequence INTEGER,
-        kind TEXT NOT NULL,
-        source TEXT NOT NULL,
-        code INTEGER,
-        pci_bus_id TEXT NOT NULL DEFAULT '',
-        gpu TEXT NOT NULL DEFAULT '',
-        uuid TEXT NOT NULL DEFAULT '',
-        pid INTEGER,
-        process TEXT NOT NULL DEFAULT '',
-        severity TEXT NOT NULL,
-        action TEXT NOT NULL DEFAULT '',
-        name TEXT NOT NULL DEFAULT '',
-        message TEXT NOT NULL DEFAULT '',
-        attribution TEXT NOT NULL DEFAULT '{}',
-        raw TEXT NOT NULL DEFAULT '',
-        attrs TEXT NOT NULL DEFAULT '{}',
-        count INTEGER NOT NULL DEFAULT 1,
-        burst_id TEXT UNIQUE
-    );
-    CREATE INDEX events_time ON events (time);
-    CREATE INDEX events_boot ON events (boot_id);
-    CREATE TABLE cursors (
-        source TEXT PRIMARY KEY,
-        cursor TEXT NOT NULL,
-        updated REAL NOT NULL
-    );
-    CREATE TABLE clears (
-        id INTEGER PRIMARY KEY,
-        time REAL NOT NULL,
-        who TEXT NOT NULL,
-        kind TEXT NOT NULL DEFAULT 'xid',
-        pci_bus_id TEXT NOT NULL DEFAULT '',
-        code INTEGER,
-        reason TEXT NOT NULL DEFAULT '',
-        reset INTEGER NOT NULL DEFAULT 0,
-        boot_id TEXT NOT NULL DEFAULT ''
-    );
-    CREATE INDEX clears_time ON clears (time);
-    """,
-    # The health engine's memory (the GPU count baseline). Older files kept it in the
-    # alert outbox's table of the same name and shape, so IF NOT EXISTS keeps their rows.
-    """
-    CREATE TABLE IF NOT EXISTS health_memory (
-        key TEXT PRIMARY KEY,
-        value TEXT NOT NULL
-    );
-    """,
-)
-SCHEMA_VERSION = len(MIGRATIONS)
 PRUNE_EVERY = 60.0
+RETRY_MAX = 30.0  # seconds between attempts to write held events, at most
+MAX_HELD = 10000  # events held in memory while the store cannot write them
+REWRITE_KEEP = 2000  # recent rows kept to re-persist into a re-created state dir
+
+log = logging.getLogger("gpuwatchd.store")
 
 
 class Record(NamedTuple):
@@ -130,13 +78,6 @@ def _clear_of(r: Sequence[Any]) -> Clear:
     )
 
 
-def _int(text: str) -> int | None:
-    try:
-        return int(text)
-    except ValueError:
-        return None
-
-
 class EventStore:
     """SQLite event store; thread-safe (one connection behind one lock)."""
 
@@ -153,16 +94,59 @@ class EventStore:
         self._now = clock
         self._lock = threading.Lock()
         self._next_prune = 0.0
+        self.state_dir = os.path.dirname(os.path.abspath(path))
+        self.errors = dict.fromkeys(STORE_OPS, 0)
+        self.held = HeldWrites(MAX_HELD)
+        self.quarantined: list[str] = []  # where corrupt files were moved
+        self.problem = ""  # set while writes fail: what and where, for logs and the alert
+        self._failures = 0
+        self._retry_at = 0.0
+        self._written: list[tuple[Event, str, int]] = []  # recent rows, to re-persist
+        self._cursors: dict[str, str] = {}
         try:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._db = sqlite3.connect(path, timeout=10.0, check_same_thread=False)
-            self._db.execute("PRAGMA busy_timeout = 10000")
-            self._db.execute("PRAGMA journal_mode = WAL")
-            self._db.execute("PRAGMA synchronous = NORMAL")
-            self._migrate()
-        except (sqlite3.Error, OSError) as exc:
+            self._db = self._open()
+        except sqlite3.DatabaseError as exc:
+            if type(exc) is not sqlite3.DatabaseError and "malformed" not in str(exc):
+                raise StoreError(f"cannot open the event store {path}: {exc}") from None
+            self._db = self._quarantine(exc)  # corrupt: keep monitoring on a fresh file
+        except OSError as exc:
             raise StoreError(f"cannot open the event store {path}: {exc}") from None
+        self._dir_id = dir_identity(self.state_dir)
         self.prune()
+
+    def _open(self) -> sqlite3.Connection:
+        os.makedirs(self.state_dir, exist_ok=True)
+        db = sqlite3.connect(self.path, timeout=10.0, check_same_thread=False)
+        try:
+            db.execute("PRAGMA busy_timeout = 10000")
+            db.execute("PRAGMA journal_mode = WAL")
+            db.execute("PRAGMA synchronous = NORMAL")
+            # A garbage header fails above; torn or garbage pages fail here.
+            verdict = db.execute("PRAGMA quick_check").fetchone()
+            if verdict is None or verdict[0] != "ok":
+                raise sqlite3.DatabaseError(f"quick_check: {verdict[0] if verdict else '?'}")
+            self._db = db
+            self._migrate()
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    def _quarantine(self, exc: Exception) -> sqlite3.Connection:
+        self.errors["open"] += 1
+        try:
+            moved = quarantine(self.path, self._now())
+            db = self._open()
+        except (sqlite3.Error, OSError) as again:
+            raise StoreError(f"cannot open the event store {self.path}: {again}") from None
+        self.quarantined.append(moved)
+        log.error(
+            "event store %s is corrupt (%s): moved to %s, started a fresh one",
+            self.path,
+            exc,
+            moved,
+        )
+        return db
 
     @classmethod
     def from_config(cls, cfg: Config, clock: Callable[[], float] = time.time) -> EventStore:
@@ -211,63 +195,113 @@ class EventStore:
         records: Sequence[tuple[Event, str, int]],
         cursors: Mapping[str, str] | None = None,
     ) -> None:
-        """Store (event, burst_id, reports) rows and move cursors in one transaction."""
-        if not records and not cursors:
+        """Store (event, burst_id, reports) rows and move cursors in one transaction.
+
+        Never raises. What cannot be written (disk full, read-only, I/O
+        error) is held in memory, bounded, and retried with backoff on later
+        calls (an empty call retries); the cursor moves only with its events.
+        """
+        try:
+            self._write(records, cursors or {})
+        except Exception as exc:  # a bug must not take the consumer thread down
+            log.exception("event store write")
+            self._failed(exc)
+
+    def _write(self, records: Sequence[tuple[Event, str, int]], cursors: Mapping[str, str]) -> None:
+        if records or cursors:
+            self.held.add(records, cursors)
+        if not self.held.rows and not self.held.cursors:
             return
         now = self._now()
+        if now < self._retry_at:
+            return
+        self._check_dir()
+        rows, curs = self.held.take()
         try:
             with self._lock, self._db:
-                for rec in records:
-                    self._upsert(rec)
-                for source, cursor in (cursors or {}).items():
-                    if cursor:
-                        self._db.execute(
-                            "INSERT INTO cursors VALUES (?, ?, ?) ON CONFLICT(source) DO UPDATE"
-                            " SET cursor = excluded.cursor, updated = excluded.updated",
-                            (source, cursor, now),
-                        )
-        except sqlite3.Error as exc:
-            raise StoreError(f"writing to {self.path}: {exc}") from None
-        if records and now >= self._next_prune:
-            self.prune()
+                self._commit(rows, curs, now)
+        except (sqlite3.Error, OSError) as exc:
+            self.held.restore(rows, curs)
+            self._failed(exc)
+            return
+        self._remember(rows, curs)
+        if self.problem:
+            log.warning(
+                "event store %s writable again; %d held event(s) written", self.path, len(rows)
+            )
+        self.problem, self._failures, self._retry_at = "", 0, 0.0
+        if rows and now >= self._next_prune:
+            try:
+                self.prune()
+            except StoreError as exc:
+                log.warning("%s", exc)
 
-    def _upsert(self, rec: tuple[Event, str, int]) -> None:
-        ev, burst_id, reports = rec
-        attrs = dict(ev.attrs)
-        attribution = {k: attrs[k] for k in ATTRIBUTION_KEYS if attrs.get(k)}
-        last = ev.time
-        self._db.execute(
-            """INSERT INTO events (time, last_time, boot_id, sequence, kind, source, code,
-                   pci_bus_id, gpu, uuid, pid, process, severity, action, name, message,
-                   attribution, raw, attrs, count, burst_id)
-               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
-               ON CONFLICT(burst_id) DO UPDATE SET
-                   count = excluded.count,
-                   last_time = max(last_time, excluded.last_time)""",
-            (
-                ev.time,
-                last,
-                attrs.get("boot_id", ""),
-                _int(attrs.get("sequence", "")),
-                ev.kind,
-                ev.source,
-                ev.code,
-                ev.pci_bus_id,
-                attrs.get("gpu", ""),
-                attrs.get("uuid", ""),
-                _int(attrs.get("pid", "")),
-                attrs.get("process", ""),
-                str(ev.severity),
-                attrs.get("action", ""),
-                attrs.get("name", ""),
-                ev.message,
-                json.dumps(attribution, sort_keys=True),
-                attrs.get("raw", ""),
-                json.dumps(attrs, sort_keys=True),
-                max(reports, ev.count),
-                burst_id or None,
-            ),
+    def _commit(
+        self, rows: Sequence[tuple[Event, str, int]], cursors: Mapping[str, str], now: float
+    ) -> None:
+        bad = []
+        for rec in rows:
+            try:
+                upsert_event(self._db, rec)
+            except (OverflowError, ValueError, TypeError, sqlite3.InterfaceError) as exc:
+                bad.append(rec)  # this record alone; the others of the batch are stored
+                log.error("event not storable, skipped: %s: %s", exc, rec[0].message[:200])
+        self.errors["reject"] += len(bad)
+        for source, cursor in cursors.items():
+            self._db.execute(
+                "INSERT INTO cursors VALUES (?, ?, ?) ON CONFLICT(source) DO UPDATE"
+                " SET cursor = excluded.cursor, updated = excluded.updated",
+                (source, cursor, now),
+            )
+
+    def _failed(self, exc: Exception) -> None:
+        self.errors["write"] += 1
+        self._failures += 1
+        delay = min(RETRY_MAX, 0.5 * 2.0 ** min(self._failures - 1, 8))
+        self._retry_at = self._now() + delay
+        problem = f"cannot write the event store in {self.state_dir}: {exc}"
+        if problem != self.problem:
+            log.error("%s; %d event(s) held in memory, retrying", problem, len(self.held))
+        self.problem = problem
+
+    def _remember(self, rows: Sequence[tuple[Event, str, int]], cursors: Mapping[str, str]) -> None:
+        self._cursors.update(cursors)
+        self._written.extend(rows)
+        if len(self._written) > 2 * REWRITE_KEEP:
+            del self._written[:-REWRITE_KEEP]
+
+    def _check_dir(self) -> None:
+        """Re-create the state dir and re-persist recent rows when it was deleted or replaced."""
+        now_id = dir_identity(self.state_dir)
+        if now_id == self._dir_id and os.path.exists(self.path):
+            return
+        self.errors["state_dir"] += 1
+        log.error(
+            "state dir %s was deleted or replaced while running: re-creating the event store",
+            self.state_dir,
         )
+        with self._lock:
+            try:
+                self._db.close()
+            except sqlite3.Error:
+                pass
+            self._db = self._open()  # raises OSError/sqlite3.Error: caller holds the rows
+            self._dir_id = dir_identity(self.state_dir)
+        self.held.restore(self._written[-REWRITE_KEEP:], self._cursors)
+
+    def samples(self) -> list[Sample]:
+        """The store's own metrics (see METRICS)."""
+        out = [
+            Sample.of("gpuwatchd_event_store_errors_total", n, op=op)
+            for op, n in self.errors.items()
+        ]
+        out += [
+            Sample.of("gpuwatchd_event_store_up", 0.0 if self.problem else 1.0),
+            Sample.of("gpuwatchd_event_store_held_events", len(self.held)),
+            Sample.of("gpuwatchd_event_store_dropped_events_total", self.held.dropped),
+            Sample.of("gpuwatchd_event_store_quarantined_total", len(self.quarantined)),
+        ]
+        return out
 
     def load_cursor(self, source: str) -> str | None:
         """The cursor last committed for `source` (SourceContext.load_cursor)."""

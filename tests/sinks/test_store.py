@@ -118,10 +118,12 @@ def test_cursor_moves_only_with_its_events(store: EventStore) -> None:
     )
     db.commit()
     db.close()
-    with pytest.raises(StoreError, match="disk says no"):
-        store.write([Record(ev(13), "b2"), Record(ev(666), "b3")], {"kmsg": "kmsg:boot-a:20"})
+    # write() never raises: the batch and its cursor are held in memory and retried
+    store.write([Record(ev(13), "b2"), Record(ev(666), "b3")], {"kmsg": "kmsg:boot-a:20"})
     assert store.load_cursor("kmsg") == "kmsg:boot-a:10"
     assert [r["code"] for r in store.recent()] == [31]
+    assert store.errors["write"] == 1 and len(store.held) == 2
+    assert "disk says no" in store.problem and store.state_dir in store.problem
 
 
 def test_a_burst_is_one_row_with_a_count(store: EventStore) -> None:

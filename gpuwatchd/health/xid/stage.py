@@ -58,11 +58,6 @@ METRICS: tuple[MetricSpec, ...] = (
         "counter",
         "NVML Xid events dropped because the kernel log reported the same Xid",
     ),
-    MetricSpec(
-        "gpuwatchd_event_store_errors_total",
-        "counter",
-        "failed writes to the SQLite event store (events are still tracked and alerted)",
-    ),
 )
 
 
@@ -246,7 +241,9 @@ class XidStage:
     def _publish(self, now: float) -> None:
         samples = self.tracker.samples(now)
         samples.append(Sample.of("gpuwatchd_xid_nvml_merged_total", self.merger.merged))
-        samples.append(Sample.of("gpuwatchd_event_store_errors_total", self._store_errors))
+        store_samples = getattr(self.store, "samples", None)  # the store's own metrics
+        if store_samples is not None:
+            samples.extend(store_samples())
         self._publish_extra(OWNER, samples)
 
     # --- operator actions -------------------------------------------------------------

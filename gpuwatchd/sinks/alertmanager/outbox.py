@@ -68,13 +68,28 @@ class StoredAlert:
         return self.resolved_at is None
 
 
+_RANK = {"critical": 0, "warning": 1}
+
+
+def _rank(labels: Mapping[str, str]) -> int:
+    return _RANK.get(labels.get("severity", ""), 2)
+
+
 @dataclass(frozen=True)
 class SyncResult:
-    """What one sync changed, for logging; `dropped` counts alerts refused by the bound."""
+    """What one sync changed, for logging.
+
+    `refused` are the fingerprints of wanted alerts that do not fit under
+    `max_alerts` this time; a later sync takes them when room frees.
+    """
 
     fired: tuple[StoredAlert, ...] = ()
     resolved: tuple[StoredAlert, ...] = ()
-    dropped: int = 0
+    refused: frozenset[str] = frozenset()
+
+    @property
+    def dropped(self) -> int:
+        return len(self.refused)
 
 
 class Outbox:
@@ -109,20 +124,41 @@ class Outbox:
         starts_at on disk (stable across restarts); firing ones missing
         from `current` resolve at `now`.
         """
-        wanted = {fingerprint(lab): (lab, ann, start) for lab, ann, start in current}
+        # The most severe first, so that when the bound bites it keeps those.
+        ordered = sorted(current, key=lambda c: _rank(c[0]))
+        wanted = {fingerprint(lab): (lab, ann, start) for lab, ann, start in ordered}
         fired: list[StoredAlert] = []
         resolved: list[StoredAlert] = []
-        dropped = 0
+        refused: set[str] = set()
         with self._lock, self._db:
             rows = {a.fingerprint: a for a in self._select("", ())}
             count = len(rows)
+            # Resolve first: a resolved row can make room for a new alert.
+            for fp, old in rows.items():
+                if old.firing and fp not in wanted:
+                    self._db.execute(
+                        "UPDATE alert_outbox SET resolved_at=?, version=version+1, updated_at=?"
+                        " WHERE fingerprint=?",
+                        (now, now, fp),
+                    )
+                    resolved.append(
+                        StoredAlert(
+                            fp,
+                            old.labels,
+                            old.annotations,
+                            old.starts_at,
+                            now,
+                            old.version + 1,
+                            now,
+                        )
+                    )
             for fp, (labels, ann, start) in wanted.items():
                 old = rows.get(fp)
                 if old is None:
                     if count >= self.max_alerts:
-                        count -= self._evict_one()
+                        count -= self._evict_one(_rank(labels), rows)
                     if count >= self.max_alerts:
-                        dropped += 1
+                        refused.add(fp)
                         continue
                     self._db.execute(
                         "INSERT INTO alert_outbox VALUES (?, ?, ?, ?, NULL, 1, ?)",
@@ -144,34 +180,27 @@ class Outbox:
                         " WHERE fingerprint=?",
                         (_dump(ann), now, fp),
                     )
-            for fp, old in rows.items():
-                if old.firing and fp not in wanted:
-                    self._db.execute(
-                        "UPDATE alert_outbox SET resolved_at=?, version=version+1, updated_at=?"
-                        " WHERE fingerprint=?",
-                        (now, now, fp),
-                    )
-                    resolved.append(
-                        StoredAlert(
-                            fp,
-                            old.labels,
-                            old.annotations,
-                            old.starts_at,
-                            now,
-                            old.version + 1,
-                            now,
-                        )
-                    )
-        return SyncResult(tuple(fired), tuple(resolved), dropped)
+        return SyncResult(tuple(fired), tuple(resolved), frozenset(refused))
 
-    def _evict_one(self) -> int:
-        """Free one row for a new alert: the oldest resolved one (caller holds the lock)."""
+    def _evict_one(self, rank: int, rows: dict[str, StoredAlert]) -> int:
+        """Free one row for a new alert (caller holds the lock).
+
+        The oldest resolved alert goes first; else, for a more severe new
+        alert, the newest firing alert of the lowest severity, which then
+        waits outside (refused) until room frees.
+        """
         row = self._db.execute(
             "SELECT fingerprint FROM alert_outbox WHERE resolved_at IS NOT NULL"
             " ORDER BY resolved_at LIMIT 1"
         ).fetchone()
         if row is None:
-            return 0
+            victims = [a for a in rows.values() if a.firing and _rank(a.labels) > rank]
+            if not victims:
+                return 0
+            # Still wanted, it is offered again later in this sync and waits outside.
+            victim = max(victims, key=lambda a: (_rank(a.labels), a.starts_at))
+            row = (victim.fingerprint,)
+        rows.pop(row[0], None)
         self._delete([row[0]])
         return 1
 

@@ -25,6 +25,7 @@ from datetime import UTC, datetime
 
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config
+from gpuwatchd.config.validate import check_alertmanager, check_paths, raise_all
 from gpuwatchd.errors import ConfigError
 from gpuwatchd.health.alerts import ALERTS, GPU_LABELS, WORKLOAD_ANNOTATIONS, summary
 from gpuwatchd.model import Finding, MetricSpec, Sample, Severity
@@ -78,36 +79,13 @@ METRICS: tuple[MetricSpec, ...] = (
 
 def validate_config(cfg: Config, file: str = "") -> None:
     """Raise ConfigError for URLs, labels or credential files that cannot work."""
-    am = cfg.alertmanager
-    for i, url in enumerate(am.urls):
-        if not re.match(r"^https?://[^/\s]+", url):
-            raise ConfigError(
-                file, f"alertmanager.urls[{i}]", f"must be http(s)://host, got {url!r}"
-            )
-    for name, value in am.static_labels.items():
-        if not _LABEL_NAME.match(name) or name.startswith("__"):
-            raise ConfigError(file, f"alertmanager.static_labels.{name}", "invalid label name")
-        if name in (*_CORE, "gpu", "uuid", "pci_bus_id", "xid"):
-            raise ConfigError(file, f"alertmanager.static_labels.{name}", "reserved label name")
-        if not value:
-            raise ConfigError(file, f"alertmanager.static_labels.{name}", "empty value")
-    for key in (
-        "tls_ca_file",
-        "tls_cert_file",
-        "tls_key_file",
-        "basic_auth_password_file",
-        "bearer_token_file",
-    ):
-        path = getattr(am, key)
-        if path:
-            try:
-                open(path, "rb").close()
-            except OSError as exc:
-                raise ConfigError(
-                    file, f"alertmanager.{key}", f"cannot read {path}: {exc.strerror or exc}"
-                ) from None
-    if am.basic_auth_user and am.bearer_token_file:
-        raise ConfigError(file, "alertmanager.bearer_token_file", "use basic auth or a token")
+    errors: list[ConfigError] = []
+    for check in (check_alertmanager, check_paths):
+        try:
+            check(cfg, file)
+        except ConfigError as exc:
+            errors.append(exc)
+    raise_all(errors)
 
 
 def alert_labels(finding: Finding, node: str, static: Mapping[str, str]) -> dict[str, str]:
@@ -179,6 +157,10 @@ class AlertSink:
         self._receivers = [_Receiver(u) for u in dict.fromkeys(self._am.urls)]
         self._stop = threading.Event()
         self._dropped = {"queue_full": 0, "invalid": 0, "rejected": 0}
+        self._current: list[tuple[dict[str, str], dict[str, str], float]] = []
+        self._refused: set[str] = set()  # wanted alerts the outbox had no room for
+        self._sync_lock = threading.Lock()
+        self._refused_seen: set[str] = set()  # each counted once in queue_full
         self._lock = threading.Lock()
         base = self._am.external_url.rstrip("/") or f"http://{node}:{listen_port}"
         self.generator_url = f"{base}/alerts"
@@ -204,18 +186,32 @@ class AlertSink:
                 log.error("alert with invalid labels not sent: %s %s", labels, sorted(ann))
                 continue
             current.append((labels, ann, f.since or now))
+        with self._sync_lock:  # one sync at a time, always of the newest set
+            self._current = current
+            self._sync(current, now)
+        if self._refused:
+            for r in self._receivers:
+                r.wake.set()  # a sender re-offers them when the outbox has room again
+
+    def _sync(
+        self, current: list[tuple[dict[str, str], dict[str, str], float]], now: float
+    ) -> None:
         result = self._outbox.sync(current, now)
         for a in result.fired:
             log.warning("alert firing: %s: %s", _name(a), a.annotations.get("description", ""))
         for a in result.resolved:
             log.info("alert resolved: %s", _name(a))
-        if result.dropped:
-            with self._lock:
-                self._dropped["queue_full"] += result.dropped
+        with self._lock:
+            # Counted once per alert (not per attempt); it is sent once room frees.
+            new = result.refused - self._refused_seen
+            self._refused_seen |= new
+            self._refused = set(result.refused)
+            self._dropped["queue_full"] += len(new)
+        if new:
             log.error(
-                "alert queue full (%d): %d new alert(s) dropped",
+                "alert queue full (%d): %d alert(s) wait outside it (the most severe are kept)",
                 self._am.max_alerts,
-                result.dropped,
+                len(new),
             )
         self._outbox.prune([r.url for r in self._receivers], now)
         if result.fired or result.resolved:
@@ -289,6 +285,9 @@ class AlertSink:
     def _loop(self, r: _Receiver) -> None:
         while not self._stop.is_set():
             try:
+                if self._refused:
+                    with self._sync_lock:
+                        self._sync(self._current, self._clock.time())
                 with r.lock:
                     wait = self._deliver(r, self._clock.time())
                 if self._stop.is_set():

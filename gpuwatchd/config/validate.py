@@ -1,0 +1,171 @@
+"""Checks across keys and against the machine: the one validation `run` and `config check` share.
+
+`validate(cfg, file)` runs every check and raises one `ConfigErrors` that
+lists all problems found (one line each), never only the first.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import urllib.parse
+from collections.abc import Callable
+
+from gpuwatchd.config.schema import Config
+from gpuwatchd.errors import ConfigError
+
+__all__ = [
+    "ConfigErrors",
+    "RESERVED_LABELS",
+    "check_alertmanager",
+    "check_paths",
+    "check_state_dir",
+    "check_xid_codes",
+    "raise_all",
+    "validate",
+    "validate_listen",
+]
+
+LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]{0,127}")
+RESERVED_LABELS = ("alertname", "severity", "node", "gpu", "uuid", "pci_bus_id", "xid")
+MAX_CODE = 65535  # the kernel log parser reads no larger Xid/SXid code
+_AM_FILES = (
+    "tls_ca_file",
+    "tls_cert_file",
+    "tls_key_file",
+    "basic_auth_password_file",
+    "bearer_token_file",
+)
+
+
+class ConfigErrors(ConfigError):
+    """Several configuration problems; `str()` gives one line per problem."""
+
+    def __init__(self, errors: list[ConfigError]) -> None:
+        self.errors = errors
+        first = errors[0]
+        super().__init__(first.path, first.key, first.problem)
+
+    def __str__(self) -> str:
+        return "\n".join(ConfigError.__str__(e) for e in getattr(self, "errors", [self]))
+
+
+def raise_all(errors: list[ConfigError]) -> None:
+    """Raise the one error, or all of them together; nothing when the list is empty."""
+    flat = [x for e in errors for x in (e.errors if isinstance(e, ConfigErrors) else [e])]
+    if len(flat) == 1:
+        raise flat[0]
+    if flat:
+        raise ConfigErrors(flat)
+
+
+def validate(cfg: Config, file: str) -> None:
+    """Every check `run` makes before it starts; raises ConfigError(s) listing all problems."""
+    errors: list[ConfigError] = []
+    checks: tuple[Callable[[Config, str], None], ...] = (
+        check_paths,
+        validate_listen,
+        check_alertmanager,
+        check_xid_codes,
+        check_state_dir,
+    )
+    for check in checks:
+        try:
+            check(cfg, file)
+        except ConfigError as exc:
+            errors.append(exc)
+    raise_all(errors)
+
+
+def check_paths(cfg: Config, file: str) -> None:
+    """Files the config names must exist and be readable."""
+    named = {
+        "sources.nvml.replay": cfg.sources.nvml.replay,
+        "http.web_config_file": cfg.http.web_config_file,
+        **{f"alertmanager.{k}": getattr(cfg.alertmanager, k) for k in _AM_FILES},
+    }
+    errors: list[ConfigError] = []
+    for key, value in named.items():
+        if value:
+            try:
+                open(value, "rb").close()
+            except OSError as exc:
+                errors.append(ConfigError(file, key, f"cannot read {value}: {exc.strerror or exc}"))
+    raise_all(errors)
+
+
+def validate_listen(cfg: Config, file: str) -> None:
+    """`http.listen` must be host:port."""
+    _host, sep, port = cfg.http.listen.rpartition(":")
+    if not sep or not port.isdigit() or len(port) > 5 or not 0 <= int(port) <= 65535:
+        raise ConfigError(file, "http.listen", f"must be host:port, got {cfg.http.listen!r}")
+
+
+def check_alertmanager(cfg: Config, file: str) -> None:
+    """URLs (never with credentials in them), static labels and the auth choice."""
+    am = cfg.alertmanager
+    errors: list[ConfigError] = []
+    for i, url in enumerate(am.urls):
+        key = f"alertmanager.urls[{i}]"
+        try:
+            parts = urllib.parse.urlsplit(url)
+            port = parts.port  # raises ValueError when out of range
+        except ValueError as exc:
+            errors.append(ConfigError(file, key, f"not a URL: {exc}"))
+            continue
+        if "@" in parts.netloc:
+            # Never echo the URL: it holds a secret.
+            errors.append(
+                ConfigError(
+                    file,
+                    key,
+                    "credentials in the URL are not allowed (they would leak into metrics,"
+                    " /status and logs); use alertmanager.basic_auth_user and"
+                    " alertmanager.basic_auth_password_file, or bearer_token_file",
+                )
+            )
+        elif parts.scheme not in ("http", "https") or not parts.hostname or port == 0:
+            errors.append(ConfigError(file, key, f"must be http(s)://host[:port], got {url!r}"))
+    for name, value in am.static_labels.items():
+        key = f"alertmanager.static_labels.{name}"
+        if not LABEL_NAME.fullmatch(name) or name.startswith("__"):
+            errors.append(ConfigError(file, key, "invalid label name"))
+        elif name in RESERVED_LABELS:
+            errors.append(ConfigError(file, key, "reserved label name"))
+        elif not value:
+            errors.append(ConfigError(file, key, "empty value"))
+    if am.basic_auth_user and am.bearer_token_file:
+        errors.append(
+            ConfigError(file, "alertmanager.bearer_token_file", "use basic auth or a token")
+        )
+    raise_all(errors)
+
+
+def check_xid_codes(cfg: Config, file: str) -> None:
+    """`xid.overrides` / `xid.sxid_overrides` keys are codes (0..65535)."""
+    errors: list[ConfigError] = []
+    for key in ("overrides", "sxid_overrides"):
+        for name in getattr(cfg.xid, key):
+            if not (name.isdigit() and len(name) <= 5 and int(name) <= MAX_CODE):
+                errors.append(ConfigError(file, f"xid.{key}.{name}", "must be a numeric code"))
+    raise_all(errors)
+
+
+def check_state_dir(cfg: Config, file: str) -> None:
+    """The state dir is writable, or can be created (it is not created here)."""
+    path = os.path.abspath(cfg.daemon.state_dir)
+    probe = path
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        raise ConfigError(
+            file, "daemon.state_dir", f"cannot create {path}: {probe} is not a directory"
+        )
+    if not os.access(probe, os.W_OK | os.X_OK):
+        problem = f"{path} is not writable"
+        if probe != path:
+            problem = f"cannot create {path}: {probe} is not writable"
+        raise ConfigError(file, "daemon.state_dir", problem)

@@ -1,0 +1,130 @@
+"""What keeps the event store honest when its disk is not: held writes, quarantine, lock.
+
+- `HeldWrites`: events (and the cursor that goes with them) that could not
+  be written yet, bounded; when full the oldest info-level events go first,
+  then warnings, and a critical event is never dropped.
+- `quarantine()`: move a corrupt database aside under a timestamped name.
+- `StateDirLock`: an advisory lock so two daemons never share a state dir.
+- `dir_identity()`: (device, inode) of the state dir, to notice it was
+  deleted or replaced while the daemon runs.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import time
+from collections.abc import Mapping, Sequence
+
+from gpuwatchd.model import Event, Severity
+
+__all__ = ["HeldWrites", "LOCK_NAME", "StateDirLock", "dir_identity", "quarantine"]
+
+LOCK_NAME = "gpuwatchd.lock"
+Row = tuple[Event, str, int]
+
+
+class HeldWrites:
+    """Rows and cursors waiting for the store to accept them, oldest first."""
+
+    def __init__(self, limit: int = 10000) -> None:
+        self.limit = limit
+        self.rows: list[Row] = []
+        self.cursors: dict[str, str] = {}
+        self.dropped = 0  # info/warning rows given up to stay within the limit
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, rows: Sequence[Row], cursors: Mapping[str, str]) -> None:
+        """Hold these rows; a later cursor for a source replaces the earlier one."""
+        self.rows.extend(rows)
+        self.cursors.update((k, v) for k, v in cursors.items() if v)
+        for severity in (Severity.INFO, Severity.WARNING):
+            if len(self.rows) <= self.limit:
+                break
+            self._drop(severity, len(self.rows) - self.limit)
+
+    def _drop(self, severity: Severity, excess: int) -> None:
+        kept: list[Row] = []
+        for row in self.rows:
+            if excess and row[0].severity <= severity:
+                excess -= 1
+                self.dropped += 1
+                continue
+            kept.append(row)
+        self.rows = kept
+
+    def take(self) -> tuple[list[Row], dict[str, str]]:
+        """Everything held, emptied; `restore()` puts it back if the write fails again."""
+        rows, cursors = self.rows, self.cursors
+        self.rows, self.cursors = [], {}
+        return rows, cursors
+
+    def restore(self, rows: Sequence[Row], cursors: Mapping[str, str]) -> None:
+        """Put back rows taken by `take()` ahead of anything held since."""
+        newer, newer_cursors = self.rows, self.cursors
+        self.rows, self.cursors = [], dict(cursors)
+        self.add([*rows, *newer], newer_cursors)
+
+
+def quarantine(path: str, now: float | None = None) -> str:
+    """Rename a corrupt database (and its WAL files) aside; returns the new name."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(time.time() if now is None else now))
+    target = f"{path}.corrupt-{stamp}"
+    n = 1
+    while os.path.exists(target):
+        n += 1
+        target = f"{path}.corrupt-{stamp}-{n}"
+    os.replace(path, target)
+    for suffix in ("-wal", "-shm"):
+        try:
+            os.replace(path + suffix, target + suffix)
+        except FileNotFoundError:
+            pass
+    return target
+
+
+def dir_identity(path: str) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of a directory, None when it is gone."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+class StateDirLock:
+    """flock(2) on <state dir>/gpuwatchd.lock holding the owner's pid.
+
+    The kernel drops the lock when the process dies, so a kill -9 never
+    leaves a stale lock behind.
+    """
+
+    def __init__(self, state_dir: str) -> None:
+        self.path = os.path.join(state_dir, LOCK_NAME)
+        self._fd: int | None = None
+
+    def acquire(self) -> int | None:
+        """Take the lock; None on success, else the pid of the holder (0 if unknown)."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                os.close(fd)
+                raise
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            os.close(fd)
+            return int(holder) if holder.isdigit() else 0
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        return None
+
+    def release(self) -> None:
+        """Drop the lock (the file stays; its content is only a hint)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

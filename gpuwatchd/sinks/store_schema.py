@@ -1,0 +1,172 @@
+"""The event store's schema migrations and its metrics, kept apart from the store's code."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+from gpuwatchd.model import Event, MetricSpec
+
+__all__ = [
+    "ATTRIBUTION_KEYS",
+    "METRICS",
+    "MIGRATIONS",
+    "SCHEMA_VERSION",
+    "STORE_OPS",
+    "upsert_event",
+]
+
+# Each entry moves the schema one version up; never edit a released one.
+MIGRATIONS: tuple[str, ...] = (
+    """
+    CREATE TABLE events (
+        id INTEGER PRIMARY KEY,
+        time REAL NOT NULL,
+        last_time REAL NOT NULL,
+        boot_id TEXT NOT NULL DEFAULT '',
+        sequence INTEGER,
+        kind TEXT NOT NULL,
+        source TEXT NOT NULL,
+        code INTEGER,
+        pci_bus_id TEXT NOT NULL DEFAULT '',
+        gpu TEXT NOT NULL DEFAULT '',
+        uuid TEXT NOT NULL DEFAULT '',
+        pid INTEGER,
+        process TEXT NOT NULL DEFAULT '',
+        severity TEXT NOT NULL,
+        action TEXT NOT NULL DEFAULT '',
+        name TEXT NOT NULL DEFAULT '',
+        message TEXT NOT NULL DEFAULT '',
+        attribution TEXT NOT NULL DEFAULT '{}',
+        raw TEXT NOT NULL DEFAULT '',
+        attrs TEXT NOT NULL DEFAULT '{}',
+        count INTEGER NOT NULL DEFAULT 1,
+        burst_id TEXT UNIQUE
+    );
+    CREATE INDEX events_time ON events (time);
+    CREATE INDEX events_boot ON events (boot_id);
+    CREATE TABLE cursors (
+        source TEXT PRIMARY KEY,
+        cursor TEXT NOT NULL,
+        updated REAL NOT NULL
+    );
+    CREATE TABLE clears (
+        id INTEGER PRIMARY KEY,
+        time REAL NOT NULL,
+        who TEXT NOT NULL,
+        kind TEXT NOT NULL DEFAULT 'xid',
+        pci_bus_id TEXT NOT NULL DEFAULT '',
+        code INTEGER,
+        reason TEXT NOT NULL DEFAULT '',
+        reset INTEGER NOT NULL DEFAULT 0,
+        boot_id TEXT NOT NULL DEFAULT ''
+    );
+    CREATE INDEX clears_time ON clears (time);
+    """,
+    # The health engine's memory (the GPU count baseline). Older files kept it in the
+    # alert outbox's table of the same name and shape, so IF NOT EXISTS keeps their rows.
+    """
+    CREATE TABLE IF NOT EXISTS health_memory (
+        key TEXT PRIMARY KEY,
+        value TEXT NOT NULL
+    );
+    """,
+)
+SCHEMA_VERSION = len(MIGRATIONS)
+
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        "gpuwatchd_event_store_errors_total",
+        "counter",
+        "event store failures by operation: write (retried; events held in memory), open,"
+        " reject (a record that cannot be stored, e.g. a number out of range), state_dir"
+        " (the state directory vanished or was replaced and was re-created)",
+        ("op",),
+    ),
+    MetricSpec(
+        "gpuwatchd_event_store_up",
+        "gauge",
+        "1 while the event store accepts writes; 0 while events are held in memory",
+    ),
+    MetricSpec(
+        "gpuwatchd_event_store_held_events",
+        "gauge",
+        "events waiting in memory for the store to accept them",
+    ),
+    MetricSpec(
+        "gpuwatchd_event_store_dropped_events_total",
+        "counter",
+        "info/warning events given up because too many were held in memory (never critical)",
+    ),
+    MetricSpec(
+        "gpuwatchd_event_store_quarantined_total",
+        "counter",
+        "corrupt database files moved aside (renamed with a timestamp) and replaced by a fresh one",
+    ),
+)
+STORE_OPS = ("write", "open", "reject", "state_dir")
+
+ATTRIBUTION_KEYS = (
+    "attribution",
+    "pod_uid",
+    "container_id",
+    "slurm_job",
+    "slurm_step",
+    "slurm_uid",
+    "unit",
+    "cgroup",
+)
+
+
+def _int(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def upsert_event(db: sqlite3.Connection, rec: tuple[Event, str, int]) -> None:
+    """Insert one (event, burst_id, reports) row, or bump the count of its burst."""
+    ev, burst_id, reports = rec
+    attrs = dict(ev.attrs)
+    attribution = {k: attrs[k] for k in ATTRIBUTION_KEYS if attrs.get(k)}
+    last = ev.time
+    db.execute(
+        """INSERT INTO events (time, last_time, boot_id, sequence, kind, source, code,
+               pci_bus_id, gpu, uuid, pid, process, severity, action, name, message,
+               attribution, raw, attrs, count, burst_id)
+           VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+           ON CONFLICT(burst_id) DO UPDATE SET
+               count = excluded.count,
+               last_time = max(last_time, excluded.last_time),
+               -- the same first time: more lines of one report (the pid line of an Xid 13)
+               pid = CASE WHEN excluded.time = time THEN excluded.pid ELSE pid END,
+               process = CASE WHEN excluded.time = time THEN excluded.process ELSE process END,
+               message = CASE WHEN excluded.time = time THEN excluded.message ELSE message END,
+               attribution = CASE WHEN excluded.time = time
+                   THEN excluded.attribution ELSE attribution END,
+               attrs = CASE WHEN excluded.time = time THEN excluded.attrs ELSE attrs END""",
+        (
+            ev.time,
+            last,
+            attrs.get("boot_id", ""),
+            _int(attrs.get("sequence", "")),
+            ev.kind,
+            ev.source,
+            ev.code,
+            ev.pci_bus_id,
+            attrs.get("gpu", ""),
+            attrs.get("uuid", ""),
+            _int(attrs.get("pid", "")),
+            attrs.get("process", ""),
+            str(ev.severity),
+            attrs.get("action", ""),
+            attrs.get("name", ""),
+            ev.message,
+            json.dumps(attribution, sort_keys=True),
+            attrs.get("raw", ""),
+            json.dumps(attrs, sort_keys=True),
+            max(reports, ev.count),
+            burst_id or None,
+        ),
+    )
