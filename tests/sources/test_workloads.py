@@ -17,7 +17,11 @@ from gpuwatchd.errors import SourceError
 from gpuwatchd.sources.workloads.environ import parse_environ, read_torch_env
 from gpuwatchd.sources.workloads.podresources import PodResourcesClient, device_key
 from gpuwatchd.sources.workloads.slurm import SlurmJobs, parse_jobs
-from gpuwatchd.sources.workloads.source import WorkloadSource, workloads_from_status
+from gpuwatchd.sources.workloads.source import (
+    WorkloadSource,
+    workloads_from_status,
+    workloads_on_gpus,
+)
 from tests.slurm_cluster import SlurmCluster, slurm_cluster
 from tests.workload_servers import PodResourcesServer
 
@@ -148,6 +152,7 @@ def test_slurm_job_name_and_user_from_a_real_slurmctld(slurm: SlurmCluster) -> N
         "root",
         "debug",
     )
+    assert jobs.errors == {}  # scontrol without --json (before 23.02) is no error: squeue answers
     calls = jobs.calls
     assert jobs.lookup(job, now=1.0) == found and jobs.calls == calls  # cached per job
     assert jobs.lookup("999999", now=2.0) is None
@@ -247,6 +252,11 @@ def test_source_names_pod_slurm_job_and_ranks(
     status = src.status()
     assert workloads_from_status(status) == list(src.workloads())
     assert "SECRET" not in repr(status) and status["kubelet"] == "ok"
+    held = workloads_on_gpus(status, [GPU1])
+    assert [w["pod"] for w in held] == ["llama-train-0"]
+    assert [
+        w["slurm_job"] for w in workloads_on_gpus(status, ["0000:03:00.0"]) if "slurm_job" in w
+    ] == [job]
     assert kubelet.calls == {"List": 1}  # one List per poll
     # an exited process stays attributable for a while
     index["0000:02:00.0"] = gpu(1, GPU1, [])

@@ -105,12 +105,13 @@ class SlurmJobs:
 
     def _ask(self, job_id: str) -> SlurmJob | None:
         if self._scontrol_json and self._which("scontrol") is not None:
-            out, err = self._run(["scontrol", "show", "job", "--json", job_id])
+            out, err = self._run(["scontrol", "show", "job", "--json", job_id], probe=True)
             if out is not None:
                 return parse_jobs(out, job_id)
             if "unrecognized option" in err or "invalid option" in err:
                 self._scontrol_json = False  # before 23.02: ask squeue from now on
             else:
+                self._count("exit")
                 return None
         if self._which("squeue") is None:
             self._count("absent")
@@ -118,7 +119,8 @@ class SlurmJobs:
         out, _ = self._run(["squeue", "--json", "--jobs", job_id])
         return parse_jobs(out, job_id) if out is not None else None
 
-    def _run(self, args: list[str]) -> tuple[str | None, str]:
+    def _run(self, args: list[str], probe: bool = False) -> tuple[str | None, str]:
+        """stdout, or None and stderr's tail; `probe` leaves a non-zero exit to the caller."""
         self.calls += 1
         try:
             res = subprocess.run(
@@ -137,7 +139,8 @@ class SlurmJobs:
             self._count("exec")
             return None, ""
         if res.returncode != 0:
-            self._count("exit")
+            if not probe:
+                self._count("exit")
             return None, res.stderr[-500:]
         return res.stdout, ""
 

@@ -27,7 +27,13 @@ if TYPE_CHECKING:
     from gpuwatchd.config import Config
     from gpuwatchd.sources import SourceContext
 
-__all__ = ["METRICS", "WorkloadSource", "workload_json", "workloads_from_status"]
+__all__ = [
+    "METRICS",
+    "WorkloadSource",
+    "workload_json",
+    "workloads_from_status",
+    "workloads_on_gpus",
+]
 
 log = logging.getLogger("gpuwatchd.sources.workloads")
 
@@ -317,4 +323,15 @@ def workloads_from_status(status: Mapping[str, object]) -> list[Workload]:
             )
             fields = {k: v for k, v in item.items() if k not in ("processes", "gpus")}
             out.append(Workload(**fields, processes=procs, gpus=tuple(item.get("gpus") or ())))
+    return out
+
+
+def workloads_on_gpus(status: Mapping[str, object], gpus: Sequence[str]) -> list[dict[str, object]]:
+    """The workloads (JSON form) holding any of `gpus` (UUIDs or PCI bus ids), current only."""
+    wanted = {g for g in gpus if g}
+    out = []
+    for w in workloads_from_status({"workloads": status.get("workloads")}):
+        held = set(w.gpus) | {p.uuid for p in w.processes} | {p.pci_bus_id for p in w.processes}
+        if held & wanted:
+            out.append(workload_json(w))
     return out
