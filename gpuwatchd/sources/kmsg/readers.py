@@ -20,9 +20,9 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 from gpuwatchd.errors import SourceError
+from gpuwatchd.sources.kmsg.parse import MAX_RECORD
 
 __all__ = [
-from gpuwatchd.sources.kmsg.parse import MAX_RECORD
     "FileReader",
     "KmsgReader",
     "Line",
@@ -231,7 +231,6 @@ def _as_int(value: object, default: int) -> int:
 
 # --- plain file or pipe ---------------------------------------------------------
 
-        self._skipped = 0
 
 class FileReader:
     """Follow a text file (`dmesg -w > file`, syslog) or a FIFO, across rotation.
@@ -289,6 +288,7 @@ class FileReader:
         self._id = (st.st_dev, st.st_ino)
         self._offset = 0
         self._buf = b""
+        self._skipped = 0
         self._poll = select.poll()
         self._poll.register(fd, select.POLLIN)
 
