@@ -19,11 +19,11 @@ from typing import Any
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config
 from gpuwatchd.health import engine as engine_mod
+from gpuwatchd.health import storage as _storage  # noqa: F401 (registers its rule)
 from gpuwatchd.health.engine import HealthEngine
 from gpuwatchd.health.xid.stage import METRICS as XID_METRICS
 from gpuwatchd.health.xid.stage import XidStage
 from gpuwatchd.http.endpoints import events_route
-from gpuwatchd.health import storage as _storage  # noqa: F401 (registers its rule)
 from gpuwatchd.http.server import Route
 from gpuwatchd.model import MetricSpec, Sample
 from gpuwatchd.sinks import store
@@ -72,6 +72,7 @@ CONSUMER_METRICS: tuple[MetricSpec, ...] = (
     *engine_mod.METRICS,
     *alertmanager.METRICS,
     *remediation.METRICS,
+    *store.METRICS,
 )
 
 
@@ -80,7 +81,6 @@ def node_name(cfg: Config) -> str:
     return cfg.daemon.node_name or os.environ.get("GPUWATCHD_NODE_NAME") or socket.gethostname()
 
 
-    *store.METRICS,
 def source_names(cfg: Config) -> list[str]:
     return [name for name in registry() if enabled(cfg, name)]
 
