@@ -1,6 +1,8 @@
 """The pipeline, wired in one place: sources -> state -> consumers -> sinks.
 
-`Pipeline` holds the long-lived consumers (event store, Xid stage, health
+The daemon and `gpuwatchd check` build theirs here: `Pipeline` (consumer
+thread, store, sinks) and `Consumers` (the same chain, one-shot, over the
+store read-only). `Pipeline` holds the long-lived consumers (event store, Xid stage, health
 engine, alert sink). They keep memory that must survive a SIGHUP (open
 conditions, `startsAt` of firing alerts, the kernel log cursor), so they are
 built once per process and only reconfigured on reload. `SourceSet` holds the
@@ -9,6 +11,7 @@ sources and their runner, which a reload rebuilds.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -18,6 +21,7 @@ from typing import Any
 
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config
+from gpuwatchd.errors import GpuwatchdError, StoreError
 from gpuwatchd.health import engine as engine_mod
 from gpuwatchd.health import storage as _storage  # noqa: F401 (registers its rule)
 from gpuwatchd.health.engine import HealthEngine
@@ -25,7 +29,7 @@ from gpuwatchd.health.xid.stage import METRICS as XID_METRICS
 from gpuwatchd.health.xid.stage import XidStage
 from gpuwatchd.http.endpoints import events_route
 from gpuwatchd.http.server import Route
-from gpuwatchd.model import MetricSpec, Sample
+from gpuwatchd.model import Clear, Event, MetricSpec, Sample
 from gpuwatchd.sinks import store
 from gpuwatchd.sinks.alertmanager import sink as alertmanager
 from gpuwatchd.sinks.alertmanager.sink import AlertSink
@@ -38,11 +42,15 @@ from gpuwatchd.state import Publish, PublishQueue, State
 
 __all__ = [
     "CONSUMER_METRICS",
+    "Consumers",
     "PIPELINE_METRICS",
     "Pipeline",
     "SourceSet",
+    "StoreReader",
     "TICK_SECONDS",
     "node_name",
+    "one_shot_config",
+    "open_store_reader",
     "source_names",
 ]
 
@@ -85,21 +93,86 @@ def source_names(cfg: Config) -> list[str]:
     return [name for name in registry() if enabled(cfg, name)]
 
 
-class Pipeline:
-    """Event store -> Xid stage -> health engine -> alert sink, on one consumer thread.
+class Consumers:
+    """The consumer chain without a thread or sinks: Xid stage, then health engine.
 
-    Source threads only publish to the State; its one listener puts the
-    publish on a `PublishQueue`. The consumer thread takes what waits and
-    runs, for each source's publish in arrival order, the steps of
-    `STEPS`: the Xid stage (merge, track, and write events with the kernel
-    log cursor to the store in one transaction), then the health engine
-    (rules; open findings go to the alert sink's outbox). About once a
-    second it runs the tick (NVML merge releases, operator clears, hold
-    times and expiries) and publishes the consumer's and the sink's own
-    samples. A step that raises is logged and counted; the thread goes on.
+    Publishes wait on a `PublishQueue` (State's listener); `_consume` runs,
+    for each source's publish in arrival order, the steps of `STEPS`: the
+    Xid stage (merge, track, and write events with the kernel log cursor to
+    the store in one transaction), then the health engine (rules; open
+    findings go to its listeners). A step that raises is logged and counted.
+    The daemon's `Pipeline` adds the consumer thread and the sinks; `check`
+    uses this chain as is, one-shot, over the daemon's store read-only.
     """
 
     STEPS = ("xid", "health")
+
+    def __init__(
+        self,
+        cfg: Config,
+        state: State,
+        clock: Clock,
+        store: EventStore | StoreReader | None,
+        source_names: Iterable[str],
+        one_shot: bool = False,
+    ) -> None:
+        self.cfg = cfg
+        self._state = state
+        self._clock = clock
+        self.store = store
+        self.xids = XidStage.from_config(cfg, state.publish_extra, store, clock)
+        self.engine = HealthEngine(
+            cfg,
+            clock,
+            state,
+            xids=self.xids.active,
+            expected_sources=list(source_names),
+            clears=engine_mod.store_clears(store) if store is not None else None,
+            baseline_gpus=_baseline(cfg, store),
+            on_baseline=None if one_shot or store is None else store.save_gpu_baseline,
+            log_transitions=not one_shot,  # `check` reports what it found itself
+        )
+        self.xids.log_reports = not one_shot
+        self._one_shot = one_shot
+        self.queue = PublishQueue()
+        self._lock = threading.Lock()  # one step at a time: the consumer or a reload
+        self._errors = dict.fromkeys((*self.STEPS, "tick"), 0)
+        state.subscribe(self.queue.offer)
+
+    def drain(self) -> None:
+        """Consume every publish waiting, in the caller's thread (one-shot use)."""
+        self._consume(self.queue.take(0.0))
+        if self._one_shot:
+            self._guarded("xid", self.xids.replay_clears)
+
+    def _consume(self, batch: Sequence[Publish]) -> None:
+        if not batch:
+            return
+        steps = (("xid", self.xids.on_publish), ("health", self.engine.on_publish))
+        for item in batch:
+            for name, step in steps:
+                self._guarded(name, step, self._state.snapshot(), item.source, item.events)
+        self.queue.done(max(item.seq for item in batch))
+
+    def _guarded(self, name: str, step: Callable[..., object], *args: object) -> None:
+        with self._lock:
+            try:
+                step(*args)
+            except Exception:  # a bug in one step must not stop the consumer
+                self._errors[name] = self._errors.get(name, 0) + 1
+                log.exception("consumer step %s raised", name)
+
+
+class Pipeline(Consumers):
+    """Event store -> Xid stage -> health engine -> alert sink, on one consumer thread.
+
+    Source threads only publish to the State; its one listener puts the
+    publish on the `PublishQueue`. The consumer thread takes what waits and
+    runs the steps (see `Consumers`). About once a second it runs the tick
+    (NVML merge releases, operator clears, hold times and expiries) and
+    publishes the consumer's and the sink's own samples. Sinks only read:
+    the alert sink's outbox and its sender threads are its own.
+    """
 
     def __init__(
         self,
@@ -110,35 +183,18 @@ class Pipeline:
         listen_port: int,
         source_names: Iterable[str],
     ) -> None:
-        self.cfg = cfg
-        self._state = state
-        self._clock = clock
         self._node = node
         self._port = listen_port
-        self.store = EventStore.from_config(cfg, clock.time)
-        self.xids = XidStage.from_config(cfg, state.publish_extra, self.store, clock)
+        self.store: EventStore = EventStore.from_config(cfg, clock.time)
+        super().__init__(cfg, state, clock, self.store, source_names)
         self.sink = self._new_sink(cfg)
-        self.engine = HealthEngine(
-            cfg,
-            clock,
-            state,
-            xids=self.xids.active,
-            expected_sources=list(source_names),
-            clears=engine_mod.store_clears(self.store),
-            baseline_gpus=self.store.load_gpu_baseline(),
-            on_baseline=self.store.save_gpu_baseline,
-        )
         self.engine.add_listener(self.sink.update)
         self.remediation = RemediationSink(cfg, clock, node, self.store, state)
         self.engine.add_listener(self.remediation.update)
-        self.queue = PublishQueue()
-        self._lock = threading.Lock()  # one step at a time: the consumer or a reload
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._heartbeat = clock.monotonic()
-        self._errors = dict.fromkeys((*self.STEPS, "tick"), 0)
         self._sink_published: tuple[int, int] = (-1, -1)
-        state.subscribe(self.queue.offer)
 
     def _new_sink(self, cfg: Config) -> AlertSink:
         db = os.path.join(cfg.daemon.state_dir, store.DB_NAME)
@@ -177,23 +233,6 @@ class Pipeline:
                 next_tick = self._clock.monotonic() + TICK_SECONDS
             self._heartbeat = self._clock.monotonic()
         self._consume(self.queue.take(0.0))  # what sources published before they stopped
-
-    def _consume(self, batch: Sequence[Publish]) -> None:
-        if not batch:
-            return
-        steps = (("xid", self.xids.on_publish), ("health", self.engine.on_publish))
-        for item in batch:
-            for name, step in steps:
-                self._guarded(name, step, self._state.snapshot(), item.source, item.events)
-        self.queue.done(max(item.seq for item in batch))
-
-    def _guarded(self, name: str, step: Callable[..., object], *args: object) -> None:
-        with self._lock:
-            try:
-                step(*args)
-            except Exception:  # a bug in one step must not stop the consumer
-                self._errors[name] = self._errors.get(name, 0) + 1
-                log.exception("consumer step %s raised", name)
 
     def tick(self) -> None:
         """About once a second on the consumer thread: expiries, hold times, operator clears."""
@@ -259,12 +298,79 @@ class Pipeline:
         self.store.close()
 
 
+class StoreReader:
+    """The daemon's event store as `check` uses it: read, never written."""
+
+    def __init__(self, store: EventStore) -> None:
+        self._store = store
+
+    def write(
+        self, records: Sequence[tuple[Event, str, int]], cursors: Mapping[str, str] | None = None
+    ) -> None:
+        """Nothing: the daemon owns the events and the kernel log cursor."""
+
+    def events_since(self, since: float) -> list[Event]:
+        return self._store.events_since(since)
+
+    def clears_since(self, since: float) -> list[Clear]:
+        return self._store.clears_since(since)
+
+    def clears_after(self, clear_id: int) -> list[Clear]:
+        return self._store.clears_after(clear_id)
+
+    def add_clear(self, who: str, **fields: Any) -> Clear:
+        raise StoreError("a one-shot check does not record clears")
+
+    def load_gpu_baseline(self) -> int:
+        return self._store.load_gpu_baseline()
+
+    def save_gpu_baseline(self, count: int) -> None:
+        """Nothing: the baseline is the daemon's."""
+
+    def close(self) -> None:
+        self._store.close()
+
+
+def open_store_reader(cfg: Config, notes: list[str]) -> StoreReader | None:
+    """The daemon's store under daemon.state_dir, if there is one; why not in `notes`."""
+    path = os.path.join(cfg.daemon.state_dir, store.DB_NAME)
+    if not os.path.exists(path):
+        return None
+    if not os.access(path, os.W_OK):  # SQLite in WAL mode needs write access to read
+        notes.append(f"cannot open {path} (operator clears not applied): not writable")
+        return None
+    try:
+        return StoreReader(EventStore.from_config(cfg))
+    except GpuwatchdError as exc:
+        notes.append(f"event store: {exc} (operator clears not applied)")
+        return None
+
+
+def _baseline(cfg: Config, store: EventStore | StoreReader | None) -> int:
+    if store is None or cfg.health.expected_gpus:
+        return 0
+    try:
+        return store.load_gpu_baseline()
+    except GpuwatchdError as exc:
+        log.warning("GPU count baseline unavailable: %s", exc)
+        return 0
+
+
+def one_shot_config(cfg: Config) -> Config:
+    """No `for:` delays, no failure grace, no NVML hold: a check reports what is true now."""
+    zero = {name: 0.0 for name in {**cfg.health.for_seconds, **type(cfg.health)().for_seconds}}
+    health = dataclasses.replace(cfg.health, for_seconds=zero, collector_failure_seconds=0.0)
+    xid = dataclasses.replace(cfg.xid, nvml_hold=0.0)
+    return dataclasses.replace(cfg, health=health, xid=xid)
+
+
 class SourceSet:
     """The enabled sources and the runner that polls them, built from one config."""
 
     def __init__(
         self, cfg: Config, state: State, clock: Clock, pipeline: Pipeline | None = None
     ) -> None:
+        """`pipeline` None: sources start from scratch (no stored cursor), as `check` does."""
         self.cfg = cfg
         self.state = state
         self.clock = clock

@@ -1,17 +1,15 @@
-"""`gpuwatchd check` (one-shot health verdict) and `gpuwatchd clear` (operator clears).
+"""`gpuwatchd check`: a one-shot health verdict from the daemon's own pipeline.
 
-`check` runs every enabled source once in its own thread under one overall
-deadline, so a hung NVML cannot block it; the kernel log source reads
-what the ring buffer holds for this boot. It evaluates the same rules as
-the daemon (without `for:` delays: the check reports what is true now)
-and exits with the monitoring-plugin convention: 0 OK, 1 WARNING,
-2 CRITICAL, 3 UNKNOWN (a source could not be read). `--format npd`
+`check` builds the sources and the consumer chain with the daemon's
+wiring (gpuwatchd/pipeline.py), polls every enabled source once in its own
+thread under one overall deadline, so a hung NVML cannot block it; the
+kernel log source reads what the ring buffer holds for this boot. The
+chain runs one-shot (without `for:` delays: the check reports what is true
+now) over the daemon's store, read and never written. It exits with the
+monitoring-plugin convention: 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN (a
+source could not be read). `--format npd`
 follows node-problem-detector's custom plugin contract: 0 OK, 1 problem,
 2 unknown, one short line.
-
-`clear` records who (SUDO_USER or USER) cleared what, and when, in the
-event store. The running daemon reads new clears every loop tick and
-applies them to the Xid tracker and the health engine's sticky memory.
 """
 
 from __future__ import annotations
@@ -20,11 +18,9 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import sys
 import threading
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,10 +29,9 @@ from gpuwatchd.clock import Clock, SystemClock
 from gpuwatchd.config import Config
 from gpuwatchd.errors import GpuwatchdError
 from gpuwatchd.health import alerts
-from gpuwatchd.health.engine import HealthEngine
 from gpuwatchd.health.rollup import finding_json
-from gpuwatchd.model import Event, Finding, Severity, SourceSnapshot
-from gpuwatchd.sources import Source, SourceContext, build_sources
+from gpuwatchd.model import Finding, Severity, SourceSnapshot
+from gpuwatchd.sources import Source
 from gpuwatchd.sources.runner import Runner
 from gpuwatchd.state import State
 
@@ -47,7 +42,6 @@ log = logging.getLogger("gpuwatchd.check")
 EXIT = {"OK": 0, "WARNING": 1, "CRITICAL": 2, "UNKNOWN": 3}
 NPD_MAX = 80  # node-problem-detector's default max_output_length
 SKIPPED = frozenset({"udev"})  # only nudges other sources; nothing to check once
-DB_NAME = "gpuwatchd.db"
 
 
 def register(subparsers: Any) -> None:
@@ -60,6 +54,11 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--config", metavar="FILE", help="YAML config (default: built-in defaults)")
     p.add_argument("--nvml-replay", metavar="FILE", help="replay a recorded NVML capture")
+    p.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="the daemon's daemon.state_dir, whose store is read (clears, baseline, Xids)",
+    )
     p.add_argument("--json", action="store_true", help="same as --format json")
     p.add_argument(
         "--format",
@@ -121,43 +120,28 @@ class Polled:
 class Collected:
     state: State
     polled: dict[str, Polled]
-    events: list[Event] = field(default_factory=list)
 
 
 def collect(
-    cfg: Config, clock: Clock, timeout: float, only: Sequence[str] | None = None
+    cfg: Config,
+    clock: Clock,
+    timeout: float,
+    only: Sequence[str] | None = None,
+    state: State | None = None,
 ) -> Collected:
-    """Build the enabled sources and poll each once, in parallel, within `timeout`."""
+    """Build the enabled sources as the daemon does and poll each once, in parallel,
+    within `timeout`; what they publish goes to `state` (and its listeners)."""
+    from gpuwatchd.pipeline import SourceSet  # late: the pipeline pulls in sinks and HTTP
+
     deadline = clock.monotonic() + timeout
-    state = State()
+    state = state if state is not None else State()
     out = Collected(state, {})
-    lock = threading.Lock()
-
-    def on_publish(_snap: object, _src: object, events: tuple[Event, ...]) -> None:
-        with lock:
-            out.events.extend(events)
-
-    state.subscribe(on_publish)
-
-    def gpu_index() -> Mapping[str, Mapping[str, str]]:
-        nvml = state.snapshot().sources.get("nvml")
-        gpus = nvml.status.get("gpus") if nvml is not None else None
-        return gpus if isinstance(gpus, Mapping) else {}
-
-    ctx = SourceContext(
-        clock=clock, log=logging.getLogger("gpuwatchd.sources"), gpu_index=gpu_index
-    )
-    built: list[Source] = []
-
-    def build() -> None:
-        built.extend(
-            s
-            for s in build_sources(cfg, ctx)
-            if s.name not in SKIPPED and (only is None or s.name in only)
-        )
-
-    _within(build, deadline, clock)
-    runner = Runner(built, state, clock)
+    sources: list[SourceSet] = []
+    _within(lambda: sources.append(SourceSet(cfg, state, clock)), deadline, clock)
+    runner = sources[0].runner
+    built = [
+        s for s in runner.sources if s.name not in SKIPPED and (only is None or s.name in only)
+    ]
     threads = []
     for source in built:
         polled = out.polled[source.name] = Polled(source.name)
@@ -176,8 +160,8 @@ def collect(
         if polled.snapshot is None:
             # The rules must see the source as failing (e.g. NVML hung with GPUs expected).
             state.publish(SourceSnapshot(polled.name, (), False, "timeout", timestamp=clock.time()))
-    for source in built:
-        if out.polled[source.name].snapshot is not None:
+    for source in runner.sources:
+        if source.name not in out.polled or out.polled[source.name].snapshot is not None:
             _close_quietly(source)
     return out
 
@@ -246,30 +230,29 @@ class Verdict:
         return EXIT[self.status]
 
 
-def one_shot_config(cfg: Config) -> Config:
-    """No `for:` delays and no failure grace: a check reports what is true now."""
-    zero = {name: 0.0 for name in {**cfg.health.for_seconds, **type(cfg.health)().for_seconds}}
-    health = dataclasses.replace(cfg.health, for_seconds=zero, collector_failure_seconds=0.0)
-    return dataclasses.replace(cfg, health=health)
-
-
 def check(cfg: Config, clock: Clock | None = None, timeout: float = 30.0) -> Verdict:
-    """Collect, evaluate and judge; never raises for a source that misbehaves."""
+    """Collect, evaluate and judge; never raises for a source that misbehaves.
+
+    The chain is the daemon's (`pipeline.Consumers`), one-shot: no `for:`
+    delays, and the daemon's store (under daemon.state_dir) read, never
+    written: its operator clears, GPU count baseline and Xids of this boot.
+    """
+    from gpuwatchd.pipeline import Consumers, node_name, one_shot_config, open_store_reader
+
     clock = clock or SystemClock()
-    got = collect(cfg, clock, timeout)
     notes: list[str] = []
-    xids = _xid_conditions(cfg, got.events, notes)
-    engine = HealthEngine(
-        one_shot_config(cfg),
-        clock,
-        None,
-        xids=lambda now: xids,
-        baseline_gpus=_stored_baseline(cfg, notes),
-        log_transitions=False,
-    )
-    snap = got.state.snapshot()
-    stamps = [s.timestamp for s in snap.sources.values() if s.timestamp]
-    findings = engine.evaluate(snap, now=max(stamps, default=clock.time()))
+    state = State()
+    store = open_store_reader(cfg, notes)
+    try:
+        chain = Consumers(one_shot_config(cfg), state, clock, store, (), one_shot=True)
+        got = collect(cfg, clock, timeout, state=state)
+        chain.drain()
+        snap = state.snapshot()
+        stamps = [s.timestamp for s in snap.sources.values() if s.timestamp]
+        findings = chain.engine.evaluate(snap, now=max(stamps, default=clock.time()))
+    finally:
+        if store is not None:
+            store.close()
     worst = max((f.severity for f in findings), default=Severity.OK)
     unreadable = [p for p in got.polled.values() if not p.readable]
     if worst >= Severity.CRITICAL:
@@ -280,66 +263,7 @@ def check(cfg: Config, clock: Clock | None = None, timeout: float = 30.0) -> Ver
         status = "WARNING"
     else:
         status = "OK"
-    gpus = engine.gpu_count()
-    node = _node(cfg)
-    return Verdict(status, findings, got.polled, node, gpus, notes)
-
-
-def _node(cfg: Config) -> str:
-    """The node name the daemon would use (imported late: daemon.py pulls in the HTTP stack)."""
-    from gpuwatchd.pipeline import node_name
-
-    return node_name(cfg)
-
-
-def _xid_conditions(cfg: Config, events: Sequence[Event], notes: list[str]) -> list[Any]:
-    """Xids active now: this boot's reports, minus what operators cleared."""
-    from gpuwatchd.bootid import read_boot_id
-    from gpuwatchd.health.xid import catalog as xid
-    from gpuwatchd.health.xid.tracker import TrackerSettings, XidTracker
-
-    boot = read_boot_id(cfg.paths.boot_id)
-    tracker = XidTracker(xid.from_config(cfg), TrackerSettings.from_config(cfg), boot)
-    clears = []
-    store = _open_store(cfg, notes)
-    if store is not None:
-        try:
-            clears = [r for r in store.clears_since(0.0) if r.boot_id in (boot, "")]
-        finally:
-            store.close()
-    tracker.restore([e for e in events if e.kind in ("xid", "sxid")], clears)
-    return list(tracker.active(time.time()))
-
-
-def _open_store(cfg: Config, notes: list[str]) -> Any:
-    from gpuwatchd.sinks.store import EventStore
-
-    path = os.path.join(cfg.daemon.state_dir, DB_NAME)
-    if not os.path.exists(path):
-        return None
-    if not os.access(path, os.W_OK):
-        notes.append(f"cannot open {path} (operator clears not applied): not writable")
-        return None
-    try:
-        return EventStore(path, cfg.store.max_events, cfg.store.max_age_days)
-    except GpuwatchdError as exc:
-        notes.append(f"event store: {exc} (operator clears not applied)")
-        return None
-
-
-def _stored_baseline(cfg: Config, notes: list[str]) -> int:
-    if cfg.health.expected_gpus:
-        return 0
-    store = _open_store(cfg, notes)
-    if store is None:
-        return 0
-    try:
-        return int(store.load_gpu_baseline())
-    except GpuwatchdError as exc:
-        notes.append(f"GPU count baseline unavailable: {exc}")
-        return 0
-    finally:
-        store.close()
+    return Verdict(status, findings, got.polled, node_name(cfg), chain.engine.gpu_count(), notes)
 
 
 # --- output ----------------------------------------------------------------------
@@ -413,12 +337,17 @@ def _run_check(args: argparse.Namespace) -> int:
     if args.nvml_replay:
         nvml = dataclasses.replace(cfg.sources.nvml, replay=args.nvml_replay)
         cfg = dataclasses.replace(cfg, sources=dataclasses.replace(cfg.sources, nvml=nvml))
+    if args.state_dir:
+        daemon = dataclasses.replace(cfg.daemon, state_dir=args.state_dir)
+        cfg = dataclasses.replace(cfg, daemon=daemon)
     config.check_paths(cfg, args.config or "<defaults>")
     fmt = "json" if args.json else args.format
     try:
         verdict = check(cfg, timeout=args.timeout)
     except GpuwatchdError as exc:
-        verdict = Verdict("UNKNOWN", [], {}, _node(cfg), 0, [str(exc)])
+        from gpuwatchd.pipeline import node_name
+
+        verdict = Verdict("UNKNOWN", [], {}, node_name(cfg), 0, [str(exc)])
     if fmt == "npd":
         code, line = render_npd(verdict, Severity.parse(args.npd_problem))
         print(line)

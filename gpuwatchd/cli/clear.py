@@ -14,12 +14,12 @@ from typing import Any
 
 from gpuwatchd import config
 from gpuwatchd.bootid import read_boot_id
-from gpuwatchd.cli.check import DB_NAME, collect
+from gpuwatchd.cli.check import collect
 from gpuwatchd.clock import SystemClock
 from gpuwatchd.config import Config
 from gpuwatchd.errors import GpuwatchdError
 from gpuwatchd.health.history import norm_bus_id
-from gpuwatchd.sinks.store import EventStore
+from gpuwatchd.sinks.store import DB_NAME, EventStore
 
 __all__ = ["operator", "register", "resolve_gpu"]
 

@@ -108,6 +108,7 @@ class XidStage:
         self._cursors: dict[str, str] = {}
         self._store_errors = 0
         self._last_clear_id = 0
+        self.log_reports = True  # off for a one-shot `check`: it reports what it found itself
         self._unlogged: dict[str, tuple[float, Event]] = {}
 
     @classmethod
@@ -224,6 +225,8 @@ class XidStage:
                 self._unlogged[obs.burst_id] = (due, obs.event)
 
     def _log(self, ev: Event) -> None:
+        if not self.log_reports:
+            return
         log.warning(
             "%s %s on %s (GPU %s): %s [%s, %s] %s",
             "SXid" if ev.kind == "sxid" else "Xid",
@@ -288,6 +291,12 @@ class XidStage:
             n = self.tracker.gpu_reset(pci_bus_id, now, who)
             self._publish(now)
         return n
+
+    def replay_clears(self) -> None:
+        """Apply every stored clear of this boot again (one-shot `check`: the kernel log
+        it re-reads after `restore` holds Xids older than the clears)."""
+        self._last_clear_id = 0
+        self._sync_clears()
 
     def _sync_clears(self) -> None:
         """Apply clears another process (the `clear` command) wrote to the store."""
