@@ -206,3 +206,41 @@ def test_clear_resolves_a_gpu_index_through_nvml(write_config) -> None:
     assert clearcmd.resolve_gpu(cfg, "GPU-544a204b-219a-29ac-8147-ab3c8c9d52c6") == "0000:00:06.0"
     with pytest.raises(Exception, match="no GPU '7'"):
         clearcmd.resolve_gpu(cfg, "7")
+
+
+def test_check_reads_the_daemons_store_and_never_writes_it(
+    write_config, tmp_path: Path, capsys
+) -> None:
+    """--state-dir: Xids of this boot the daemon stored (gone from the ring buffer since)
+    and its GPU count baseline count; the check adds nothing to that store."""
+    from gpuwatchd.model import Event, Severity
+    from gpuwatchd.sinks.store import EventStore
+
+    daemon_dir = tmp_path / "daemon-state"
+    store = EventStore(str(daemon_dir / "gpuwatchd.db"))
+    boot = "0f3c1f7e-8a2b-4c6d-9e10-1234567890ab"
+    fell_off = Event(
+        "xid",
+        "kmsg",
+        time.time() - 60,
+        code=79,
+        pci_bus_id="0000:00:07.0",
+        severity=Severity.CRITICAL,
+        attrs=(("boot_id", boot),),
+    )
+    store.write([(fell_off, f"{boot}:1", 1)])
+    store.save_gpu_baseline(4)
+    store.close()
+    cfg = write_config(NO_XID)
+    assert run(["check", "--config", str(cfg), "--json"]) == 0  # its own state dir: empty
+    capsys.readouterr()
+
+    assert run(["check", "--config", str(cfg), "--json", "--state-dir", str(daemon_dir)]) == 2
+    report = json.loads(capsys.readouterr().out)
+    found = {(c["alertname"], c["subject"].get("pci_bus_id", "")) for c in report["conditions"]}
+    assert ("GpuXidCritical", "0000:00:07.0") in found
+    assert ("GpuCountLow", "") in {(a, "") for a, _ in found}  # 2 GPUs seen, 4 remembered
+    with sqlite3.connect(daemon_dir / "gpuwatchd.db") as db:
+        assert db.execute("SELECT count(*) FROM events").fetchone() == (1,)
+        assert db.execute("SELECT count(*) FROM cursors").fetchone() == (0,)
+        assert db.execute("SELECT value FROM health_memory").fetchall() == [("4",)]
