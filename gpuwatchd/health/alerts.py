@@ -25,7 +25,8 @@ __all__ = [
 GPU_LABELS = ("gpu", "uuid", "pci_bus_id")
 PORT_LABELS = ("device", "port")
 # Workload fields an Xid alert carries: the bounded ones as labels
-# (model.WORKLOAD_ALERT_LABELS), these as annotations.
+# (model.WORKLOAD_ALERT_LABELS), these as annotations (pid and process are
+# in the description already).
 WORKLOAD_ANNOTATIONS = (
     "workload",
     "container",
@@ -33,8 +34,6 @@ WORKLOAD_ANNOTATIONS = (
     "slurm_user",
     "slurm_job_name",
     "slurm_step",
-    "pid",
-    "process",
     "rank",
     "local_rank",
     "world_size",
