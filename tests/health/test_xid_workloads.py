@@ -108,7 +108,9 @@ def test_match_by_pid_then_by_gpu() -> None:
 class Node:
     """Kernel log + workloads source -> state -> Xid stage -> store, on a fake /proc."""
 
-    def __init__(self, tmp: Path, clock: FakeClock, index: dict[str, Any]) -> None:
+    def __init__(
+        self, tmp: Path, clock: FakeClock, index: dict[str, Any], **workloads: Any
+    ) -> None:
         (tmp / "boot_id").write_text(BOOT + "\n")
         self.cfg = Config(
             paths=PathsConfig(
@@ -123,9 +125,8 @@ class Node:
         self.state.subscribe(self.stage.on_publish)
         ctx = SourceContext(clock=clock, load_cursor=self.store.load_cursor)
         self.kmsg = KmsgSource(self.cfg, ctx, wait=0.01, sleep=lambda s: None)
-        self.workloads = WorkloadSource(
-            lambda: index, procfs=str(tmp / "proc"), slurm=SlurmJobs(which=lambda n: None)
-        )
+        workloads.setdefault("slurm", SlurmJobs(which=lambda n: None))
+        self.workloads = WorkloadSource(lambda: index, procfs=str(tmp / "proc"), **workloads)
         self.runner = Runner([self.workloads, self.kmsg], self.state, clock)
 
     def stop(self) -> None:
