@@ -43,7 +43,6 @@ log = logging.getLogger("gpuwatchd.alertmanager")
 
 MAX_BATCH = 256
 _LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
-_CORE = ("alertname", "severity", "node")
 _REJECTED = (400, 422)  # the alert itself is bad; anything else is worth a retry
 
 METRICS: tuple[MetricSpec, ...] = (

@@ -185,11 +185,6 @@ class ReplayClient:
 
     # --- test controls -----------------------------------------------------------
 
-    def add_step(self, step: Mapping[str, Any] | Step) -> None:
-        """Script one more change from now on."""
-        with self._lock:
-            self.steps.append(Step.parse(step))
-
     def release(self) -> None:
         """Let every call that is hanging now return (later hangs still hang)."""
         with self._lock:
