@@ -54,7 +54,7 @@ step MIG on
 nvidia-smi -i "$GPU" -mig 1 > "$DEST/mig-enable.txt" 2>&1; echo "rc=$?" >> "$DEST/mig-enable.txt"
 cat "$DEST/mig-enable.txt"
 nvidia-smi mig -lgip > "$DEST/mig-lgip.txt" 2>&1
-nvidia-smi -i "$GPU" mig -cgi 9,19,19 -C > "$DEST/mig-create.txt" 2>&1; echo "rc=$?" >> "$DEST/mig-create.txt"
+nvidia-smi mig -i "$GPU" -cgi 9,19,19 -C > "$DEST/mig-create.txt" 2>&1; echo "rc=$?" >> "$DEST/mig-create.txt"
 cat "$DEST/mig-create.txt"
 nvidia-smi -L > "$DEST/mig-list.txt" 2>&1
 nvidia-smi mig -lgi >> "$DEST/mig-list.txt" 2>&1

@@ -223,8 +223,8 @@ def test_unsupported_calls_are_asked_once(rigs: list[Rig]) -> None:
     assert c(0, "NVML_FI_DEV_NVLINK_GET_SPEED@3") == 1
     assert c(0, "NVML_FI_DEV_NVLINK_GET_SPEED@0") == 4
     assert c(0, "uuid") == 1  # identity is read once
-    # the probe predates clocks, P-state, memory v2, GPM, fabric and MIG: 16 more
-    for reason, count in (("not_supported", 3), ("not_recorded", 149)):
+    # the probe predates clocks, P-state, memory v2, GPM, fabric and MIG: 15 more
+    for reason, count in (("not_supported", 3), ("not_recorded", 148)):
         before = value(first, "gpuwatchd_nvml_errors_total", **GPU0, reason=reason)
         after = value(last, "gpuwatchd_nvml_errors_total", **GPU0, reason=reason)
         assert before == after == count

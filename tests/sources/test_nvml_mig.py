@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from gpuwatchd.model import Sample
 from gpuwatchd.sources.kmsg.parse import XID, parse_line
+from gpuwatchd.sources.nvml.mig import read_mig
+from gpuwatchd.sources.nvml.replay import ReplayClient
+from gpuwatchd.sources.nvml.source import NvmlSource
+
+MIG = Path(__file__).resolve().parents[1] / "fixtures" / "nvml" / "h100-mig-record.json"
 
 
 def test_mig_xid_line_names_its_instances() -> None:
@@ -20,3 +28,83 @@ def test_mig_xid_line_names_its_instances() -> None:
     assert only_gi.extra("gpu_instance") == "2" and only_gi.extra("compute_instance") == ""
     plain = parse_line("NVRM: Xid (PCI:0000:3b:00): 43, pid=1, name=x, Ch 00000008")
     assert plain is not None and plain.extra("gpu_instance") == ""
+
+
+def test_mig_capture_replays_mode_and_empty_slots() -> None:
+    # recorded on an H100 test machine right after `nvidia-smi -i 0 -mig 1`, before
+    # any GPU instance existed: MIG on, 7 slots, every slot NOT_FOUND
+    source = NvmlSource(ReplayClient.load(MIG), call_timeout=2.0)
+    try:
+        for _ in range(3):
+            samples = [s for s in source.poll(0.0) if isinstance(s, Sample)]
+        client = source.client
+        assert isinstance(client, ReplayClient)
+        assert client.count(0, "mig_device(6)") == 3  # asked each poll, not given up on
+    finally:
+        source.close()
+
+    def get(name: str, **labels: str) -> float | None:
+        for s in samples:
+            if s.name == name and all(s.label(k) == v for k, v in labels.items()):
+                return s.value
+        return None
+
+    assert get("gpuwatchd_gpu_mig_mode", which="current") == 1
+    assert get("gpuwatchd_gpu_mig_mode", which="pending") == 1
+    assert get("gpuwatchd_gpu_mig_devices") == 0
+    # utilization is NOT_SUPPORTED on a GPU in MIG mode: absent, as nvidia-smi shows [N/A]
+    assert get("gpuwatchd_gpu_utilization_ratio", engine="gpu") is None
+    # empty slots are an answer, not an NVML error
+    assert get("gpuwatchd_nvml_errors_total", reason="not_found") is None
+    assert not [s for s in samples if s.name.startswith("gpuwatchd_mig_")]
+
+
+def test_mig_devices_become_per_instance_series() -> None:
+    # The recorded capture has MIG on but no instances yet, so read_mig is fed what
+    # a 3g.40gb instance answers through the client's mig_device call (sizes from
+    # `nvidia-smi mig -lgip` on the same H100); a recorded capture with instances
+    # is still to be made.
+    three_g = {
+        "gpu_instance": 1,
+        "compute_instance": 0,
+        "uuid": "MIG-0b5e6a0c-1d2e-5f3a-9b8c-7d6e5f4a3b2c",
+        "name": "NVIDIA H100 80GB HBM3 MIG 3g.40gb",
+        "memory": {"total": 42_412_802_048, "free": 42_000_000_000, "used": 412_802_048},
+        "attributes": {"multiprocessors": 60, "gpu_instance_slices": 3},
+        "processes": [{"pid": 4242, "used_memory": 400_000_000}],
+    }
+    answers: dict[str, object] = {
+        "mig_mode": [1, 1],
+        "max_mig_device_count": 7,
+        "mig_device(0)": three_g,
+        "gpm_mig_metrics(1)": {"sm_active": 50.0, "tensor_active": 25.0},
+    }
+
+    def get(name: str, *args: int) -> object | None:
+        return answers.get(f"{name}({','.join(map(str, args))})" if args else name)
+
+    out: list[tuple[str, float, dict[str, object]]] = []
+    last: dict[str, object] = {}
+    procs = read_mig(get, lambda n, v, **kw: out.append((n, v, kw)), True, last)
+    series = {(n, kw.get("gpu_instance"), kw.get("compute_instance")): (v, kw) for n, v, kw in out}
+    value, labels = series[("gpuwatchd_mig_device_info", "1", "0")]
+    assert value == 1 and labels["profile"] == "3g.40gb" and labels["mig_uuid"] == three_g["uuid"]
+    assert series[("gpuwatchd_mig_memory_used_bytes", "1", "0")][0] == 412_802_048
+    assert series[("gpuwatchd_mig_multiprocessors", "1", "0")][0] == 60
+    assert series[("gpuwatchd_mig_compute_processes", "1", "0")][0] == 1
+    assert series[("gpuwatchd_mig_sm_active_ratio", "1", None)][0] == 0.5
+    tensor = [kw for n, v, kw in out if n == "gpuwatchd_mig_pipe_active_ratio"]
+    assert tensor == [{"pipe": "tensor", "gpu_instance": "1"}]
+    assert series[("gpuwatchd_gpu_mig_devices", None, None)][0] == 1
+    assert procs == [
+        {
+            "pid": 4242,
+            "used_memory": 400_000_000,
+            "gpu_instance": "1",
+            "compute_instance": "0",
+            "mig_uuid": three_g["uuid"],
+        }
+    ]
+    assert last["mig_devices"] == [
+        {"gpu_instance": 1, "compute_instance": 0, "uuid": three_g["uuid"]}
+    ]

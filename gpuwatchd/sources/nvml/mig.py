@@ -31,7 +31,6 @@ def _profile(name: object) -> str:
 def read_mig(
     get: Get,
     put: Put,
-    max_devices: int,
     gpm_supported: bool,
     last: dict[str, object],
 ) -> list[dict[str, object]]:
@@ -44,6 +43,9 @@ def read_mig(
     last["mig_mode"] = bool(mode[0])
     if mode[0] != 1:
         return []
+    # asked each poll while MIG is on: the slot count is 0 until MIG is enabled
+    slots = get("max_mig_device_count")
+    max_devices = slots if isinstance(slots, int) else 0
     processes: list[dict[str, object]] = []
     instances: set[int] = set()
     found = []

@@ -120,7 +120,6 @@ class Identity:
     nvlinks: int = 0
     max_clocks: Mapping[str, float] = field(default_factory=dict)
     gpm: bool = False
-    mig_slots: int = 0
 
     def labels(self) -> dict[str, str]:
         return {"gpu": str(self.index), "uuid": self.uuid, "pci_bus_id": self.pci_bus_id}
@@ -287,7 +286,6 @@ class DeviceReader:
             if value is not None:
                 pcie_max[label] = value
         links = self.fields([(FI_NVLINK_COUNT, 0)]).get((FI_NVLINK_COUNT, 0))
-        mig_slots = self.get("max_mig_device_count")
         return Identity(
             index=self.index,
             uuid=str(uuid),
@@ -301,7 +299,6 @@ class DeviceReader:
             nvlinks=MAX_NVLINKS if links is None else int(links),
             max_clocks=read_max_clocks(self.get),
             gpm=self.get("gpm_support") == 1,
-            mig_slots=mig_slots if isinstance(mig_slots, int) else 0,
         )
 
     def read(
@@ -375,7 +372,7 @@ class DeviceReader:
         read_perf(self.get, put, ident.max_clocks, fv, last)
         read_gpm(self.get, put, ident.gpm, last)
         read_fabric(self.get, put, last)
-        mig_procs = read_mig(self._mig_get, put, ident.mig_slots, ident.gpm, last)
+        mig_procs = read_mig(self._mig_get, put, ident.gpm, last)
 
         action = fv.get((FI_RECOVERY_ACTION, 0))
         if action is not None:
