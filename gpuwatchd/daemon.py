@@ -155,7 +155,7 @@ class Wiring:
         )
 
     def summary(self) -> str:
-        return summary_line(self.state.snapshot(), len(self.sources.gpu_index()))
+        return summary_line(self.state.snapshot(), len(self.sources.gpus()))
 
 
 class Daemon:

@@ -7,15 +7,19 @@ without copying or locking.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
+
+from gpuwatchd.pci import normalize_bus_id
 
 __all__ = [
     "Action",
     "Clear",
     "Event",
     "Finding",
+    "Gpu",
+    "GpuInventory",
     "Health",
     "MetricSpec",
     "MetricType",
@@ -153,6 +157,43 @@ class Finding:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Gpu:
+    """One GPU of the node as NVML lists it."""
+
+    index: int
+    uuid: str = ""
+    pci_bus_id: str = ""  # one form everywhere: pci.normalize_bus_id ("0000:06:00.0")
+    name: str = ""
+    mig: tuple[str, ...] = ()  # UUIDs of its MIG devices (not filled in yet)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuInventory:
+    """The GPUs the NVML source saw at its last poll, found by bus id, UUID or index."""
+
+    gpus: tuple[Gpu, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.gpus)
+
+    def __iter__(self) -> Iterator[Gpu]:
+        return iter(self.gpus)
+
+    def by_bus_id(self, bus_id: str) -> Gpu | None:
+        """The GPU at that PCI address, in any spelling the driver or sysfs prints."""
+        want = normalize_bus_id(bus_id)
+        return next((g for g in self.gpus if want and g.pci_bus_id == want), None)
+
+    def find(self, ident: str) -> Gpu | None:
+        """The GPU an operator names: its index, UUID or PCI bus id."""
+        ident = ident.strip()
+        for g in self.gpus:
+            if ident in (str(g.index), g.uuid):
+                return g
+        return self.by_bus_id(ident)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Clear:
     """An operator's `gpuwatchd clear`, or a GPU reset, as the event store records it.
 
@@ -183,6 +224,7 @@ class SourceSnapshot:
     duration_seconds: float = 0.0
     last_success: float = 0.0
     status: Mapping[str, object] = field(default_factory=dict)
+    inventory: GpuInventory | None = None  # the NVML source's GPUs; None from other sources
 
 
 # Bounded enough for alert labels (one value per job); the other workload

@@ -29,7 +29,7 @@ from gpuwatchd.health.xid.stage import METRICS as XID_METRICS
 from gpuwatchd.health.xid.stage import XidStage
 from gpuwatchd.http.endpoints import events_route
 from gpuwatchd.http.server import Route
-from gpuwatchd.model import Clear, Event, MetricSpec, Sample
+from gpuwatchd.model import Clear, Event, GpuInventory, MetricSpec, Sample
 from gpuwatchd.sinks import store
 from gpuwatchd.sinks.alertmanager import sink as alertmanager
 from gpuwatchd.sinks.alertmanager.sink import AlertSink
@@ -379,6 +379,7 @@ class SourceSet:
             log=logging.getLogger("gpuwatchd.sources"),
             nudge=self._nudge,
             gpu_index=self.gpu_index,
+            gpus=self.gpus,
             load_cursor=pipeline.load_cursor if pipeline else (lambda name: None),
         )
         self.sources = build_sources(cfg, ctx)
@@ -387,10 +388,17 @@ class SourceSet:
     def _nudge(self, name: str) -> None:
         self.runner.nudge(name)
 
-    def gpu_index(self) -> Mapping[str, Mapping[str, str]]:
+    def gpus(self) -> GpuInventory:
+        """The GPUs of the NVML source's last published poll (empty before it)."""
         nvml = self.state.snapshot().sources.get("nvml")
-        gpus = nvml.status.get("gpus") if nvml is not None else None
-        return gpus if isinstance(gpus, Mapping) else {}
+        inventory = nvml.inventory if nvml is not None else None
+        return inventory if inventory is not None else GpuInventory()
+
+    def gpu_index(self) -> Mapping[str, Mapping[str, str]]:
+        """The inventory as bus id -> {gpu, uuid, name}, for sources not yet on `gpus`."""
+        return {
+            g.pci_bus_id: {"gpu": str(g.index), "uuid": g.uuid, "name": g.name} for g in self.gpus()
+        }
 
     @staticmethod
     def metric_specs(with_consumers: bool) -> list[MetricSpec]:

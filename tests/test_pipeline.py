@@ -132,3 +132,28 @@ def test_sink_samples_are_published_by_the_consumer(tmp_path: Path) -> None:
         assert "gpuwatchd_alertmanager_queue_length" in names
     finally:
         pipeline.stop()
+
+
+def test_nvml_publishes_a_typed_inventory_that_sources_read_through_the_context(
+    tmp_path: Path,
+) -> None:
+    from gpuwatchd.pipeline import SourceSet
+
+    capture = Path(__file__).parent / "fixtures" / "nvml" / "h200x2-record.json"
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        f"daemon:\n  state_dir: {tmp_path}\nsources:\n  nvml:\n    replay: {capture}\n"
+        "  kmsg:\n    enabled: false\n  udev:\n    enabled: false\n"
+    )
+    state = State()
+    sources = SourceSet(load(str(path)), state, FakeClock())
+    assert len(sources.gpus()) == 0  # nothing published yet
+    sources.runner.poll_once("nvml")
+    gpus = sources.gpus()
+    assert [(g.index, g.pci_bus_id) for g in gpus] == [(0, "0000:00:06.0"), (1, "0000:00:07.0")]
+    assert gpus.by_bus_id("00000000:00:07.0") is gpus.gpus[1]  # NVML's 8-digit domain
+    assert gpus.by_bus_id("PCI:0000:00:07") is gpus.gpus[1]  # as an Xid line prints it
+    assert gpus.find("1") is gpus.find(gpus.gpus[1].uuid) is gpus.gpus[1]
+    assert gpus.find("7") is None and gpus.gpus[0].mig == ()
+    assert sources.gpu_index()["0000:00:06.0"]["gpu"] == "0"
+    sources.stop()

@@ -9,7 +9,6 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Mapping
 from typing import Any
 
 from gpuwatchd import config
@@ -69,10 +68,9 @@ def resolve_gpu(cfg: Config, target: str, timeout: float = 15.0) -> str:
             return norm_bus_id(str(rows[0]["pci_bus_id"]))
     got = collect(cfg, SystemClock(), timeout, only=["nvml"])
     nvml = got.state.snapshot().sources.get("nvml")
-    gpus = nvml.status.get("gpus", {}) if nvml is not None else {}
-    for bus, info in gpus.items() if isinstance(gpus, Mapping) else ():
-        if isinstance(info, Mapping) and target in (str(info.get("gpu")), info.get("uuid")):
-            return norm_bus_id(str(bus))
+    gpu = nvml.inventory.find(target) if nvml is not None and nvml.inventory else None
+    if gpu is not None:
+        return gpu.pci_bus_id
     raise GpuwatchdError(
         f"no GPU {target!r} known to NVML or the event store; "
         "pass its PCI bus id (e.g. 0000:3b:00.0)"

@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from gpuwatchd.clock import Clock, SystemClock
-from gpuwatchd.model import Event, MetricSpec, Sample
+from gpuwatchd.model import Event, GpuInventory, MetricSpec, Sample
 
 if TYPE_CHECKING:
     from gpuwatchd.config import Config
 
 __all__ = [
+    "InventorySource",
     "SOURCES",
     "Source",
     "SourceContext",
@@ -49,6 +50,13 @@ class Source(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class InventorySource(Protocol):
+    """A source that also knows the node's GPUs (NVML); the runner publishes them."""
+
+    def inventory(self) -> GpuInventory: ...
+
+
 @dataclass
 class SourceContext:
     """What a source factory may use besides the config."""
@@ -58,6 +66,8 @@ class SourceContext:
     nudge: Callable[[str], None] = lambda name: None
     # Shared, read-only lookups between sources (e.g. the NVML bus-id -> GPU map)
     gpu_index: Callable[[], Mapping[str, Mapping[str, str]]] = dict
+    # The GPUs of the NVML source's last poll, typed (prefer this to gpu_index)
+    gpus: Callable[[], GpuInventory] = GpuInventory
     # The last cursor the event store committed for a source (kmsg), or None
     load_cursor: Callable[[str], str | None] = lambda name: None
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from gpuwatchd.clock import Clock
 from gpuwatchd.errors import SourceError
 from gpuwatchd.model import Event, Sample, SourceSnapshot
-from gpuwatchd.sources import Source
+from gpuwatchd.sources import InventorySource, Source
 from gpuwatchd.state import State
 
 __all__ = ["Runner"]
@@ -164,6 +164,12 @@ class Runner:
             log.exception("source %s status()", source.name)
             status = {}
         status["errors_by_reason"] = dict(slot.errors or {})
+        inventory = None
+        if isinstance(source, InventorySource):
+            try:
+                inventory = source.inventory()
+            except Exception:
+                log.exception("source %s inventory()", source.name)
         snap = SourceSnapshot(
             source=source.name,
             samples=tuple(i for i in items if isinstance(i, Sample)),
@@ -173,6 +179,7 @@ class Runner:
             duration_seconds=duration,
             last_success=slot.last_success,
             status=status,
+            inventory=inventory,
         )
         events = tuple(i for i in items if isinstance(i, Event))
         try:

@@ -21,18 +21,18 @@ from gpuwatchd.health.node_rules import (
     infiniband_findings,
     shm_findings,
 )
-from gpuwatchd.model import Action, Finding, Sample, Severity, SourceSnapshot
+from gpuwatchd.model import Action, Finding, Gpu, GpuInventory, Sample, Severity, SourceSnapshot
 from gpuwatchd.sources.infiniband.source import InfinibandSource
 from gpuwatchd.sources.shm.source import ShmSource
 from gpuwatchd.state import NodeSnapshot
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "sys"
-GPUS = {
-    "0000:19:00.0": {"gpu": 0},
-    "0000:1b:00.0": {"gpu": 1},
-    "0000:3b:00.0": {"gpu": 2},
-    "0000:9d:00.0": {"gpu": 3},
-}
+GPUS = GpuInventory(
+    tuple(
+        Gpu(index=i, pci_bus_id=bus)
+        for i, bus in enumerate(("0000:19:00.0", "0000:1b:00.0", "0000:3b:00.0", "0000:9d:00.0"))
+    )
+)
 MIB = 1 << 20
 
 
@@ -58,7 +58,7 @@ def alerts(findings: list[Finding]) -> set[tuple[str, str, str]]:
 
 
 def test_healthy_fixture_has_no_findings() -> None:
-    src = InfinibandSource(str(FIXTURE), gpu_index=lambda: GPUS)
+    src = InfinibandSource(str(FIXTURE), gpus=lambda: GPUS)
     first = samples(src.poll(0))
     second = samples(src.poll(1))
     assert infiniband_findings(second, first) == []  # mlx4_0/2 is down but was never up
@@ -66,7 +66,7 @@ def test_healthy_fixture_has_no_findings() -> None:
 
 def test_port_that_goes_down_is_critical_and_names_its_gpus(tmp_path: Path) -> None:
     root = copy_tree(tmp_path)
-    src = InfinibandSource(str(root), gpu_index=lambda: GPUS)
+    src = InfinibandSource(str(root), gpus=lambda: GPUS)
     before = samples(src.poll(0))
     port_file(root, "mlx5_0", "1", "state").write_text("1: DOWN\n")
     port_file(root, "mlx5_0", "1", "phys_state").write_text("2: Polling\n")
@@ -82,7 +82,7 @@ def test_port_that_goes_down_is_critical_and_names_its_gpus(tmp_path: Path) -> N
 
 
 def test_port_configured_as_expected_up_alerts_even_if_never_active() -> None:
-    src = InfinibandSource(str(FIXTURE), expected_up="^mlx4_0/2$", gpu_index=lambda: GPUS)
+    src = InfinibandSource(str(FIXTURE), expected_up="^mlx4_0/2$", gpus=lambda: GPUS)
     found = infiniband_findings(samples(src.poll(0)))
     assert alerts(found) == {
         ("InfinibandPortDown", "mlx4_0", "2"),

@@ -19,7 +19,7 @@ import pytest
 from gpuwatchd.clock import SystemClock
 from gpuwatchd.config import AlertmanagerConfig, Config
 from gpuwatchd.errors import ConfigError
-from gpuwatchd.model import Action, Finding, Severity, labels_of
+from gpuwatchd.model import Action, Finding, GpuInventory, Severity, labels_of
 from gpuwatchd.sinks.alertmanager.sink import AlertSink, validate_config
 from gpuwatchd.state import State
 from tests.health.snapshots import GPU0, GPU1
@@ -399,11 +399,11 @@ def test_real_xid_line_to_alertmanager_and_operator_clear(
     state.subscribe(pipeline.on_publish)  # the pipeline first: it tracks what the engine reads
     state.subscribe(engine.on_publish)
 
-    def gpu_index() -> dict[str, Any]:
+    def gpus() -> GpuInventory:
         nvml = state.snapshot().sources.get("nvml")
-        return dict(nvml.status.get("gpus", {})) if nvml else {}
+        return nvml.inventory if nvml and nvml.inventory else GpuInventory()
 
-    ctx = SourceContext(clock=clock, gpu_index=gpu_index)
+    ctx = SourceContext(clock=clock, gpus=gpus)
     runner = Runner(
         [NvmlSource.from_config(cfg, ctx), KmsgSource.from_config(cfg, ctx)], state, clock
     )

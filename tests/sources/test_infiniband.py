@@ -10,20 +10,22 @@ import pytest
 
 from gpuwatchd.config import load_text
 from gpuwatchd.errors import ConfigError
-from gpuwatchd.model import Event, Sample
+from gpuwatchd.model import Event, Gpu, GpuInventory, Sample
 from gpuwatchd.pci import normalize_bus_id
 from gpuwatchd.sources import SourceContext
 from gpuwatchd.sources.infiniband.source import InfinibandSource
 from gpuwatchd.sources.infiniband.sysfs import parse_counter, parse_rate, parse_state
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "sys"
-# The NVML source's GPU map (daemon: ctx.gpu_index), keyed by NVML-style bus ids.
-GPUS = {
-    "00000000:19:00.0": {"gpu": 0, "uuid": "GPU-a"},
-    "00000000:1B:00.0": {"gpu": 1, "uuid": "GPU-b"},
-    "00000000:3B:00.0": {"gpu": 2, "uuid": "GPU-c"},
-    "00000000:9D:00.0": {"gpu": 3, "uuid": "GPU-d"},
-}
+# The NVML source's GPUs (daemon: ctx.gpus).
+GPUS = GpuInventory(
+    (
+        Gpu(index=0, uuid="GPU-a", pci_bus_id="0000:19:00.0"),
+        Gpu(index=1, uuid="GPU-b", pci_bus_id="0000:1b:00.0"),
+        Gpu(index=2, uuid="GPU-c", pci_bus_id="0000:3b:00.0"),
+        Gpu(index=3, uuid="GPU-d", pci_bus_id="0000:9d:00.0"),
+    )
+)
 
 
 def by(items: list[Sample | Event], name: str) -> dict[tuple[str, ...], float]:
@@ -149,7 +151,7 @@ def test_hw_counters_exported_except_settings() -> None:
 
 
 def test_gpu_affinity_by_pcie_switch_root_complex_and_numa() -> None:
-    src = InfinibandSource(str(FIXTURE), gpu_index=lambda: GPUS)
+    src = InfinibandSource(str(FIXTURE), gpus=lambda: GPUS)
     items = list(src.poll(0))
     aff = by(items, "gpuwatchd_infiniband_gpu_affinity_info")  # (device, "", affinity, gpu)
     assert set(aff) == {
@@ -271,7 +273,7 @@ def test_a_device_that_disappears_and_returns_starts_afresh(tmp_path: Path) -> N
 
 def test_from_config_and_bus_id_normalisation() -> None:
     cfg = load_text(f"paths: {{sysfs: {FIXTURE}}}\nsources: {{infiniband: {{hw_counters: false}}}}")
-    src = InfinibandSource.from_config(cfg, SourceContext(gpu_index=lambda: GPUS))
+    src = InfinibandSource.from_config(cfg, SourceContext(gpus=lambda: GPUS))
     items = list(src.poll(0))
     assert by(items, "gpuwatchd_infiniband_hw_counters_total") == {}
     assert ("mlx5_0", "", "pcie_switch", "0") in by(items, "gpuwatchd_infiniband_gpu_affinity_info")

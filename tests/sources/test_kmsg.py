@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import Config, KmsgConfig, PathsConfig, SourcesConfig
-from gpuwatchd.model import Event, Sample
+from gpuwatchd.model import Event, Gpu, GpuInventory, Sample
 from gpuwatchd.sources import SourceContext
 from gpuwatchd.sources.kmsg.parse import KmsgParser, normalize_bus_id, parse_line
 from gpuwatchd.sources.kmsg.source import KmsgSource
@@ -520,9 +520,9 @@ def test_gpu_index_and_identity_lines_name_the_gpu(tmp_path: Path) -> None:
         + raw(2, xid_line("0000:00:06", 31))
         + raw(3, xid_line("0000:00:07", 31))
     )
-    # as the NVML source's status has it: the index is an int
-    index = {"00000000:00:07.0": {"gpu": 1, "uuid": "GPU-0000-from-nvml"}}
-    out = source(kmsg_config(tmp_path, kmsg), gpu_index=lambda: index).poll(0.0)
+    # NVML's inventory; the driver's line spells the bus id its own way
+    index = GpuInventory((Gpu(index=1, uuid="GPU-0000-from-nvml", pci_bus_id="0000:00:07.0"),))
+    out = source(kmsg_config(tmp_path, kmsg), gpus=lambda: index).poll(0.0)
     got = [(e.pci_bus_id, e.attr("gpu"), e.attr("uuid")) for e in events(out)]
     assert got == [
         ("0000:00:06.0", "", "GPU-544a204b-219a-29ac-8147-ab3c8c9d52c6"),

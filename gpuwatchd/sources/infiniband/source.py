@@ -31,8 +31,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from gpuwatchd.errors import ConfigError, SourceError
-from gpuwatchd.model import Event, MetricSpec, MetricType, Sample
-from gpuwatchd.pci import gpu_affinity, normalize_bus_id
+from gpuwatchd.model import Event, GpuInventory, MetricSpec, MetricType, Sample
+from gpuwatchd.pci import gpu_affinity
 from gpuwatchd.ports import STATE_ACTIVE
 from gpuwatchd.sources.infiniband.sysfs import (
     COUNTERS,
@@ -54,7 +54,6 @@ __all__ = [
 
 log = logging.getLogger("gpuwatchd.infiniband")
 
-GpuIndex = Callable[[], Mapping[str, Mapping[str, object]]]
 
 PORT_LABELS = ("device", "port")
 
@@ -144,7 +143,7 @@ class InfinibandSource:
         hw_counters: bool = True,
         expected_rate_gbps: Mapping[str, float] | None = None,
         expected_up: str = "",
-        gpu_index: GpuIndex | None = None,
+        gpus: Callable[[], GpuInventory] | None = None,
     ) -> None:
         self.interval = interval
         self._sysfs = sysfs
@@ -154,7 +153,7 @@ class InfinibandSource:
         self._expected_up = _regex("expected_up", expected_up)
         self._hw = hw_counters
         self._expected_rate = {k: v * 1e9 / 8 for k, v in (expected_rate_gbps or {}).items()}
-        self._gpu_index: GpuIndex = gpu_index or dict
+        self._gpus: Callable[[], GpuInventory] = gpus or GpuInventory
         self._said_absent = False
         self._prev: dict[str, dict[str, int]] = {}  # port key -> counter file -> value
         self._resets: dict[str, int] = {}
@@ -167,7 +166,7 @@ class InfinibandSource:
 
     @classmethod
     def from_config(cls, cfg: Config, ctx: SourceContext) -> InfinibandSource:
-        """Build from sources.infiniband and paths.sysfs; GPUs come from ctx.gpu_index."""
+        """Build from sources.infiniband and paths.sysfs; GPUs come from ctx.gpus."""
         c = cfg.sources.infiniband
         return cls(
             cfg.paths.sysfs,
@@ -177,7 +176,7 @@ class InfinibandSource:
             hw_counters=c.hw_counters,
             expected_rate_gbps=c.expected_rate_gbps,
             expected_up=c.expected_up,
-            gpu_index=ctx.gpu_index,
+            gpus=ctx.gpus,
         )
 
     def poll(self, now: float) -> Sequence[Sample | Event]:
@@ -320,8 +319,7 @@ class InfinibandSource:
         self._prev[key] = values
 
     def _affinity_samples(self, devices: Sequence[str]) -> list[Sample]:
-        index = self._gpu_index()
-        gpus = {normalize_bus_id(bus): _gpu_label(bus, info) for bus, info in index.items()}
+        gpus = {g.pci_bus_id: str(g.index) for g in self._gpus() if g.pci_bus_id}
         cache_key = (*sorted(devices), "|", *sorted(f"{b}={g}" for b, g in gpus.items()))
         if cache_key != self._affinity_key:
             self._affinity = {
@@ -342,14 +340,6 @@ class InfinibandSource:
 
     def _count(self, reason: str) -> None:
         self._errors[reason] = self._errors.get(reason, 0) + 1
-
-
-def _gpu_label(bus: str, info: Mapping[str, object]) -> str:
-    for key in ("gpu", "index"):
-        value = info.get(key)
-        if value is not None and value != "":
-            return str(value)
-    return normalize_bus_id(bus)
 
 
 def _num_key(name: str) -> tuple[int, str]:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from gpuwatchd.bootid import read_boot_id
 from gpuwatchd.clock import Clock
-from gpuwatchd.model import Event, MetricSpec, Sample
+from gpuwatchd.model import Event, GpuInventory, MetricSpec, Sample
 from gpuwatchd.sources.kmsg.journal import JournalReader
 from gpuwatchd.sources.kmsg.parse import (
     GPU,
@@ -25,7 +25,6 @@ from gpuwatchd.sources.kmsg.parse import (
     XID,
     KmsgParser,
     KmsgRecord,
-    normalize_bus_id,
     parse_line,
 )
 from gpuwatchd.sources.kmsg.readers import (
@@ -194,7 +193,7 @@ class KmsgSource:
             self._fail(ReaderError("bug", f"{type(exc).__name__}: {exc}"))
             return self._samples()
         self._parser.year = time.localtime(now).tm_year
-        index = self._gpu_index()
+        index = self._gpus()
         events: list[Sample | Event] = []
         for line in lines:
             for rec in self._parser.feed(line.text, line.cursor):
@@ -236,12 +235,11 @@ class KmsgSource:
             log.error("kernel log reader failed: %s (retrying every %.0fs at most)", exc, delay)
         self._error = str(exc)
 
-    def _gpu_index(self) -> dict[str, Mapping[str, str]]:
+    def _gpus(self) -> GpuInventory:
         try:
-            raw = self.ctx.gpu_index()
+            return self.ctx.gpus()
         except Exception:
-            return {}
-        return {normalize_bus_id(k) or k: v for k, v in raw.items()}
+            return GpuInventory()
 
     # --- records -> events -------------------------------------------------------
 
@@ -249,7 +247,7 @@ class KmsgSource:
         self,
         rec: KmsgRecord,
         now: float,
-        index: Mapping[str, Mapping[str, str]],
+        index: GpuInventory,
         out: list[Sample | Event],
     ) -> None:
         if rec.kind == GPU:
@@ -272,12 +270,12 @@ class KmsgSource:
         self._reports[rec.kind] += 1
         out.append(self._event(rec, now, index))
 
-    def _event(self, rec: KmsgRecord, now: float, index: Mapping[str, Mapping[str, str]]) -> Event:
+    def _event(self, rec: KmsgRecord, now: float, index: GpuInventory) -> Event:
         when = self._time_of(rec, now)
-        gpu = index.get(rec.pci_bus_id, {})
+        gpu = index.by_bus_id(rec.pci_bus_id)
         attrs: dict[str, str] = {
-            "gpu": str(gpu.get("gpu", gpu.get("index", ""))),
-            "uuid": str(gpu.get("uuid", "") or self._uuids.get(rec.pci_bus_id, "")),
+            "gpu": str(gpu.index) if gpu is not None else "",
+            "uuid": (gpu.uuid if gpu is not None else "") or self._uuids.get(rec.pci_bus_id, ""),
             "process": rec.process,
             "detail": rec.detail,
             "raw": rec.message[:2048],

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 from gpuwatchd.clock import Clock, SystemClock
 from gpuwatchd.deadline import CallTimeout, DeadlineRunner, StuckError
 from gpuwatchd.errors import ConfigError, NvmlError, SourceError
-from gpuwatchd.model import Event, Sample, labels_of
+from gpuwatchd.model import Event, Gpu, GpuInventory, Sample, labels_of
+from gpuwatchd.pci import normalize_bus_id
 from gpuwatchd.sources.nvml.client import NvmlClient, NvmlDevice, Pynvml, XidEventSet
 from gpuwatchd.sources.nvml.events import XidListener
 from gpuwatchd.sources.nvml.fabric import FabricManagerProbe
@@ -110,6 +111,7 @@ class NvmlSource:
         self._init_failures = 0
         self._next_init = float("-inf")
         self._gpu_map: Mapping[str, Mapping[str, str]] = {}
+        self._inventory = GpuInventory()
         self._want_xid_events = xid_events
         self._nudge = nudge
         self._xid_listener: XidListener | None = None
@@ -167,6 +169,18 @@ class NvmlSource:
             for g in self._gpus
             if g.identity is not None
         }
+        self._inventory = GpuInventory(
+            tuple(
+                Gpu(
+                    index=g.index,
+                    uuid=g.identity.uuid,
+                    pci_bus_id=normalize_bus_id(g.identity.pci_bus_id),
+                    name=g.identity.name,
+                )
+                for g in self._gpus
+                if g.identity is not None
+            )
+        )
         out.extend(self._xid_events())
         if self._fabricmanager is not None and self._gpus:
             self._fabricmanager.samples(lambda name, v, **kw: out.append(Sample.of(name, v, **kw)))
@@ -364,6 +378,10 @@ class NvmlSource:
             "cuda_version": _cuda_version(self._versions.get("cuda_driver_version")) or None,
             "init_error": self._init_error,
         }
+
+    def inventory(self) -> GpuInventory:
+        """The GPUs of the last poll, typed (the runner publishes it on the snapshot)."""
+        return self._inventory
 
     def gpu_map(self) -> Mapping[str, Mapping[str, str]]:
         """PCI bus id -> {gpu, uuid, name, minor, state} as of the last poll (thread-safe)."""
