@@ -92,6 +92,11 @@ def test_default_chart_catches_an_xid_written_to_the_kernel_log(tmp_path: Path) 
                 full[section][key].update(value)
             else:
                 full[section][key] = value
+    # the workloads source finds the kubelet's socket where the chart mounts it
+    pod_resources = vm["pod-resources"]
+    assert pod_resources["readOnly"] is True
+    socket_dir = str(Path(full["sources"]["workloads"]["kubelet_socket"]).parent)
+    assert socket_dir == pod_resources["mountPath"]
     port = free_port()
     full["http"]["listen"] = f"127.0.0.1:{port}"
     local = resolve(full, table)
