@@ -25,8 +25,6 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
 from gpuwatchd.errors import ConfigError
 
 __all__ = [
@@ -133,9 +131,11 @@ def load(path: str) -> WebConfig:
     """Read and validate a web-config.yml; an empty path means plain HTTP, no auth."""
     if not path:
         return WebConfig()
+    import yaml  # here: plain HTTP (no web config) needs no YAML parser
+
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            data = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except OSError as exc:
         raise ConfigError(path, "", f"cannot read: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:
