@@ -90,19 +90,19 @@ def _rows() -> list[Row]:
         Row(
             "gpuwatchd_gpu_temperature_threshold_celsius",
             {"threshold": "shutdown"},
-            "q:Temperature/GPU Shutdown Temp",
+            "q:Temperature/GPU Shutdown Temp | tlimit:GPU Shutdown T.Limit Temp",
             _num,
         ),
         Row(
             "gpuwatchd_gpu_temperature_threshold_celsius",
             {"threshold": "slowdown"},
-            "q:Temperature/GPU Slowdown Temp",
+            "q:Temperature/GPU Slowdown Temp | tlimit:GPU Slowdown T.Limit Temp",
             _num,
         ),
         Row(
             "gpuwatchd_gpu_temperature_threshold_celsius",
             {"threshold": "gpu_max"},
-            "q:Temperature/GPU Max Operating Temp",
+            "q:Temperature/GPU Max Operating Temp | tlimit:GPU Max Operating T.Limit Temp",
             _num,
         ),
         Row(
@@ -226,7 +226,7 @@ def _rows() -> list[Row]:
             Row(
                 "gpuwatchd_gpu_clock_hz",
                 {"clock": clock},
-                f"query:clocks.{field}",
+                f"query:clocks.{field} | q:Clocks/{q_name}",
                 _num,
                 scale=1e6,
                 relative=0.05,
@@ -327,7 +327,11 @@ def _q_value(q: Mapping[str, str], path: str) -> str | None:
 def query_fields(smi: str) -> list[str]:
     """Field names this nvidia-smi accepts in --query-gpu."""
     out = subprocess.run([smi, "--help-query-gpu"], capture_output=True, text=True, timeout=30)
-    return re.findall(r'^"([a-z0-9_.]+)"', out.stdout, re.M)
+    names: list[str] = []
+    for line in out.stdout.splitlines():
+        if line.startswith('"'):  # `"clocks.current.graphics" or "clocks.gr"`
+            names += re.findall(r'"([a-z0-9_.]+)"', line)
+    return names
 
 
 def run_query(smi: str, fields: list[str]) -> dict[str, dict[str, str]]:
@@ -387,18 +391,20 @@ def compare(
                             {"reason": reason},
                             f"q:{section}/{hit}",
                             _seconds,
-                            tolerance=0.05,
-                            relative=0.01,
+                            # the counter grows 1 s/s while the reason holds, and the
+                            # two reads are up to ~0.2 s apart
+                            tolerance=0.25,
                         )
                     )
                     break
         for row in rows:
             ours = _match(samples, row.family, bus, row.labels)
-            where, _, name = row.source.partition(":")
-            if where == "query":
-                text = query.get(bus, {}).get(name) if name in accepted else None
-            else:
-                text = _q_value(qgpu, name)
+            text, used = None, row.source
+            for source in row.source.split(" | "):
+                text = _lookup(source, query.get(bus, {}), qgpu, accepted)
+                if text is not None:
+                    used = source
+                    break
             theirs_raw = None if text is None else row.convert(text)
             theirs = None if theirs_raw is None else theirs_raw * row.scale
             if ours is None and theirs is None:
@@ -415,7 +421,7 @@ def compare(
                     "gpu": bus,
                     "metric": row.family + _fmt(row.labels),
                     "gpuwatchd": ours,
-                    "nvidia_smi": row.source,
+                    "nvidia_smi": used,
                     "nvidia_smi_text": text,
                     "nvidia_smi_value": theirs,
                     "verdict": verdict,
@@ -439,6 +445,27 @@ def compare(
                 }
             )
     return results
+
+
+def _lookup(
+    source: str, query: Mapping[str, str], qgpu: Mapping[str, str], accepted: set[str]
+) -> str | None:
+    """The nvidia-smi text one source names, or None where it has none."""
+    where, _, name = source.partition(":")
+    if where == "query":
+        text = query.get(name) if name in accepted else None
+        return None if text is None or "N/A" in text else text
+    if where == "tlimit":
+        # drivers from 580 print thresholds relative to T.Limit; T.Limit itself is
+        # the current temperature plus the "GPU T.Limit Temp" margin
+        cur = _num(qgpu.get("Temperature/GPU Current Temp", ""))
+        margin = _num(qgpu.get("Temperature/GPU T.Limit Temp", ""))
+        rel = _num(qgpu.get(f"Temperature/{name}", ""))
+        if cur is None or margin is None or rel is None:
+            return None
+        limit = cur + margin
+        return f"{limit - rel:g} (T.Limit {limit:g} C, {name} {rel:g} C)"
+    return _q_value(qgpu, name)
 
 
 def _unit(text: str) -> bool:
@@ -507,6 +534,24 @@ def collect(
     return samples, smi_out["query"], parse_q(smi_out["q"]), accepted
 
 
+_METRIC = re.compile(r"^([a-z_]+)(?:\{(.*)\})?$")
+
+
+def saved(path: Path) -> tuple[list[Sample], dict[str, Any], dict[str, Any], set[str]]:
+    """The gpuwatchd readings and nvidia-smi outputs of an earlier --json run."""
+    data = json.loads(path.read_text())
+    samples = []
+    for r in data["results"]:
+        m = _METRIC.match(r["metric"])
+        if m is None or r["gpuwatchd"] is None:
+            continue
+        labels = dict(re.findall(r'([a-z_]+)="([^"]*)"', m.group(2) or ""))
+        samples.append(Sample.of(m.group(1), r["gpuwatchd"], pci_bus_id=r["gpu"], **labels))
+    query = data["query"]
+    accepted = {k for gpu in query.values() for k in gpu}
+    return samples, query, data["q"], accepted
+
+
 def main(argv: list[str] | None = None) -> int:
     """Poll, compare, print the table; exit 1 when any value disagrees."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -514,8 +559,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gap", type=float, default=1.0, help="seconds between the two polls")
     parser.add_argument("--json", type=Path, help="write the results as JSON here")
     parser.add_argument("--markdown", type=Path, help="write the table here")
+    parser.add_argument(
+        "--rejudge",
+        type=Path,
+        metavar="JSON",
+        help="judge the readings saved by an earlier --json run again (no GPU needed)",
+    )
     args = parser.parse_args(argv)
-    samples, query, q, accepted = collect(Pynvml(), args.nvidia_smi, args.gap)
+    if args.rejudge:
+        samples, query, q, accepted = saved(args.rejudge)
+    else:
+        samples, query, q, accepted = collect(Pynvml(), args.nvidia_smi, args.gap)
     results = compare(samples, query, q, accepted)
     table = markdown(results)
     print(table)
