@@ -61,6 +61,35 @@ def import_seconds(code: str, runs: int = 5) -> float:
     return best
 
 
+# What the daemon's imports cost, step by step (each step imports on top of the last).
+IMPORT_STEPS: tuple[tuple[str, str], ...] = (
+    ("Python alone", "pass"),
+    ("+ pynvml (the floor's import)", "import pynvml"),
+    ("+ HTTP server (wsgiref, http.server; pulls in ssl)", "import wsgiref.simple_server"),
+    ("+ sqlite3", "import sqlite3"),
+    ("+ prometheus_client", "import prometheus_client"),
+    ("+ gpuwatchd (run command, daemon, pipeline)", "import gpuwatchd.cli.run, gpuwatchd.daemon"),
+    ("+ every registered source", "import gpuwatchd.sources as s; s.registry()"),
+)
+_STEP = (
+    "import sys\n"
+    "rss = lambda: int([l for l in open('/proc/self/status') if l.startswith('VmRSS')][0]"
+    ".split()[1]) / 1024\n"
+    "for code in sys.argv[1:]:\n"
+    "    exec(code)\n"
+    "    print(round(rss(), 1))\n"
+)
+
+
+def import_breakdown() -> list[tuple[str, float]]:
+    """(step, RSS in MiB after it) for IMPORT_STEPS, in one fresh interpreter."""
+    codes = [code for _, code in IMPORT_STEPS]
+    out = subprocess.run(
+        [sys.executable, "-c", _STEP, *codes], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout.split()
+    return [(name, float(mib)) for (name, _), mib in zip(IMPORT_STEPS, out, strict=True)]
+
+
 def measure(replay: str | None, seconds: float, warmup: float = 5.0) -> dict[str, Any]:
     """Run the daemon and the floor side by side; their RSS and CPU, and the ratios."""
     floor = subprocess.Popen([sys.executable, "-c", FLOOR, str(seconds + warmup + 120)], cwd=ROOT)
@@ -104,6 +133,8 @@ def main() -> int:
     floor_import = import_seconds("import pynvml")
     daemon_import = import_seconds("import pynvml, gpuwatchd.cli.run, gpuwatchd.daemon")
     fig["import_ms_above_floor"] = round((daemon_import - floor_import) * 1000, 1)
+    breakdown = import_breakdown()
+    fig["import_rss_mib"] = dict(breakdown)
     cpu_target = TARGET_CPU_8GPU_REPLAY if args.replay else TARGET_CPU_ONE_GPU
     rows = [
         f"| NVML data | {fig['nvml']} |",
@@ -120,6 +151,12 @@ def main() -> int:
         f"(target <= {cpu_target * 100:.1f} %) |",
         f"| import time above the floor (best of 5) | {fig['import_ms_above_floor']:.0f} ms |",
     ]
+    last = 0.0
+    for name, mib in breakdown:
+        rows.append(f"| RSS after import: {name} | {mib:.1f} MiB ({mib - last:+.1f}) |")
+        last = mib
+    beyond = fig["daemon_rss_mib"] - last
+    rows.append(f"| RSS of the running daemon beyond its imports | {beyond:+.1f} MiB |")
     publish(fig, "Footprint beside a bare pynvml process", rows, args.section, args.json)
     return 0
 
