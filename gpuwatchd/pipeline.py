@@ -379,6 +379,7 @@ class SourceSet:
             log=logging.getLogger("gpuwatchd.sources"),
             nudge=self._nudge,
             gpu_index=self.gpu_index,
+            gpu_status=self.gpu_status,
             gpus=self.gpus,
             load_cursor=pipeline.load_cursor if pipeline else (lambda name: None),
         )
@@ -399,6 +400,12 @@ class SourceSet:
         return {
             g.pci_bus_id: {"gpu": str(g.index), "uuid": g.uuid, "name": g.name} for g in self.gpus()
         }
+
+    def gpu_status(self) -> Mapping[str, Mapping[str, object]]:
+        """The NVML source's per-GPU status (with its processes) of its last poll, by bus id."""
+        nvml = self.state.snapshot().sources.get("nvml")
+        gpus = nvml.status.get("gpus") if nvml is not None else None
+        return gpus if isinstance(gpus, Mapping) else {}
 
     @staticmethod
     def metric_specs(with_consumers: bool) -> list[MetricSpec]:

@@ -33,6 +33,7 @@ from gpuwatchd.health.rollup import finding_json
 from gpuwatchd.model import Finding, Severity, SourceSnapshot
 from gpuwatchd.sources import Source
 from gpuwatchd.sources.runner import Runner
+from gpuwatchd.sources.workloads.source import workloads_on_gpus
 from gpuwatchd.state import State
 
 __all__ = ["Verdict", "check", "collect", "register"]
@@ -42,6 +43,7 @@ log = logging.getLogger("gpuwatchd.check")
 EXIT = {"OK": 0, "WARNING": 1, "CRITICAL": 2, "UNKNOWN": 3}
 NPD_MAX = 80  # node-problem-detector's default max_output_length
 SKIPPED = frozenset({"udev"})  # only nudges other sources; nothing to check once
+AFTER_NVML = frozenset({"workloads"})
 
 
 def register(subparsers: Any) -> None:
@@ -142,8 +144,22 @@ def collect(
     built = [
         s for s in runner.sources if s.name not in SKIPPED and (only is None or s.name in only)
     ]
+    # The workloads source reads NVML's processes: it polls once NVML has.
+    late = [s for s in built if s.name in AFTER_NVML]
     threads = []
-    for source in built:
+    for source in [s for s in built if s.name not in AFTER_NVML]:
+        polled = out.polled[source.name] = Polled(source.name)
+        t = threading.Thread(
+            target=_poll,
+            args=(runner, source, polled, deadline, clock),
+            name=f"check-{source.name}",
+            daemon=True,
+        )
+        t.start()
+        threads.append((t, polled))
+    for t, _ in threads if late else ():
+        t.join(max(0.0, deadline - clock.monotonic()))
+    for source in late:
         polled = out.polled[source.name] = Polled(source.name)
         t = threading.Thread(
             target=_poll,
@@ -224,6 +240,7 @@ class Verdict:
     node: str
     gpus: int
     notes: list[str] = field(default_factory=list)
+    workloads: list[dict[str, object]] = field(default_factory=list)  # on unhealthy GPUs
 
     @property
     def exit_code(self) -> int:
@@ -263,7 +280,12 @@ def check(cfg: Config, clock: Clock | None = None, timeout: float = 30.0) -> Ver
         status = "WARNING"
     else:
         status = "OK"
-    return Verdict(status, findings, got.polled, node_name(cfg), chain.engine.gpu_count(), notes)
+    verdict = Verdict(status, findings, got.polled, node_name(cfg), chain.engine.gpu_count(), notes)
+    held = snap.sources.get("workloads")
+    if held is not None:
+        gpus = [v for f in findings if f.severity >= Severity.WARNING for _, v in f.subject]
+        verdict.workloads = workloads_on_gpus(held.status, gpus)
+    return verdict
 
 
 # --- output ----------------------------------------------------------------------
@@ -311,6 +333,7 @@ def render_json(v: Verdict) -> str:
         "node": v.node,
         "gpus": v.gpus,
         "conditions": [finding_json(f) for f in v.findings],
+        "workloads": v.workloads,
         "sources": {
             p.name: {"readable": p.readable, "detail": p.describe()} for p in v.polled.values()
         },

@@ -68,6 +68,8 @@ class SourceContext:
     gpu_index: Callable[[], Mapping[str, Mapping[str, str]]] = dict
     # The GPUs of the NVML source's last poll, typed (prefer this to gpu_index)
     gpus: Callable[[], GpuInventory] = GpuInventory
+    # The NVML source's per-GPU status of its last poll (gpu, uuid, processes), by bus id
+    gpu_status: Callable[[], Mapping[str, Mapping[str, object]]] = dict
     # The last cursor the event store committed for a source (kmsg), or None
     load_cursor: Callable[[str], str | None] = lambda name: None
 

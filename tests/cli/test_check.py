@@ -244,3 +244,36 @@ def test_check_reads_the_daemons_store_and_never_writes_it(
         assert db.execute("SELECT count(*) FROM events").fetchone() == (1,)
         assert db.execute("SELECT count(*) FROM cursors").fetchone() == (0,)
         assert db.execute("SELECT value FROM health_memory").fetchall() == [("4",)]
+
+
+def test_json_names_the_workloads_on_unhealthy_gpus(write_config, tmp_path, capsys) -> None:
+    """A Slurm epilog can tell the user their job hit a bad GPU: check --json names it."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", TORCHELASTIC_RUN_ID="epilog-test")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, env=env
+    )
+    try:
+        capture = json.loads(H200.read_text())
+        calls = capture["devices"][0]["calls"]
+        calls["compute_running_processes"] = [
+            {"value": [{"pid": proc.pid, "used_memory": 1 << 30}], "us": 20.0}
+        ]
+        nvml = tmp_path / "with-process.json"
+        nvml.write_text(json.dumps(capture))
+        cfg = write_config(XID31, CRITICAL_31, nvml=nvml)
+        assert run(["check", "--json", "--config", str(cfg)]) == 2
+        data = json.loads(capsys.readouterr().out)
+    finally:
+        proc.kill()
+        proc.wait(5)
+        assert proc.stdin is not None
+        proc.stdin.close()
+    [held] = data["workloads"]
+    assert held["kind"] == "process" and held["id"] == str(proc.pid)
+    [p] = held["processes"]
+    assert (p["pid"], p["gpu"], p["rank"]) == (proc.pid, "0", "0")
+    assert held["run_id"] == "epilog-test"

@@ -1,7 +1,7 @@
 """The workloads source: which pod, Slurm job or process holds each GPU, with ranks.
 
 Polled at the NVML interval. Processes per GPU come from the NVML source's
-last poll (ctx.gpu_index, no second NVML client); each pid is placed by
+last poll (ctx.gpu_status, no second NVML client); each pid is placed by
 its cgroup (pod UID, Slurm job), named through the kubelet pod-resources
 API (one List per poll, matched by GPU/MIG UUID) or Slurm (cached per
 job), and given its torch.distributed rank from /proc/PID/environ. A
@@ -55,7 +55,7 @@ METRICS = (
     ),
 )
 
-GpuIndex = Callable[[], Mapping[str, Mapping[str, Any]]]
+GpuStatus = Callable[[], Mapping[str, Mapping[str, Any]]]
 
 
 class _Proc:
@@ -76,7 +76,7 @@ class WorkloadSource:
 
     def __init__(
         self,
-        gpu_index: GpuIndex,
+        gpu_status: GpuStatus,
         *,
         procfs: str = "/proc",
         interval: float = 10.0,
@@ -86,7 +86,7 @@ class WorkloadSource:
         keep_seconds: float = 600.0,
     ) -> None:
         self.interval = interval
-        self._gpu_index = gpu_index
+        self._gpu_status = gpu_status
         self.procfs = procfs
         self.kubelet = kubelet
         self.slurm = slurm
@@ -103,7 +103,7 @@ class WorkloadSource:
         """Build from sources.workloads; the interval is the NVML poll interval."""
         wc = cfg.sources.workloads
         return cls(
-            ctx.gpu_index,
+            ctx.gpu_status,
             procfs=cfg.paths.procfs,
             interval=cfg.sources.nvml.interval,
             kubelet=PodResourcesClient(wc.kubelet_socket, wc.call_timeout),
@@ -148,7 +148,7 @@ class WorkloadSource:
 
     def _gpus(self) -> list[tuple[str, str, str, list[tuple[int, int | None]]]]:
         out = []
-        for bus, gpu in sorted(self._gpu_index().items()):
+        for bus, gpu in sorted(self._gpu_status().items()):
             procs = []
             for p in gpu.get("processes") or ():
                 pid = p.get("pid") if isinstance(p, Mapping) else None
