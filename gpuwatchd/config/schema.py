@@ -441,6 +441,11 @@ class KubernetesRemediationConfig:
         choices=("critical",),
     )
     node_name: str = opt("", "Kubernetes node name; empty = daemon.node_name")
+    problem_condition: str = opt(
+        "",
+        "also write this condition type, status True while GpuHealthy is False (for tools"
+        " such as draino that act on conditions that are True); empty = none",
+    )
     api_url: str = opt("", "API server URL; empty = in-cluster, the pod's service account")
     token_file: str = opt("", "bearer token file used with api_url")
     ca_file: str = opt("", "CA bundle used with an https api_url")

@@ -117,7 +117,7 @@ def api() -> Iterator[FakeApiServer]:
     server.close()
 
 
-def make_cfg(tmp_path: Path, url: str, taint: bool = True) -> Config:
+def make_cfg(tmp_path: Path, url: str, taint: bool = True, extra: str = "") -> Config:
     token = tmp_path / "token"
     token.write_text("sa-token-123\n")
     path = tmp_path / "config.yaml"
@@ -127,7 +127,7 @@ daemon: {{state_dir: {tmp_path / "state"}, node_name: {NAME}}}
 remediation:
   hold_seconds: 60
   kubernetes: {{condition_on: [critical], taint_on: {"[critical]" if taint else "[]"},
-               api_url: "{url}", token_file: {token}, timeout: 5}}
+               api_url: "{url}", token_file: {token}, timeout: 5{extra}}}
 """
     )
     return config.load(str(path))
@@ -214,3 +214,15 @@ def test_unreachable_api_is_bounded(tmp_path: Path) -> None:
     cfg = make_cfg(tmp_path, "http://127.0.0.1:9", taint=False)
     with pytest.raises(GpuwatchdError, match="patching status of node"):
         KubernetesNode(cfg, NAME).set_condition(False, "GpuLost", "x")
+
+
+def test_problem_condition_for_tools_that_act_on_true(api: FakeApiServer, tmp_path: Path) -> None:
+    """draino cordons on conditions that are True: GpuProblem=True mirrors GpuHealthy=False."""
+    cfg = make_cfg(tmp_path, api.url, taint=False, extra=", problem_condition: GpuProblem")
+    node = KubernetesNode(cfg, NAME)
+    node.set_condition(False, "GpuLost", "gpuwatchd: GpuLost gpu 5")
+    types = {c["type"]: c["status"] for c in api.node["status"]["conditions"]}
+    assert types["GpuHealthy"] == "False" and types["GpuProblem"] == "True"
+    node.set_condition(True, "OperatorResumed", "resumed")
+    types = {c["type"]: c["status"] for c in api.node["status"]["conditions"]}
+    assert types["GpuHealthy"] == "True" and types["GpuProblem"] == "False"

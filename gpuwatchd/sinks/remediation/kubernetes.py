@@ -39,6 +39,7 @@ class KubernetesNode:
     def __init__(self, cfg: Config, node: str) -> None:
         k = cfg.remediation.kubernetes
         self.node = k.node_name or node
+        self.problem_condition = k.problem_condition
         self.timeout = k.timeout
         self._api_url = k.api_url
         self._token_file = k.token_file
@@ -92,7 +93,12 @@ class KubernetesNode:
             "lastHeartbeatTime": now,
             "lastTransitionTime": now,
         }
-        body = {"status": {"conditions": [condition]}}
+        conditions = [condition]
+        if self.problem_condition:
+            conditions.append(
+                {**condition, "type": self.problem_condition, "status": str(not healthy)}
+            )
+        body = {"status": {"conditions": conditions}}
         self._call(
             "patching status of",
             self._core().patch_node_status,
