@@ -23,6 +23,7 @@ from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config
 from gpuwatchd.errors import GpuwatchdError, StoreError
 from gpuwatchd.health import engine as engine_mod
+from gpuwatchd.health import fabric as _fabric  # noqa: F401 (registers its rule)
 from gpuwatchd.health import storage as _storage  # noqa: F401 (registers its rule)
 from gpuwatchd.health.engine import HealthEngine
 from gpuwatchd.health.xid.stage import METRICS as XID_METRICS

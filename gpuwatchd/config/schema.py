@@ -250,6 +250,8 @@ class HealthConfig:
             "GpuTemperatureHigh": 120.0,
             "GpuThermalSlowdown": 60.0,
             "GpuPcieDegraded": 300.0,
+            "GpuFabricNotRegistered": 300.0,
+            "FabricManagerDown": 60.0,
             "InfinibandPhysicalStateNotLinkUp": 60.0,
             "InfinibandRateDegraded": 60.0,
         },

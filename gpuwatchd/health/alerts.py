@@ -173,6 +173,26 @@ ALERTS: dict[str, AlertInfo] = {
         "node and reboot. If a GPU was removed on purpose, set health.expected_gpus.",
         (),
     ),
+    # Raised by health/fabric.py.
+    "GpuFabricNotRegistered": AlertInfo(
+        _C,
+        "nvml",
+        Action.DRAIN_AND_INSPECT,
+        "GPU {gpu} not registered with the NVLink fabric",
+        "The GPU has not joined its NVSwitch fabric, so NCCL jobs on it hang at init or "
+        "fail. Check nvidia-fabricmanager (systemctl status, its log), then reset the GPUs "
+        "or reboot the node; if the GPU still does not register, have the baseboard inspected.",
+    ),
+    "FabricManagerDown": AlertInfo(
+        _C,
+        "nvml",
+        Action.DRAIN_AND_INSPECT,
+        "nvidia-fabricmanager is not running",
+        "This node's GPUs sit on an NVSwitch fabric that needs nvidia-fabricmanager. Read "
+        "journalctl -u nvidia-fabricmanager, restart the service (its version must match "
+        "the driver's), and drain the node until the GPUs are registered again.",
+        (),
+    ),
     "GpuwatchdCollectorFailed": AlertInfo(
         _W,
         "daemon",
