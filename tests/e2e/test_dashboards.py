@@ -16,7 +16,8 @@ template variables substituted:
 
 from __future__ import annotations
 
-import importlib
+import functools
+import importlib.util
 import json
 import re
 from collections.abc import Iterator
@@ -172,25 +173,21 @@ def result(prom: PrometheusServer, expr: str) -> list[Any]:
     return list(data["result"])
 
 
-# Producers of samples besides the registered sources (as scripts/gen_metrics_doc.py lists them).
-PRODUCERS = (
-    ("gpuwatchd.health.engine", "METRICS"),
-    ("gpuwatchd.health.xid.stage", "METRICS"),
-    ("gpuwatchd.sinks.alertmanager.sink", "METRICS"),
-    ("gpuwatchd.sinks.remediation.sink", "METRICS"),
-    ("gpuwatchd.sinks.prometheus", "DAEMON_METRICS"),
-)
 TARGET_LABELS = {"cluster", "node", "job", "instance"}
 
 
+@functools.cache
 def declared_metrics() -> dict[str, set[str]]:
-    """Every metric name the code declares, with its label names."""
-    from gpuwatchd.sources import registry
+    """Every metric name the code declares, with its label names.
 
-    specs = [m for spec in registry().values() for m in spec.metrics]
-    for module, attr in PRODUCERS:
-        specs.extend(getattr(importlib.import_module(module), attr))
-    return {s.name: set(s.labels) for s in specs}
+    From the producers scripts/gen_metrics_doc.py collects (docs/metrics.md's list).
+    """
+    path = ROOT / "scripts" / "gen_metrics_doc.py"
+    loader = importlib.util.spec_from_file_location("gen_metrics_doc", path)
+    assert loader is not None and loader.loader is not None
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    return {s.name: set(s.labels) for _producer, s in module.collect()}
 
 
 def check_names(expr: str) -> list[str]:
