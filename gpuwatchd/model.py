@@ -27,6 +27,7 @@ __all__ = [
     "Severity",
     "SourceSnapshot",
     "WORKLOAD_ALERT_LABELS",
+    "XidFields",
     "Workload",
     "WorkloadProcess",
     "labels_of",
@@ -118,9 +119,10 @@ class Health(enum.IntEnum):
 class Event:
     """Something that happened once (an Xid, a GPU lost), as opposed to a state.
 
-    `key` identifies the thing the event is about for de-duplication
-    (for an Xid: kind, GPU bus id and code). `attrs` carries extra detail
-    (pid, process, attribution, raw line) as strings.
+    `attrs` carries the detail as strings, as the store and the journal keep
+    it (pid, process, attribution, raw line, ...); code reads an Xid's
+    fields typed through `xid`. De-duplication is the Xid tracker's, by
+    kind, bus id and code.
     """
 
     kind: str
@@ -138,6 +140,60 @@ class Event:
             if k == key:
                 return v
         return default
+
+    @property
+    def xid(self) -> XidFields | None:
+        """The typed fields of an Xid or SXid report; None for other kinds."""
+        return XidFields.of(self) if self.kind in ("xid", "sxid") else None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class XidFields:
+    """An Xid/SXid report's fields, typed; `Event.attrs` carries them as strings
+    under the same names (the store's columns and the journal's fields)."""
+
+    code: int
+    gpu: str = ""  # NVML index; "" when NVML did not list the bus id
+    uuid: str = ""
+    pid: int | None = None
+    process: str = ""
+    gpc: int | None = None  # Xid 13 and friends: where in the GPU the fault hit
+    tpc: int | None = None
+    sm: int | None = None
+    recovery_action: str = ""  # the driver's own text (Xid 154: "GPU Reset Required", ...)
+    fatal: bool | None = None  # SXid: the driver says fatal or non-fatal
+    detail: str = ""  # the report's text after the code
+    name: str = ""  # the catalog's name, once the tracker classified it
+    action: str = ""  # the catalog's action, once classified (Action values)
+    escalated: str = ""  # why the tracker raised the action, if it did
+
+    @classmethod
+    def of(cls, ev: Event) -> XidFields:
+        """Read the fields from an event's attrs (bad numbers read as None)."""
+        a = dict(ev.attrs)
+        return cls(
+            code=ev.code or 0,
+            gpu=a.get("gpu", ""),
+            uuid=a.get("uuid", ""),
+            pid=_int_or_none(a.get("pid", "")),
+            process=a.get("process", ""),
+            gpc=_int_or_none(a.get("gpc", "")),
+            tpc=_int_or_none(a.get("tpc", "")),
+            sm=_int_or_none(a.get("sm", "")),
+            recovery_action=a.get("recovery_action", ""),
+            fatal={"true": True, "false": False}.get(a.get("fatal", "")),
+            detail=a.get("detail", ""),
+            name=a.get("name", ""),
+            action=a.get("action", ""),
+            escalated=a.get("escalated", ""),
+        )
+
+
+def _int_or_none(text: str) -> int | None:
+    try:
+        return int(text) if text else None
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,7 @@ from gpuwatchd.model import (
     Sample,
     Severity,
     SourceSnapshot,
+    XidFields,
 )
 from gpuwatchd.state import NodeSnapshot, State
 
@@ -73,13 +74,10 @@ def xid_condition(a: ActiveXid | XidCondition) -> XidCondition:
     """The Xid rule's view of a tracker's ActiveXid."""
     if isinstance(a, XidCondition):
         return a
-    ev = a.event
-    who = " ".join(x for x in (ev.attr("pid") and f"pid {ev.attr('pid')}", ev.attr("process")) if x)
-    parts = [
-        p
-        for p in (who, ev.attr("detail"), a.event.attr("escalated"), f"active until {a.until}")
-        if p
-    ]
+    xid = a.event.xid or XidFields(code=a.code)
+    pid = f"pid {xid.pid}" if xid.pid is not None else ""
+    who = " ".join(x for x in (pid, xid.process) if x)
+    parts = [p for p in (who, xid.detail, xid.escalated, f"active until {a.until}") if p]
     return XidCondition(
         code=a.code,
         pci_bus_id=a.pci_bus_id,
@@ -91,7 +89,7 @@ def xid_condition(a: ActiveXid | XidCondition) -> XidCondition:
         kind=a.kind,
         count=a.count,
         detail="; ".join(parts),
-        workload=tuple((k, v) for k, v in ev.attrs if k in WORKLOAD_ATTRS),
+        workload=tuple((k, v) for k, v in a.event.attrs if k in WORKLOAD_ATTRS),
     )
 
 

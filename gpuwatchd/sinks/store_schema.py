@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sqlite3
 
-from gpuwatchd.model import Event, MetricSpec
+from gpuwatchd.model import Event, MetricSpec, XidFields
 
 __all__ = [
     "ATTRIBUTION_KEYS",
@@ -129,6 +129,7 @@ def upsert_event(db: sqlite3.Connection, rec: tuple[Event, str, int]) -> None:
     """Insert one (event, burst_id, reports) row, or bump the count of its burst."""
     ev, burst_id, reports = rec
     attrs = dict(ev.attrs)
+    xid = ev.xid or XidFields(code=ev.code or 0)  # the typed columns; attrs keeps the rest
     attribution = {k: attrs[k] for k in ATTRIBUTION_KEYS if attrs.get(k)}
     last = ev.time
     db.execute(
@@ -155,13 +156,13 @@ def upsert_event(db: sqlite3.Connection, rec: tuple[Event, str, int]) -> None:
             ev.source,
             ev.code,
             ev.pci_bus_id,
-            attrs.get("gpu", ""),
-            attrs.get("uuid", ""),
-            _int(attrs.get("pid", "")),
-            attrs.get("process", ""),
+            xid.gpu,
+            xid.uuid,
+            xid.pid,
+            xid.process,
             str(ev.severity),
-            attrs.get("action", ""),
-            attrs.get("name", ""),
+            xid.action,
+            xid.name,
             ev.message,
             json.dumps(attribution, sort_keys=True),
             attrs.get("raw", ""),

@@ -32,7 +32,7 @@ from gpuwatchd.health.xid.tracker import (
     XidTracker,
 )
 from gpuwatchd.health.xid.workload import attach_workload
-from gpuwatchd.model import Clear, Event, MetricSpec, Sample, SourceSnapshot
+from gpuwatchd.model import Clear, Event, MetricSpec, Sample, SourceSnapshot, XidFields
 from gpuwatchd.pci import normalize_bus_id
 from gpuwatchd.sources.workloads.source import workloads_from_status
 
@@ -199,7 +199,8 @@ class XidStage:
                     del self._unlogged[bid]
                     self._log(ev)
             changed = {k: v for k, v in cursors.items() if v and self._cursors.get(k) != v}
-            if self.store is not None and (records or changed):
+            held = getattr(self.store, "pending", None)  # writes the store retries
+            if self.store is not None and (records or changed or (held and held())):
                 try:
                     self.store.write(records, changed)
                     self._cursors.update(changed)
@@ -225,17 +226,18 @@ class XidStage:
                 self._unlogged[obs.burst_id] = (due, obs.event)
 
     def _log(self, ev: Event) -> None:
-        if not self.log_reports:
+        fields = ev.xid
+        if not self.log_reports or fields is None:
             return
         log.warning(
             "%s %s on %s (GPU %s): %s [%s, %s] %s",
             "SXid" if ev.kind == "sxid" else "Xid",
             ev.code,
             ev.pci_bus_id,
-            ev.attr("gpu") or "?",
-            ev.attr("name"),
+            fields.gpu or "?",
+            fields.name,
             ev.severity,
-            ev.attr("action"),
+            fields.action,
             ev.message,
             # Upper-case extras become journal fields under systemd (logs.py).
             extra=journal_fields(ev),
@@ -325,15 +327,16 @@ class XidStage:
 
 def journal_fields(ev: Event) -> dict[str, str]:
     """Structured fields for the journal entry of an Xid/SXid report."""
+    xid = ev.xid or XidFields(code=ev.code or 0)
     fields = {
         "XID" if ev.kind == "xid" else "SXID": str(ev.code),
         "PCI_BUS_ID": ev.pci_bus_id,
-        "GPU_UUID": ev.attr("uuid"),
-        "GPU_INDEX": ev.attr("gpu"),
+        "GPU_UUID": xid.uuid,
+        "GPU_INDEX": xid.gpu,
         "XID_SEVERITY": str(ev.severity),
-        "XID_ACTION": ev.attr("action"),
-        "XID_PID": ev.attr("pid"),
-        "XID_PROCESS": ev.attr("process"),
+        "XID_ACTION": xid.action,
+        "XID_PID": "" if xid.pid is None else str(xid.pid),
+        "XID_PROCESS": xid.process,
         "XID_RANK": ev.attr("rank"),
         "K8S_NAMESPACE": ev.attr("namespace"),
         "K8S_POD": ev.attr("pod"),

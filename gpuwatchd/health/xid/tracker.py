@@ -29,7 +29,16 @@ from typing import TYPE_CHECKING
 
 from gpuwatchd.health.xid.bursts import Bursts
 from gpuwatchd.health.xid.catalog import Catalog, XidInfo
-from gpuwatchd.model import Action, Clear, Event, MetricSpec, Sample, Severity, labels_of
+from gpuwatchd.model import (
+    Action,
+    Clear,
+    Event,
+    MetricSpec,
+    Sample,
+    Severity,
+    XidFields,
+    labels_of,
+)
 
 if TYPE_CHECKING:
     from gpuwatchd.config import Config
@@ -205,13 +214,13 @@ class XidTracker:
 
     def classify(self, event: Event) -> XidInfo:
         """The catalog entry as the report's own words adjust it."""
-        fatal = {"true": True, "false": False}.get(event.attr("fatal"))
+        xid = event.xid or XidFields(code=event.code or 0)
         return self.catalog.resolve(
             event.code or 0,
             event.kind,
-            text=event.attr("detail") or event.message,
-            fatal=fatal,
-            recovery_action=event.attr("recovery_action"),
+            text=xid.detail or event.message,
+            fatal=xid.fatal,
+            recovery_action=xid.recovery_action,
         )
 
     def observe(self, event: Event, restoring: bool = False) -> Observation:
@@ -221,8 +230,10 @@ class XidTracker:
         st = self._states.get(key)
         if st is None:
             st = self._states[key] = _State(event.kind, code, event.pci_bus_id)
-        st.gpu = event.attr("gpu") or st.gpu
-        st.uuid = event.attr("uuid") or st.uuid
+        xid = event.xid
+        if xid is not None:
+            st.gpu = xid.gpu or st.gpu
+            st.uuid = xid.uuid or st.uuid
         policy = self.settings.policy(event.kind, code)
         joined = st.bursts.join(event)
         if joined is not None:
