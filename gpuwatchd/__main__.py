@@ -1,3 +1,5 @@
+"""`python -m gpuwatchd`: the command line."""
+
 import sys
 
 from gpuwatchd.cli import main

@@ -1,1 +1,1 @@
-"""Sinks: consumers of the state (Prometheus, Alertmanager, event store, status API)."""
+"""Sinks: what consumes the state (exposition, event store, Alertmanager, remediation)."""

@@ -1,1 +1,1 @@
-"""Workloads: who runs on each GPU (cgroup pod/Slurm attribution; more in later modules)."""
+"""Workloads: who runs on each GPU (cgroup, kubelet pod-resources, Slurm, torch ranks)."""
