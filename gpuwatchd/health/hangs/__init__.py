@@ -1,0 +1,1 @@
+"""Job-level hang detection: detector, signature catalog, cross-rank summary."""

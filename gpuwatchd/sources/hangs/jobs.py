@@ -1,0 +1,219 @@
+"""A job's ranks on this node, as the hang detector sees them.
+
+The detector takes `JobView`s, not the workload model directly, so it can
+be fed from recorded data in tests and from any adapter. `jobs_from_gpu_processes`
+builds them from the NVML source's processes and each process's
+/proc/PID/environ (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+NCCL_RAS_ADDR, the launcher's job id) and /proc/PID/task/*/stat (CPU time).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+__all__ = [
+    "DEFAULT_RAS_ADDR",
+    "JobView",
+    "RankView",
+    "job_key",
+    "jobs_from_gpu_processes",
+    "read_cpu_seconds",
+    "read_environ",
+]
+
+DEFAULT_RAS_ADDR = "localhost:28028"
+_ENV_KEYS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "NCCL_RAS_ADDR",
+    "NCCL_RAS_ENABLE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "SLURM_JOB_ID",
+    "SLURM_STEP_ID",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_NTASKS",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_NNODES",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+)
+_LOCAL_HOSTS = ("", "localhost", "127.0.0.1", "::1")
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+@dataclass(frozen=True, slots=True)
+class RankView:
+    """One process of a job on this node."""
+
+    pid: int
+    gpus: tuple[str, ...]
+    rank: int | None = None
+    local_rank: int | None = None
+    world_size: int | None = None
+    cpu_seconds: float | None = None  # user+system of all threads; None = unreadable
+    ras_addr: str = DEFAULT_RAS_ADDR
+    command: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class JobView:
+    """A job's processes on this node and what they expect.
+
+    `expected_local` is how many ranks should run here (LOCAL_WORLD_SIZE,
+    or WORLD_SIZE for a single-node job); None = unknown. `labels` carries
+    job / namespace / pod / slurm_job for alerts (never metrics).
+    """
+
+    job: str
+    ranks: tuple[RankView, ...]
+    expected_local: int | None = None
+    world_size: int | None = None
+    labels: tuple[tuple[str, str], ...] = ()
+    ras_addr: str = DEFAULT_RAS_ADDR
+
+    @property
+    def gpus(self) -> tuple[str, ...]:
+        """Every GPU any rank of the job uses, sorted."""
+        return tuple(sorted({g for r in self.ranks for g in r.gpus}, key=_gpu_order))
+
+
+def _gpu_order(gpu: str) -> tuple[int, str]:
+    return (int(gpu), "") if gpu.isdigit() else (1 << 30, gpu)
+
+
+def _int(text: str | None) -> int | None:
+    try:
+        return int(text) if text not in (None, "") else None
+    except ValueError:
+        return None
+
+
+def read_environ(pid: int, procfs: str = "/proc") -> dict[str, str]:
+    """The hang-relevant variables of a process; {} when unreadable (gone, other user)."""
+    try:
+        with open(f"{procfs}/{pid}/environ", "rb") as f:
+            raw = f.read(1 << 20)
+    except OSError:
+        return {}
+    env: dict[str, str] = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        name = key.decode(errors="replace")
+        if sep and name in _ENV_KEYS:
+            env[name] = value.decode(errors="replace")
+    return env
+
+
+def read_cpu_seconds(pid: int, procfs: str = "/proc") -> float | None:
+    """utime+stime of every thread of a process, in seconds; None when it is gone."""
+    try:
+        tasks = os.listdir(f"{procfs}/{pid}/task")
+    except OSError:
+        return None
+    ticks = 0
+    for tid in tasks:
+        try:
+            with open(f"{procfs}/{pid}/task/{tid}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue  # a thread that exited between listdir and open
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 12:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / _CLK_TCK
+
+
+def _command(pid: int, procfs: str) -> str:
+    try:
+        with open(f"{procfs}/{pid}/cmdline", "rb") as f:
+            argv = [a.decode(errors="replace") for a in f.read(4096).split(b"\0") if a]
+    except OSError:
+        return ""
+    return " ".join([os.path.basename(argv[0]), *argv[1:]])[:160] if argv else ""
+
+
+def job_key(pid: int, env: Mapping[str, str]) -> str:
+    """Which job a process belongs to, from its launcher's variables."""
+    if env.get("SLURM_JOB_ID"):
+        step = env.get("SLURM_STEP_ID", "")
+        return f"slurm:{env['SLURM_JOB_ID']}" + (f".{step}" if step else "")
+    if env.get("TORCHELASTIC_RUN_ID") and env["TORCHELASTIC_RUN_ID"] != "none":
+        return f"torchelastic:{env['TORCHELASTIC_RUN_ID']}"
+    if env.get("MASTER_PORT"):
+        return f"torch:{env.get('MASTER_ADDR') or 'localhost'}:{env['MASTER_PORT']}"
+    return f"pid:{pid}"
+
+
+def _expected_local(envs: Iterable[Mapping[str, str]]) -> tuple[int | None, int | None]:
+    """(local ranks expected, world size) from the first process that says."""
+    for env in envs:
+        world = _int(env.get("WORLD_SIZE") or env.get("OMPI_COMM_WORLD_SIZE"))
+        local = _int(env.get("LOCAL_WORLD_SIZE") or env.get("OMPI_COMM_WORLD_LOCAL_SIZE"))
+        per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+        if local is None and _int(per_node) is not None:
+            local = _int(per_node)
+        single_node = env.get("SLURM_NNODES") == "1" or (
+            "SLURM_NNODES" not in env and env.get("MASTER_ADDR", "") in _LOCAL_HOSTS
+        )
+        if local is None and world is not None and single_node:
+            local = world
+        if local is not None or world is not None:
+            return local, world
+    return None, None
+
+
+def jobs_from_gpu_processes(
+    gpu_pids: Mapping[str, Iterable[int]],
+    procfs: str = "/proc",
+    environ: Mapping[int, Mapping[str, str]] | None = None,
+) -> list[JobView]:
+    """Group the GPU processes NVML reports into jobs by their launcher's variables.
+
+    `gpu_pids` maps GPU index -> pids holding a context there. `environ`
+    replaces /proc/PID/environ (tests, or another adapter that already has it).
+    """
+    gpus_of: dict[int, list[str]] = {}
+    for gpu, pids in gpu_pids.items():
+        for pid in pids:
+            gpus_of.setdefault(int(pid), []).append(str(gpu))
+    by_job: dict[str, list[tuple[RankView, Mapping[str, str]]]] = {}
+    for pid, gpus in sorted(gpus_of.items()):
+        env = environ.get(pid, {}) if environ is not None else read_environ(pid, procfs)
+        rank = _int(env.get("RANK") or env.get("SLURM_PROCID") or env.get("OMPI_COMM_WORLD_RANK"))
+        view = RankView(
+            pid=pid,
+            gpus=tuple(sorted(set(gpus), key=_gpu_order)),
+            rank=rank,
+            local_rank=_int(env.get("LOCAL_RANK") or env.get("SLURM_LOCALID")),
+            world_size=_int(env.get("WORLD_SIZE")),
+            cpu_seconds=read_cpu_seconds(pid, procfs),
+            ras_addr=env.get("NCCL_RAS_ADDR") or DEFAULT_RAS_ADDR,
+            command=_command(pid, procfs),
+        )
+        by_job.setdefault(job_key(pid, env), []).append((view, env))
+    jobs = []
+    for key, members in sorted(by_job.items()):
+        local, world = _expected_local(env for _, env in members)
+        labels = [("job", key)]
+        slurm = next((e["SLURM_JOB_ID"] for _, e in members if e.get("SLURM_JOB_ID")), "")
+        if slurm:
+            labels.append(("slurm_job", slurm))
+        jobs.append(
+            JobView(
+                job=key,
+                ranks=tuple(v for v, _ in members),
+                expected_local=local,
+                world_size=world,
+                labels=tuple(labels),
+                ras_addr=members[0][0].ras_addr,
+            )
+        )
+    return jobs
