@@ -215,9 +215,12 @@ class EventStore:
         now = self._now()
         if now < self._retry_at:
             return
-        self._check_dir()
         rows, curs = self.held.take()
         try:
+            if self._dir_changed():
+                # Re-persist what the lost file held (recent rows, the cursors) first.
+                rows = [*self._written[-REWRITE_KEEP:], *rows]
+                curs = {**self._cursors, **curs}
             with self._lock, self._db:
                 self._commit(rows, curs, now)
         except (sqlite3.Error, OSError) as exc:
@@ -270,11 +273,10 @@ class EventStore:
         if len(self._written) > 2 * REWRITE_KEEP:
             del self._written[:-REWRITE_KEEP]
 
-    def _check_dir(self) -> None:
-        """Re-create the state dir and re-persist recent rows when it was deleted or replaced."""
-        now_id = dir_identity(self.state_dir)
-        if now_id == self._dir_id and os.path.exists(self.path):
-            return
+    def _dir_changed(self) -> bool:
+        """Re-open a fresh store when the state dir was deleted or replaced (True then)."""
+        if dir_identity(self.state_dir) == self._dir_id and os.path.exists(self.path):
+            return False
         self.errors["state_dir"] += 1
         log.error(
             "state dir %s was deleted or replaced while running: re-creating the event store",
@@ -285,9 +287,13 @@ class EventStore:
                 self._db.close()
             except sqlite3.Error:
                 pass
-            self._db = self._open()  # raises OSError/sqlite3.Error: caller holds the rows
+            self._db = self._open()  # raises OSError/sqlite3.Error: the caller holds the rows
             self._dir_id = dir_identity(self.state_dir)
-        self.held.restore(self._written[-REWRITE_KEEP:], self._cursors)
+        return True
+
+    def pending(self) -> bool:
+        """Whether writes wait in memory (the caller's tick should call `write([])`)."""
+        return bool(self.held.rows or self.held.cursors)
 
     def samples(self) -> list[Sample]:
         """The store's own metrics (see METRICS)."""

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import sqlite3
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuwatchd.errors import StoreError
@@ -24,6 +26,10 @@ __all__ = ["Outbox", "StoredAlert", "fingerprint"]
 
 # Alertmanager keeps a resolved alert for this long; so do we, re-sending it.
 RESOLVED_RETENTION = 15 * 60.0
+WRITE_BACK_EVERY = 2.0  # seconds between attempts to write an in-memory outbox back
+_TABLES = ("alert_outbox", "alert_delivery")
+
+log = logging.getLogger("gpuwatchd.alertmanager")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS alert_outbox (
@@ -97,7 +103,11 @@ class Outbox:
 
     def __init__(self, path: str, max_alerts: int = 10000) -> None:
         self.max_alerts = max_alerts
+        self.path = path
         self._lock = threading.Lock()
+        self._file: sqlite3.Connection | None = None  # the file while we write to memory
+        self._retry_at = 0.0
+        self.in_memory = False
         try:
             # One connection shared under our own lock; the store module
             # opens its own connection to the same file.
@@ -111,7 +121,62 @@ class Outbox:
 
     def close(self) -> None:
         with self._lock:
+            if self._file is not None and self._file is not self._db:
+                self._file.close()
             self._db.close()
+
+    def _write(self, body: Callable[[], object]) -> None:
+        """Run `body` in one transaction; a disk that refuses moves the outbox to memory.
+
+        Alerts must keep firing when the state dir is full or read-only: the
+        outbox then lives in an in-memory copy (what the file held, plus what
+        changed since) and is written back once the file accepts writes.
+        """
+        with self._lock:
+            if self._file is not None and time.monotonic() >= self._retry_at:
+                self._write_back()
+            try:
+                with self._db:
+                    body()
+                return
+            except sqlite3.OperationalError as exc:
+                if self._file is not None:
+                    raise
+                self._to_memory(exc)
+            with self._db:
+                body()
+
+    def _to_memory(self, exc: Exception) -> None:
+        mem = sqlite3.connect(":memory:", check_same_thread=False)
+        mem.executescript(_SCHEMA)
+        for table in _TABLES:
+            rows = self._db.execute(f"SELECT * FROM {table}").fetchall()
+            if rows:
+                marks = ",".join("?" * len(rows[0]))
+                mem.executemany(f"INSERT INTO {table} VALUES ({marks})", rows)
+        mem.commit()
+        self._file, self._db = self._db, mem
+        self._retry_at = time.monotonic() + WRITE_BACK_EVERY
+        self.in_memory = True
+        log.error("alert outbox: cannot write %s (%s); keeping alerts in memory", self.path, exc)
+
+    def _write_back(self) -> None:
+        assert self._file is not None
+        self._retry_at = time.monotonic() + WRITE_BACK_EVERY
+        try:
+            with self._file:
+                for table in _TABLES:
+                    self._file.execute(f"DELETE FROM {table}")
+                    rows = self._db.execute(f"SELECT * FROM {table}").fetchall()
+                    if rows:
+                        marks = ",".join("?" * len(rows[0]))
+                        self._file.executemany(f"INSERT INTO {table} VALUES ({marks})", rows)
+        except sqlite3.Error:
+            return
+        self._db.close()
+        self._db, self._file = self._file, None
+        self.in_memory = False
+        log.warning("alert outbox: %s writable again; alerts written back", self.path)
 
     def sync(
         self,
@@ -130,12 +195,16 @@ class Outbox:
         fired: list[StoredAlert] = []
         resolved: list[StoredAlert] = []
         refused: set[str] = set()
-        with self._lock, self._db:
+
+        def write() -> None:
+            fired.clear()  # a retry on the in-memory copy starts over
+            resolved.clear()
+            refused.clear()
             rows = {a.fingerprint: a for a in self._select("", ())}
             count = len(rows)
             # Resolve first: a resolved row can make room for a new alert.
-            for fp, old in rows.items():
-                if old.firing and fp not in wanted:
+            for fp, gone in rows.items():
+                if gone.firing and fp not in wanted:
                     self._db.execute(
                         "UPDATE alert_outbox SET resolved_at=?, version=version+1, updated_at=?"
                         " WHERE fingerprint=?",
@@ -144,11 +213,11 @@ class Outbox:
                     resolved.append(
                         StoredAlert(
                             fp,
-                            old.labels,
-                            old.annotations,
-                            old.starts_at,
+                            gone.labels,
+                            gone.annotations,
+                            gone.starts_at,
                             now,
-                            old.version + 1,
+                            gone.version + 1,
                             now,
                         )
                     )
@@ -180,6 +249,8 @@ class Outbox:
                         " WHERE fingerprint=?",
                         (_dump(ann), now, fp),
                     )
+
+        self._write(write)
         return SyncResult(tuple(fired), tuple(resolved), frozenset(refused))
 
     def _evict_one(self, rank: int, rows: dict[str, StoredAlert]) -> int:
@@ -231,13 +302,14 @@ class Outbox:
 
     def mark_sent(self, receiver: str, sent: Sequence[StoredAlert], now: float) -> None:
         """Record that `receiver` acknowledged these alerts at the versions given."""
-        with self._lock, self._db:
-            self._db.executemany(
+        self._write(
+            lambda: self._db.executemany(
                 "INSERT INTO alert_delivery VALUES (?, ?, ?, ?) ON CONFLICT"
                 " (fingerprint, receiver) DO UPDATE SET version=excluded.version,"
                 " sent_at=excluded.sent_at",
                 [(a.fingerprint, receiver, a.version, now) for a in sent],
             )
+        )
 
     def undelivered(self, receivers: Sequence[str]) -> int:
         """Alerts some receiver has not acknowledged at their current version."""
@@ -255,16 +327,17 @@ class Outbox:
 
     def prune(self, receivers: Sequence[str], now: float) -> int:
         """Delete resolved alerts older than the retention that every receiver has seen."""
-        with self._lock, self._db:
-            old = [
-                a
-                for a in self._select(
-                    "WHERE a.resolved_at IS NOT NULL AND a.resolved_at < ?",
-                    (now - RESOLVED_RETENTION,),
-                )
-            ]
-            done = [a.fingerprint for a in old if self._acked(a, receivers)]
+        done: list[str] = []
+
+        def write() -> None:
+            old = self._select(
+                "WHERE a.resolved_at IS NOT NULL AND a.resolved_at < ?",
+                (now - RESOLVED_RETENTION,),
+            )
+            done[:] = [a.fingerprint for a in old if self._acked(a, receivers)]
             self._delete(done)
+
+        self._write(write)
         return len(done)
 
     def _acked(self, alert: StoredAlert, receivers: Sequence[str]) -> bool:
