@@ -63,7 +63,8 @@ METRICS = (
     MetricSpec(
         "gpuwatchd_kmsg_records_lost_total",
         "counter",
-        "kernel log records overwritten before they were read (sequence gaps)",
+        "kernel log records lost before they were read: /dev/kmsg sequence gaps, or journal"
+        " entries rotated away unread (all transports: an upper bound)",
         ("backend",),
     ),
     MetricSpec(
