@@ -190,12 +190,13 @@ class Pipeline(Consumers):
         super().__init__(cfg, state, clock, self.store, source_names)
         self.sink = self._new_sink(cfg)
         self.engine.add_listener(self.sink.update)
-        self.remediation = RemediationSink(cfg, clock, node, self.store, state)
+        self.remediation = RemediationSink(cfg, clock, node, self.store)
         self.engine.add_listener(self.remediation.update)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._heartbeat = clock.monotonic()
         self._sink_published: tuple[int, int] = (-1, -1)
+        self._remediation_published: tuple[int, int] = (-1, -1)
 
     def _new_sink(self, cfg: Config) -> AlertSink:
         db = os.path.join(cfg.daemon.state_dir, store.DB_NAME)
@@ -248,11 +249,15 @@ class Pipeline(Consumers):
         ]
         out.append(Sample.of("gpuwatchd_consumer_coalesced_total", self.queue.coalesced))
         self._state.publish_extra("consumer", out)
-        # The sink only counts; its samples are published from here when they moved.
+        # Sinks only count; their samples are published from here when they moved.
         mark = (id(self.sink), self.sink.version)
         if mark != self._sink_published:
             self._sink_published = mark
             self._state.publish_extra("alertmanager", self.sink.samples())
+        mark = (id(self.remediation), self.remediation.version)
+        if mark != self._remediation_published:
+            self._remediation_published = mark
+            self._state.publish_extra("remediation", self.remediation.samples())
 
     def stale(self, max_age: float) -> list[str]:
         """["consumer"] if the consumer thread made no progress for `max_age` + a tick."""
@@ -282,7 +287,7 @@ class Pipeline(Consumers):
     def _restart_remediation(self, cfg: Config) -> None:
         self.remediation.stop()
         self.engine.remove_listener(self.remediation.update)
-        self.remediation = RemediationSink(cfg, self._clock, self._node, self.store, self._state)
+        self.remediation = RemediationSink(cfg, self._clock, self._node, self.store)
         self.engine.add_listener(self.remediation.update)
         self.remediation.start()
 

@@ -30,7 +30,6 @@ from gpuwatchd.sinks.remediation.policy import (
 )
 from gpuwatchd.sinks.remediation.slurm import SlurmNodes
 from gpuwatchd.sinks.store import EventStore
-from gpuwatchd.state import State
 
 __all__ = ["METRICS", "RESULTS", "RemediationSink", "engaged_actions", "record"]
 
@@ -99,13 +98,12 @@ class RemediationSink:
         clock: Clock,
         node: str,
         store: EventStore,
-        state: State | None = None,
         env: Mapping[str, str] | None = None,
     ) -> None:
         self.cfg = cfg
         self._clock = clock
         self._store = store
-        self._state = state
+        self.version = 0  # bumped when samples() may have changed; the consumer publishes them
         self._node = node
         self.slurm = SlurmNodes(cfg, node, env)
         self.kube = KubernetesNode(cfg, node)
@@ -227,8 +225,8 @@ class RemediationSink:
         return out
 
     def publish(self) -> None:
-        if self._state is not None:
-            self._state.publish_extra("remediation", self.samples())
+        """Mark the samples changed: a sink only reads; the consumer thread publishes them."""
+        self.version += 1
 
     def status(self) -> dict[str, Any]:
         """JSON-able view for /status."""
