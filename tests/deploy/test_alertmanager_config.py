@@ -166,8 +166,12 @@ def test_one_notification_per_node_incident_and_inhibition(
                 "gpu": "0",
                 "uuid": "GPU-0",
             },
+            # What follows an Xid 79: NVML loses the GPU, the count drops.
+            {"alertname": "GpuLost", "severity": "critical", "node": "n1", "gpu": "0",
+             "uuid": "GPU-0"},
+            {"alertname": "GpuCountLow", "severity": "critical", "node": "n1"},
         ],
-    )
+    )  # fmt: skip
     _wait(lambda: hook.to("pager") and hook.to("team"))
     time.sleep(1.5)  # a second group_wait: nothing else may arrive
     pager = hook.to("pager")
@@ -177,7 +181,7 @@ def test_one_notification_per_node_incident_and_inhibition(
     inhibited = server.alerts(node="n2", alertname="GpuXidCritical")
     assert inhibited[0]["status"]["state"] == "suppressed"
     assert inhibited[0]["status"]["inhibitedBy"]
-    nvml = server.alerts(node="n1", alertname="NvmlUnresponsive")
-    assert nvml[0]["status"]["inhibitedBy"]
+    for name in ("NvmlUnresponsive", "GpuLost", "GpuCountLow"):
+        assert server.alerts(node="n1", alertname=name)[0]["status"]["inhibitedBy"], name
     down = server.alerts(node="n2", alertname="GpuwatchdDown")
     assert down[0]["status"]["state"] == "active"
