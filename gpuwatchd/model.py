@@ -220,7 +220,7 @@ class Gpu:
     uuid: str = ""
     pci_bus_id: str = ""  # one form everywhere: pci.normalize_bus_id ("0000:06:00.0")
     name: str = ""
-    mig: tuple[str, ...] = ()  # UUIDs of its MIG devices (not filled in yet)
+    mig: tuple[str, ...] = ()  # UUIDs of its MIG devices (MIG on and instances created)
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,10 +241,10 @@ class GpuInventory:
         return next((g for g in self.gpus if want and g.pci_bus_id == want), None)
 
     def find(self, ident: str) -> Gpu | None:
-        """The GPU an operator names: its index, UUID or PCI bus id."""
+        """The GPU an operator names: its index, UUID, a MIG device UUID or PCI bus id."""
         ident = ident.strip()
         for g in self.gpus:
-            if ident in (str(g.index), g.uuid):
+            if ident in (str(g.index), g.uuid) or (ident and ident in g.mig):
                 return g
         return self.by_bus_id(ident)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpuwatchd.model import Sample
+from gpuwatchd.model import Gpu, GpuInventory, Sample
 from gpuwatchd.sources.kmsg.parse import XID, parse_line
 from gpuwatchd.sources.nvml.mig import read_mig
 from gpuwatchd.sources.nvml.replay import ReplayClient
@@ -108,3 +108,12 @@ def test_mig_devices_become_per_instance_series() -> None:
     assert last["mig_devices"] == [
         {"gpu_instance": 1, "compute_instance": 0, "uuid": three_g["uuid"]}
     ]
+
+
+def test_a_mig_device_uuid_finds_its_parent_gpu() -> None:
+    # pod-resources and CUDA_VISIBLE_DEVICES name MIG devices by their own UUID
+    parent = Gpu(index=0, uuid="GPU-1abb", pci_bus_id="0000:00:06.0", mig=("MIG-0b5e", "MIG-77aa"))
+    inventory = GpuInventory((parent, Gpu(index=1, uuid="GPU-2bcc", pci_bus_id="0000:00:07.0")))
+    assert inventory.find("MIG-77aa") is parent
+    assert inventory.find("GPU-2bcc") is not None and inventory.find("MIG-none") is None
+    assert inventory.find("") is None

@@ -176,6 +176,7 @@ class NvmlSource:
                     uuid=g.identity.uuid,
                     pci_bus_id=normalize_bus_id(g.identity.pci_bus_id),
                     name=g.identity.name,
+                    mig=_mig_uuids(g.reading),
                 )
                 for g in self._gpus
                 if g.identity is not None
@@ -416,6 +417,14 @@ class NvmlSource:
         self._deadline.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
+
+
+def _mig_uuids(reading: Reading | None) -> tuple[str, ...]:
+    """UUIDs of the GPU's MIG devices as of its last reading (none without MIG)."""
+    found = reading.last.get("mig_devices") if reading is not None else None
+    if not isinstance(found, list):
+        return ()
+    return tuple(str(d["uuid"]) for d in found if isinstance(d, dict) and d.get("uuid"))
 
 
 def _cuda_version(value: object) -> str:
