@@ -389,6 +389,9 @@ def _event_line(rec: KmsgRecord, info: XidInfo, style: _Style) -> str:
     if len(what) > 90:
         what = what[:89] + "…"
     proc = _proc(rec)
+    gi, ci = rec.extra("gpu_instance"), rec.extra("compute_instance")
+    if gi:  # a MIG GPU: name the instance the report is about
+        what = f"[GI {gi}{f' CI {ci}' if ci else ''}] {what}"
     line = _row("", label, rec.pci_bus_id, _when(rec), proc, what)
     return style.sev(info.severity) + line[8:]
 

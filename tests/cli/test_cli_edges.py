@@ -83,3 +83,17 @@ def test_flag_errors_name_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture
     text = capsys.readouterr().err
     assert "command line: --state-dir: cannot create" in text
     assert "<defaults>" not in text
+
+
+def test_scan_names_the_mig_instance(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = tmp_path / "kern.log"
+    log.write_text(
+        "[  200.000000] NVRM: Xid (PCI:0000:3b:00 GPU-I:01 GPU-CI:00): 43, pid=4242, "
+        "name=python3, Ch 00000008\n"
+    )
+    assert cli_main(["xid", "scan", str(log)]) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    assert "0000:3b:00.0" in line and "[GI 1 CI 0]" in line and "python3[4242]" in line
+    assert cli_main(["xid", "scan", "--json", str(log)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["extras"] == {"gpu_instance": "1", "compute_instance": "0"}
