@@ -157,3 +157,32 @@ def test_nvml_publishes_a_typed_inventory_that_sources_read_through_the_context(
     assert gpus.find("7") is None and gpus.gpus[0].mig == ()
     assert sources.gpu_index()["0000:00:06.0"]["gpu"] == "0"
     sources.stop()
+
+
+def test_healthz_and_the_watchdog_name_a_stuck_consumer(tmp_path: Path) -> None:
+    from gpuwatchd.daemon import Wiring
+
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        f"daemon:\n  state_dir: {tmp_path}\nsources:\n  nvml:\n    enabled: false\n"
+        "  kmsg:\n    enabled: false\n  udev:\n    enabled: false\n"
+        "  shm:\n    enabled: false\n  infiniband:\n    enabled: false\n"
+        "  workloads:\n    enabled: false\n"
+    )
+    cfg, clock, state = load(str(path)), FakeClock(), State()
+    pipeline = Pipeline(cfg, state, clock, "n", 0, [])
+    wiring = Wiring(cfg, state, clock, pipeline)
+    healthz = wiring.routes["/healthz"]
+    block = threading.Event()
+    pipeline.engine.on_publish = lambda *a: block.wait(10)  # type: ignore[method-assign]
+    pipeline.start()
+    try:
+        assert healthz({})[0] == 200
+        state.publish(snap("kmsg", 1))  # the consumer hangs in the health step
+        assert not pipeline.wait_idle(0.2)
+        clock.advance(cfg.http.healthz_stale_seconds + 5)
+        assert healthz({}) == (503, "text/plain", b"stale: consumer\n")
+        assert wiring.stale(30.0) == ["consumer"]  # what _housekeeping withholds WATCHDOG=1 on
+    finally:
+        block.set()
+        pipeline.stop()
