@@ -177,11 +177,14 @@ def _current(
     missing_count = max(short, len(gone))
     straggler: list[int] = []
     if len(states) >= 2:
+        # All but one wait in a collective (spin) and one does something else, or all
+        # but one work and one sits idle (a stalled rank).
         for pid, state in states:
             others = {s for p, s in states if p != pid}
-            if len(others) == 1 and state not in others and "unknown" not in (state, *others):
-                if others & {"spin", "idle"} or state in ("spin", "idle"):
-                    straggler.append(pid)
+            if (others == {"spin"} and state in ("busy", "idle")) or (
+                others == {"busy"} and state == "idle"
+            ):
+                straggler.append(pid)
     if len(straggler) != 1:
         straggler = []
     held = {
