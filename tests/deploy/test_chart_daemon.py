@@ -3,22 +3,31 @@
 Without a cluster, the rendered manifest is reproduced as far as a process
 can: the ConfigMap's config.yaml, the container's args and environment, and
 every volume mount resolved to what it names on this machine (hostPath
-volumes are the real host paths). Two mounts get stand-ins: /dev/kmsg is a
-file in the kernel's record format (a test must not write into the real
-kernel log), and the state hostPath is a temporary directory. The listen
-port is the one thing changed, so tests can run side by side.
+volumes are the real host paths). The kernel log gets stand-ins (a test
+must not write into the real kernel log or journal), and the state hostPath
+is a temporary directory. The listen port is the one thing changed, so tests
+can run side by side.
+
+Two runs: one where the runtime lets the pod open /dev/kmsg (a file in the
+kernel's record format stands in for it), and one where it does not, as
+with containerd's device cgroup, so `auto` falls back to the host journal.
+The second runs the daemon in a private mount namespace where /dev/kmsg is a
+device node it may not open and /var/log holds real journal files, mounted
+where the chart mounts the host's.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from gpuwatchd import config
@@ -28,6 +37,7 @@ from tests.deploy.test_helm_chart import container, daemonset, kind, objects
 XID_79 = (
     "NVRM: Xid (PCI:0000:18:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
 )
+BOOT = Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")
 
 
 def mounts(ds: dict[str, Any], standins: dict[str, Path]) -> dict[str, str]:
@@ -57,81 +67,83 @@ def resolve(value: Any, table: dict[str, str]) -> Any:
     return value
 
 
-def test_default_chart_catches_an_xid_written_to_the_kernel_log(tmp_path: Path) -> None:
-    objs = objects({})
-    ds = daemonset({})
-    c = container({})
-    (cm,) = [o for o in kind(objs, "ConfigMap") if "config.yaml" in o["data"]]
+class Pod:
+    """The default chart's container, reproduced as a process on this machine."""
 
-    # What the defaults ask of the node: /dev/kmsg read-only with CAP_SYSLOG, and
-    # the journal mounted as the fallback; the config says auto (kmsg, then journal).
-    sc = c["securityContext"]
-    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SYSLOG"]}
-    vm = {m["name"]: m for m in c["volumeMounts"]}
-    assert vm["kmsg"]["mountPath"] == "/dev/kmsg" and vm["kmsg"]["readOnly"] is True
-    assert {"var-log", "journal-run", "machine-id"} <= set(vm)
-    rendered = yaml.safe_load(cm["data"]["config.yaml"])
-    assert rendered["sources"]["kmsg"] == {"enabled": True, "backend": "auto"}
+    def __init__(self, tmp: Path, standins: dict[str, Path]) -> None:
+        objs = objects({})
+        self.container = container({})
+        (cm,) = [o for o in kind(objs, "ConfigMap") if "config.yaml" in o["data"]]
+        self.mounts = {m["name"]: m for m in self.container["volumeMounts"]}
+        self.rendered = yaml.safe_load(cm["data"]["config.yaml"])
+        for name in ("state", "tmp"):
+            standins[name] = tmp / name
+            standins[name].mkdir()
+        self.standins = standins
+        # The full config the daemon sees: its defaults with the ConfigMap over them.
+        self.full = yaml.safe_load(
+            subprocess.run(
+                [sys.executable, "-m", "gpuwatchd", "config", "default"],
+                capture_output=True, text=True, check=True, cwd=ROOT, timeout=60,
+            ).stdout
+        )  # fmt: skip
+        for section, values in self.rendered.items():
+            for key, value in values.items():
+                if isinstance(value, dict):
+                    self.full[section][key].update(value)
+                else:
+                    self.full[section][key] = value
+        self.port = free_port()
+        self.full["http"]["listen"] = f"127.0.0.1:{self.port}"
+        self.local = resolve(self.full, mounts(daemonset({}), standins))
+        self.config = tmp / "config.yaml"
+        self.config.write_text(yaml.safe_dump(self.local))
+        config.load(str(self.config))  # the loader accepts it as the daemon will
+        self.log_path = tmp / "daemon.log"
+        self.proc: subprocess.Popen[bytes] | None = None
 
-    kmsg = tmp_path / "kmsg"
-    kmsg.write_text("6,1,1000,-;Linux version 6.8.0 (builder@example)\n")
-    standins = {"kmsg": kmsg, "state": tmp_path / "state", "tmp": tmp_path / "tmp"}
-    for d in ("state", "tmp"):
-        standins[d].mkdir()
-    table = mounts(ds, standins)
-    # The full config the daemon sees: its defaults with the ConfigMap over them.
-    full = yaml.safe_load(
-        subprocess.run(
-            [sys.executable, "-m", "gpuwatchd", "config", "default"],
-            capture_output=True, text=True, check=True, cwd=ROOT, timeout=60,
-        ).stdout
-    )  # fmt: skip
-    for section, values in rendered.items():
-        for key, value in values.items():
-            if isinstance(value, dict):
-                full[section][key].update(value)
-            else:
-                full[section][key] = value
-    # the workloads source finds the kubelet's socket where the chart mounts it
-    pod_resources = vm["pod-resources"]
-    assert pod_resources["readOnly"] is True
-    socket_dir = str(Path(full["sources"]["workloads"]["kubelet_socket"]).parent)
-    assert socket_dir == pod_resources["mountPath"]
-    port = free_port()
-    full["http"]["listen"] = f"127.0.0.1:{port}"
-    local = resolve(full, table)
-    assert local["paths"]["kmsg"] == str(kmsg)
-    assert local["daemon"]["state_dir"] == str(standins["state"])
-    assert local["paths"]["sysfs"] == "/sys" and local["paths"]["procfs"] == "/proc"
-    conf = tmp_path / "config.yaml"
-    conf.write_text(yaml.safe_dump(local))
-    config.load(str(conf))  # the loader accepts it as the daemon will
+    def start(self, wrapper: list[str] | None = None) -> None:
+        c = self.container
+        args = [str(self.config) if a == "/etc/gpuwatchd/config.yaml" else a for a in c["args"]]
+        assert args == ["run", "--config", str(self.config)]
+        env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
+        env["GPUWATCHD_NODE_NAME"] = "gpu-node-01"  # the downward API's spec.nodeName
+        self.log = self.log_path.open("w+")
+        self.proc = subprocess.Popen(
+            [*(wrapper or []), sys.executable, "-m", "gpuwatchd", *args],
+            cwd=ROOT,
+            env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
 
-    args = [a if a != "/etc/gpuwatchd/config.yaml" else str(conf) for a in c["args"]]
-    assert args == ["run", "--config", str(conf)]
-    env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
-    env["GPUWATCHD_NODE_NAME"] = "gpu-node-01"  # the downward API's spec.nodeName
-    log = (tmp_path / "daemon.log").open("w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gpuwatchd", *args],
-        cwd=ROOT,
-        env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        url = f"http://127.0.0.1:{port}/metrics"
-        body = wait_for(url, r'gpuwatchd_kmsg_reader_up\{backend="kmsg"\} 1', proc, log)
-        before = xid_count(body)
-        with kmsg.open("a") as f:
-            f.write(f"3,2,5000000,-;{XID_79}\n")
-        body = wait_for(url, r'gpuwatchd_kmsg_reports_total\{kind="xid"\} 1', proc, log)
-        assert xid_count(body) == before + 1, body
-        assert re.search(r'gpuwatchd_xid_errors_total\{[^}]*xid="79"[^}]*\} 1', body), body
-    finally:
-        proc.terminate()
-        proc.wait(15)
-        log.close()
+    def metrics_until(self, pattern: str, timeout: float = 45) -> str:
+        assert self.proc is not None
+        url = f"http://127.0.0.1:{self.port}/metrics"
+        end = time.monotonic() + timeout
+        body = ""
+        while time.monotonic() < end:
+            assert self.proc.poll() is None, self.output()
+            try:
+                status, data = http_get(url)
+            except OSError:
+                status, data = 0, b""
+            body = data.decode()
+            if status == 200 and re.search(pattern, body):
+                return body
+            time.sleep(0.2)
+        raise AssertionError(f"no {pattern} in {url}:\n{body}\n--- daemon ---\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return str(self.log.read())
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(15)
+            self.log.close()
 
 
 def xid_count(body: str) -> float:
@@ -139,23 +151,89 @@ def xid_count(body: str) -> float:
     return float(found[0]) if found else 0.0
 
 
-def wait_for(url: str, pattern: str, proc: subprocess.Popen[bytes], log: Any) -> str:
-    end = time.monotonic() + 45
-    body = ""
-    while time.monotonic() < end:
-        assert proc.poll() is None, _output(log)
-        try:
-            status, data = http_get(url)
-        except OSError:
-            status, data = 0, b""
-        body = data.decode()
-        if status == 200 and re.search(pattern, body):
-            return body
-        time.sleep(0.2)
-    raise AssertionError(f"no {pattern} in {url}:\n{body}\n--- daemon ---\n{_output(log)}")
+def assert_caught_xid_79(pod: Pod, before: float) -> str:
+    # the kernel log source counts the report; the Xid stage then classifies it
+    body = pod.metrics_until(r'gpuwatchd_xid_errors_total\{[^}]*xid="79"[^}]*\} 1')
+    assert xid_count(body) == before + 1, body
+    return body
 
 
-def _output(log: Any) -> str:
-    log.flush()
-    log.seek(0)
-    return str(log.read())
+def test_defaults_ask_for_kmsg_with_the_journal_as_fallback() -> None:
+    c = container({})
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYSLOG"]}
+    vm = {m["name"]: m for m in c["volumeMounts"]}
+    assert vm["kmsg"] == {"name": "kmsg", "mountPath": "/dev/kmsg", "readOnly": True}
+    assert vm["var-log"]["mountPath"] == "/var/log" and vm["var-log"]["readOnly"] is True
+    assert {"journal-run", "machine-id"} <= set(vm)
+    (cm,) = [o for o in kind(objects({}), "ConfigMap") if "config.yaml" in o["data"]]
+    rendered = yaml.safe_load(cm["data"]["config.yaml"])
+    assert rendered["sources"]["kmsg"] == {"enabled": True, "backend": "auto"}
+
+
+def test_default_chart_catches_an_xid_written_to_dev_kmsg(tmp_path: Path) -> None:
+    kmsg = tmp_path / "kmsg"
+    kmsg.write_text("6,1,1000,-;Linux version 6.8.0 (builder@example)\n")
+    pod = Pod(tmp_path, {"kmsg": kmsg})
+    assert pod.local["paths"]["kmsg"] == str(kmsg)
+    assert pod.local["daemon"]["state_dir"] == str(pod.standins["state"])
+    assert pod.local["paths"]["sysfs"] == "/sys" and pod.local["paths"]["procfs"] == "/proc"
+    # the workloads source finds the kubelet's socket where the chart mounts it
+    assert pod.mounts["pod-resources"]["readOnly"] is True
+    socket = Path(pod.full["sources"]["workloads"]["kubelet_socket"])
+    assert str(socket.parent) == pod.mounts["pod-resources"]["mountPath"]
+    pod.start()
+    try:
+        body = pod.metrics_until(r'gpuwatchd_kmsg_reader_up\{backend="kmsg"\} 1')
+        before = xid_count(body)
+        with kmsg.open("a") as f:
+            f.write(f"3,2,5000000,-;{XID_79}\n")
+        body = assert_caught_xid_79(pod, before)
+    finally:
+        pod.stop()
+
+
+def _can_mount() -> bool:
+    if not (shutil.which("unshare") and shutil.which("mount")):
+        return False
+    res = subprocess.run(
+        ["unshare", "-m", "mount", "-t", "tmpfs", "none", "/mnt"],
+        capture_output=True, timeout=10, check=False,
+    )  # fmt: skip
+    return res.returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount(), reason="needs root and mount namespaces (unshare -m)")
+def test_default_chart_falls_back_to_the_journal_when_kmsg_is_refused(tmp_path: Path) -> None:
+    from tests.sources.test_journald_files import REMOTE, Journal
+
+    if REMOTE is None:
+        pytest.skip("systemd-journal-remote not installed")
+    machine_id = Path("/etc/machine-id").read_text().strip()
+    var_log = tmp_path / "var-log"  # the host's /var/log, as the chart mounts it
+    (var_log / "journal" / machine_id).mkdir(parents=True)
+    journal = Journal(var_log / "journal" / machine_id)
+    journal.write(("kernel", "Linux version 6.8.0 (builder@example)"), ("syslog", "boot"))
+    refused = tmp_path / "nodev"
+    refused.mkdir()
+    pod = Pod(tmp_path, {"kmsg": Path("/dev/kmsg"), "var-log": Path("/var/log")})
+    assert pod.local["paths"]["kmsg"] == "/dev/kmsg"
+    # In a private mount namespace: /dev/kmsg is the kernel's device node on a nodev
+    # mount, so opening it fails as under a device cgroup that does not allow 1:11;
+    # /var/log is the stand-in holding the journal (/run/log/journal only if present).
+    script = [
+        f"mount -t tmpfs -o nodev,size=64k none {refused}",
+        f"mknod {refused}/kmsg c 1 11",
+        f"mount --bind {refused}/kmsg /dev/kmsg",
+        f"mount --bind {var_log} /var/log",
+        'exec "$@"',
+    ]
+    pod.start(["unshare", "-m", "sh", "-ec", "; ".join(script), "pod"])
+    try:
+        # auto tries /dev/kmsg first: the journal is in use only because it was refused
+        body = pod.metrics_until(r'gpuwatchd_kmsg_reader_up\{backend="journald"\} 1')
+        before = xid_count(body)
+        journal.write(("syslog", XID_79), ("kernel", XID_79))  # the user-space copy is ignored
+        body = assert_caught_xid_79(pod, before)
+        assert re.search(r'gpuwatchd_kmsg_records_lost_total\{backend="journald"\} 0', body)
+    finally:
+        pod.stop()
