@@ -369,6 +369,11 @@ class XidConfig:
         {}, "per-code site policy, e.g. {13: {severity: critical}, 45: {ignore: true}}"
     )
     sxid_overrides: dict[str, XidRule] = opt({}, "the same for NVSwitch SXid codes")
+    alert_cmdline: bool = opt(
+        False,
+        "put a process's full command line (arguments may hold tokens) in alert text;"
+        " off = its name only",
+    )
     burst_window: float = opt(
         60.0,
         "repeats of one code on one GPU within this many seconds are one event",
