@@ -12,6 +12,7 @@ import logging
 import os
 import queue
 import signal
+import sys
 from collections.abc import Mapping
 from typing import Any
 from wsgiref.simple_server import WSGIServer
@@ -202,6 +203,10 @@ class Daemon:
             log.error("%s", exc)
             return EX_CONFIG
         logs.setup(cfg.daemon.log_level)
+        # Shorter GIL slices: a scrape must answer within 100 ms even while a source
+        # thread parses a flood of kernel log lines (the default 5 ms slice lets one
+        # CPU-bound thread hold the interpreter for most of a scrape).
+        sys.setswitchinterval(0.0005)
         try:
             self.lock = lock_state_dir(cfg, self.cfg_path or "<defaults>")
         except ConfigError as exc:

@@ -152,7 +152,9 @@ class HealthEngine:
             # Rules of other modules that keep their own state between polls.
             self._node_rules = NodeRules(cfg)
             self._stuck = StuckDetector(
-                StuckThresholds.from_config(cfg), self._clock, proc_describer(cfg.paths.procfs)
+                StuckThresholds.from_config(cfg),
+                self._clock,
+                proc_describer(cfg.paths.procfs, cfg.xid.alert_cmdline),
             )
 
     def add_listener(self, listener: Listener) -> None:

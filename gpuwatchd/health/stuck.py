@@ -24,6 +24,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from gpuwatchd.clock import Clock
+from gpuwatchd.logs import escape_control
 from gpuwatchd.model import Action, Finding, Labels, Sample, Severity
 
 if TYPE_CHECKING:
@@ -285,8 +286,10 @@ class StuckDetector:
         return dict(self._state.since)
 
 
-def proc_describer(procfs: str = "/proc") -> Callable[[int], str]:
-    """A `describe(pid)` that names a process from procfs: `1234 python train.py`."""
+def proc_describer(procfs: str = "/proc", full_cmdline: bool = False) -> Callable[[int], str]:
+    """A `describe(pid)` naming a process from procfs: `1234 python`, with its arguments
+    (`1234 python train.py --lr 3e-4`) only when `full_cmdline` (xid.alert_cmdline): they
+    may hold tokens and go to Alertmanager. Control characters are escaped."""
 
     def describe(pid: int) -> str:
         try:
@@ -296,7 +299,8 @@ def proc_describer(procfs: str = "/proc") -> Callable[[int], str]:
             return str(pid)  # another PID namespace, or gone
         if not argv:
             return str(pid)
-        text = " ".join([os.path.basename(argv[0]), *argv[1:]])
-        return f"{pid} {text[:120]}"
+        name = os.path.basename(argv[0])
+        text = " ".join([name, *argv[1:]]) if full_cmdline else name
+        return f"{pid} {escape_control(text, 120)}"
 
     return describe

@@ -211,3 +211,14 @@ def test_proc_describer_handles_gone_processes() -> None:
     describe = proc_describer("/proc")
     assert describe(os.getpid()).startswith(f"{os.getpid()} ")
     assert describe(2**22 + 12345) == str(2**22 + 12345)
+
+
+def test_proc_describer_names_the_process_and_keeps_arguments_out_by_default(
+    tmp_path: Path,
+) -> None:
+    proc = tmp_path / "proc" / "77"
+    proc.mkdir(parents=True)
+    (proc / "cmdline").write_bytes(b"/usr/bin/python3\0train.py\0--token=s3cret\nforged\0")
+    assert proc_describer(str(tmp_path / "proc"))(77) == "77 python3"
+    full = proc_describer(str(tmp_path / "proc"), full_cmdline=True)(77)
+    assert full == "77 python3 train.py --token=s3cret\\nforged"
