@@ -272,3 +272,24 @@ def test_the_source_exports_lost_journal_records(journal: Journal, tmp_path: Pat
     assert [(s.label("backend"), s.value) for s in lost] == [("journald", 2)]
     (event,) = [e for e in out if isinstance(e, Event)]
     assert "79" in str(event)
+
+
+def test_a_cursor_from_another_journal_counts_as_one_lost(journal: Journal) -> None:
+    journal.write(("kernel", "k1"), ("kernel", "k2"))
+    reader = JournalReader(path=str(journal.dir), max_lines=1)
+    assert messages(reader.read(0.01)) == ["k1"]
+    cursor = reader.cursor().removeprefix("journal:")
+    reader.close()
+    seqnum_id, seqnum = cursor_seqnum(cursor) or ("", 0)
+    # the same position in a journal whose sequence id is not this one (wiped, replaced)
+    foreign = cursor.replace(f"s={seqnum_id}", f"s={uuid.uuid4().hex}")
+    assert cursor_seqnum(foreign) not in (None, (seqnum_id, seqnum))
+    resumed = JournalReader(foreign, path=str(journal.dir))
+    resumed.read(0.01)
+    assert resumed.take_lost() == 1
+    resumed.close()
+
+
+@pytest.mark.parametrize("bad", ["", "garbage", "s=abc;i=zz", "i=1f"])
+def test_cursor_seqnum_of_a_malformed_cursor_is_none(bad: str) -> None:
+    assert cursor_seqnum(bad) is None
