@@ -186,12 +186,14 @@ class Daemon:
         self.lock: StateDirLock | None = None
 
     def load_config(self) -> Config:
-        cfg = apply_overrides(config.read(self.cfg_path), self.overrides)
+        errors: list[ConfigError] = []
+        cfg = apply_overrides(config.read(self.cfg_path, errors), self.overrides)
         source = self.cfg_path or "<defaults>"
         try:
             config.validate(cfg, source)  # the very checks of `gpuwatchd config check`
         except ConfigError as exc:
-            raise flag_error(exc, self.overrides) from None
+            errors.append(flag_error(exc, self.overrides))
+        config.raise_all(errors)
         if cfg.http.web_config_file:
             self.web = webconfig.load(cfg.http.web_config_file)
         return cfg
@@ -200,7 +202,8 @@ class Daemon:
         try:
             cfg = self.load_config()
         except ConfigError as exc:
-            log.error("%s", exc)
+            for line in str(exc).splitlines():  # one line per problem
+                log.error("%s", line)
             return EX_CONFIG
         logs.setup(cfg.daemon.log_level)
         # Shorter GIL slices: a scrape must answer within 100 ms even while a source

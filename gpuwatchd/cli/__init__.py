@@ -38,7 +38,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rc: int = args.func(args)
         return rc
     except ConfigError as exc:
-        print(f"gpuwatchd: {exc}", file=sys.stderr)
+        for line in str(exc).splitlines():  # one line per problem
+            print(f"gpuwatchd: {line}", file=sys.stderr)
         return 78
     except KeyboardInterrupt:
         return 130

@@ -34,6 +34,7 @@ from gpuwatchd.config.validate import (
     ConfigErrors,
     check_paths,
     check_state_dir,
+    raise_all,
     validate,
     validate_listen,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "check_state_dir",
     "load",
     "load_text",
+    "raise_all",
     "read",
     "render_default",
     "validate",

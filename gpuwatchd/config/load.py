@@ -28,14 +28,28 @@ MAX_FILE = 4 << 20  # a config file is a few KiB; refuse to parse a huge one
 
 
 def load(path: str | os.PathLike[str] | None) -> Config:
-    """Read a config file and run every check `run` runs; None means all defaults."""
-    cfg = read(path)
-    validate(cfg, str(path) if path is not None else "<defaults>")
+    """Read a config file and run every check `run` runs; None means all defaults.
+
+    Every problem is reported at once: keys that fail their type or range
+    check keep their default while the other checks run.
+    """
+    errors: list[ConfigError] = []
+    cfg = read(path, errors)
+    try:
+        validate(cfg, str(path) if path is not None else "<defaults>")
+    except ConfigError as exc:
+        errors.append(exc)
+    raise_all(errors)
     return cfg
 
 
-def read(path: str | os.PathLike[str] | None) -> Config:
-    """Parse and type-check a config file (all problems at once), without machine checks."""
+def read(path: str | os.PathLike[str] | None, errors: list[ConfigError] | None = None) -> Config:
+    """Parse and type-check a config file, without machine checks.
+
+    Problems are raised together, or appended to `errors` when given (a
+    bad key then keeps its default). A file that cannot be read or parsed
+    at all always raises.
+    """
     if path is None:
         return Config()
     name = str(path)
@@ -50,17 +64,22 @@ def read(path: str | os.PathLike[str] | None) -> Config:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(name, "", f"not UTF-8 (byte {exc.start})") from None
-    return _parse(text, name)
+    return _parse(text, name, errors)
 
 
 def load_text(text: str, name: str = "<config>") -> Config:
     """Parse and validate config text (tests, `config check` of stdin)."""
-    cfg = _parse(text, name)
-    validate(cfg, name)
+    errors: list[ConfigError] = []
+    cfg = _parse(text, name, errors)
+    try:
+        validate(cfg, name)
+    except ConfigError as exc:
+        errors.append(exc)
+    raise_all(errors)
     return cfg
 
 
-def _parse(text: str, name: str) -> Config:
+def _parse(text: str, name: str, errors: list[ConfigError] | None) -> Config:
     if "\x00" in text:
         raise ConfigError(name, "", "contains a NUL byte")
     import yaml  # here: the defaults (no file) need no YAML parser
@@ -75,9 +94,12 @@ def _parse(text: str, name: str) -> Config:
         raise ConfigError(name, where, f"invalid YAML: {problem}") from None
     if data is None:
         data = {}
-    errors: list[ConfigError] = []
-    cfg = _build(Config, data, name, "", errors)
-    raise_all(errors)
+    found: list[ConfigError] = []
+    cfg = _build(Config, data, name, "", found)
+    if errors is None:
+        raise_all(found)
+    else:
+        errors.extend(found)
     return cfg
 
 
