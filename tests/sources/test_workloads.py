@@ -283,3 +283,28 @@ def test_source_without_kubelet_or_slurm_keeps_the_cgroup_ids(tmp_path: Path) ->
     assert ws["k8s"].id == POD_UID and ws["k8s"].pod == ""
     assert ws["slurm"].slurm_job == "77" and ws["slurm"].slurm_step == "batch"
     assert src.status()["kubelet"] == "absent"
+
+
+def test_a_pod_on_a_mig_device_is_matched_by_the_mig_uuid(
+    tmp_path: Path, kubelet: PodResourcesServer
+) -> None:
+    procfs = tmp_path / "proc"
+    fake_proc(procfs, 701, f"0::/kubepods/pod{POD_UID}/{'d' * 64}\n", {}, "tritonserver")
+    parent = "GPU-7e1a0c3b-0000-4000-8000-000000000001"
+    index = {
+        "0000:05:00.0": {
+            "gpu": 4,
+            "uuid": parent,
+            "processes": [{"pid": 701, "used_memory": 5 << 30, "mig_uuid": MIG}],
+            "last": {"mig_mode": True, "mig_devices": [{"uuid": MIG, "gpu_instance": 1}]},
+        }
+    }
+    src = WorkloadSource(
+        lambda: index, procfs=str(procfs), kubelet=PodResourcesClient(str(kubelet.socket_path))
+    )
+    samples = src.poll(0.0)
+    (w,) = src.workloads()
+    assert (w.namespace, w.pod, w.container) == ("serving", "infer-7f9c", "triton")
+    assert w.gpus == (MIG,) and w.processes[0].uuid == MIG
+    (info,) = [s for s in samples if s.name == "gpuwatchd_gpu_workload_info"]
+    assert (info.label("gpu"), info.label("uuid"), info.label("pod")) == ("4", parent, "infer-7f9c")

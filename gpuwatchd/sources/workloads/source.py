@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gpuwatchd.errors import SourceError
 from gpuwatchd.model import Event, MetricSpec, Sample, Workload, WorkloadProcess
@@ -56,6 +56,16 @@ METRICS = (
 )
 
 GpuStatus = Callable[[], Mapping[str, Mapping[str, Any]]]
+
+
+class _GpuProcesses(NamedTuple):
+    """One GPU's processes as NVML listed them: (pid, used bytes, MIG device UUID or "")."""
+
+    gpu: str
+    uuid: str
+    bus: str
+    migs: tuple[str, ...]
+    procs: list[tuple[int, int | None, str]]
 
 
 class _Proc:
@@ -120,24 +130,26 @@ class WorkloadSource:
         devices = self._pod_devices(gpus)
         groups: dict[tuple[str, str], dict[str, Any]] = {}
         seen: set[int] = set()
-        for gpu, uuid, bus, procs in gpus:
-            for pod_dev in devices.get(uuid, ()):
-                self._group(groups, _k8s_fields(pod_dev), gpu_uuid=uuid)
-            for pid, used in procs:
+        for gpu, uuid, bus, migs, procs in gpus:
+            for device in (uuid, *migs):  # a pod may hold the GPU or one of its MIG devices
+                for pod_dev in devices.get(device, ()):
+                    self._group(groups, _k8s_fields(pod_dev), gpu_uuid=device)
+            for pid, used, mig in procs:
                 seen.add(pid)
                 info = self._proc(pid, now)
-                fields = self._fields_of(info.attribution, devices.get(uuid, []), pid, now)
+                device = mig or uuid
+                fields = self._fields_of(info.attribution, devices.get(device, []), pid, now)
                 wp = WorkloadProcess(
                     pid=pid,
                     gpu=gpu,
-                    uuid=uuid,
+                    uuid=device,
                     pci_bus_id=bus,
                     name=info.env.get("_comm", ""),
                     used_memory_bytes=used,
                     rank=info.env.get("rank", ""),
                     local_rank=info.env.get("local_rank", ""),
                 )
-                group = self._group(groups, fields, gpu_uuid=uuid)
+                group = self._group(groups, fields, gpu_uuid=device)
                 group["processes"].append(wp)
                 for key, env in (("world_size", "world_size"), ("run_id", "torchelastic_run_id")):
                     group[key] = group.get(key) or info.env.get(env, "")
@@ -146,7 +158,7 @@ class WorkloadSource:
         self._workloads = workloads
         return self._samples(gpus, workloads)
 
-    def _gpus(self) -> list[tuple[str, str, str, list[tuple[int, int | None]]]]:
+    def _gpus(self) -> list[_GpuProcesses]:
         out = []
         for bus, gpu in sorted(self._gpu_status().items()):
             procs = []
@@ -154,11 +166,19 @@ class WorkloadSource:
                 pid = p.get("pid") if isinstance(p, Mapping) else None
                 if isinstance(pid, int) and pid > 0:
                     used = p.get("used_memory")
-                    procs.append((pid, used if isinstance(used, int) else None))
-            out.append((str(gpu.get("gpu", "")), str(gpu.get("uuid", "")), bus, procs))
+                    mig = str(p.get("mig_uuid") or "")
+                    procs.append((pid, used if isinstance(used, int) else None, mig))
+            last = gpu.get("last")
+            found = last.get("mig_devices") if isinstance(last, Mapping) else None
+            migs = tuple(
+                str(d["uuid"]) for d in found or () if isinstance(d, Mapping) and d.get("uuid")
+            )
+            out.append(
+                _GpuProcesses(str(gpu.get("gpu", "")), str(gpu.get("uuid", "")), bus, migs, procs)
+            )
         return out
 
-    def _pod_devices(self, gpus: list[Any]) -> Mapping[str, list[PodDevice]]:
+    def _pod_devices(self, gpus: list[_GpuProcesses]) -> Mapping[str, list[PodDevice]]:
         if self.kubelet is None or not gpus or not self.kubelet.available():
             return {}
         try:
@@ -224,14 +244,17 @@ class WorkloadSource:
         for pid in [p for p, (t, _) in self._exited.items() if now - t > self.keep_seconds]:
             del self._exited[pid]
 
-    def _samples(self, gpus: list[Any], workloads: tuple[Workload, ...]) -> list[Sample]:
-        by_uuid = {uuid: (gpu, bus) for gpu, uuid, bus, _ in gpus}
+    def _samples(self, gpus: list[_GpuProcesses], workloads: tuple[Workload, ...]) -> list[Sample]:
+        by_uuid = {}
+        for g in gpus:  # a MIG device's series carry its GPU's uuid (join on gpu/uuid)
+            for device in (g.uuid, *g.migs):
+                by_uuid[device] = (g.gpu, g.uuid, g.bus)
         series: set[tuple[tuple[str, str], ...]] = set()
         for w in workloads:
             for uuid in w.gpus:
-                gpu, bus = by_uuid.get(uuid, ("", ""))
+                gpu, parent, bus = by_uuid.get(uuid, ("", uuid, ""))
                 labels = dict.fromkeys(INFO_LABELS, "")
-                labels.update(gpu=gpu, uuid=uuid, pci_bus_id=bus)
+                labels.update(gpu=gpu, uuid=parent, pci_bus_id=bus)
                 labels.update(namespace=w.namespace, pod=w.pod, container=w.container)
                 labels["slurm_job"] = w.slurm_job
                 series.add(tuple(sorted(labels.items())))
@@ -318,11 +341,15 @@ def workloads_from_status(status: Mapping[str, object]) -> list[Workload]:
         for item in items if isinstance(items, list) else ():
             if not isinstance(item, Mapping):
                 continue
-            procs = tuple(
-                WorkloadProcess(**p) for p in item.get("processes") or () if isinstance(p, dict)
-            )
-            fields = {k: v for k, v in item.items() if k not in ("processes", "gpus")}
-            out.append(Workload(**fields, processes=procs, gpus=tuple(item.get("gpus") or ())))
+            try:
+                procs = tuple(
+                    WorkloadProcess(**p) for p in item.get("processes") or () if isinstance(p, dict)
+                )
+                fields = {k: v for k, v in item.items() if k not in ("processes", "gpus")}
+                gpus = tuple(item.get("gpus") or ())
+                out.append(Workload(**fields, processes=procs, gpus=gpus))
+            except TypeError:  # not this version's shape: no attribution rather than a crash
+                continue
     return out
 
 
