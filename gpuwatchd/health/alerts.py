@@ -34,6 +34,7 @@ WORKLOAD_ANNOTATIONS = (
     "slurm_user",
     "slurm_job_name",
     "slurm_step",
+    "pids",
     "rank",
     "local_rank",
     "world_size",
@@ -205,6 +206,15 @@ ALERTS: dict[str, AlertInfo] = {
     # Raised by health/stuck.py and health/node_rules.py (their own text and actions).
     "GpuStuckSuspected": AlertInfo(
         _W, "nvml", Action.RESTART_APP, "GPU {gpu} looks stuck (suspected NCCL hang)", ""
+    ),
+    # Raised by health/hangs/monitor.py, one per job (its own text, severity and remediation).
+    "JobHangSuspected": AlertInfo(
+        _W,
+        "nvml",
+        Action.RESTART_APP,
+        "Job {job} looks hung",
+        "",
+        ("job", "namespace", "pod", "slurm_job"),
     ),
     "ShmNearlyFull": AlertInfo(_W, "shm", Action.NONE, "/dev/shm nearly full", "", ()),
     "ShmStaleSegments": AlertInfo(

@@ -61,6 +61,8 @@ def test_two_processes_hitting_one_xid_on_one_gpu_are_two_faults() -> None:
     ids = {t.observe(ev(31, T0 + 12, "x", pid=p)).burst_id for p in ("100", "200")}
     assert len(ids) == 2  # each process keeps its own burst
     assert errors_total(t) == 5
+    (active,) = t.active(T0 + 13)
+    assert active.event.attr("pids") == "100,200"  # the alert names both processes
 
 
 def test_multiline_xid13_is_one_event_with_the_pid_and_every_field() -> None:

@@ -104,6 +104,11 @@ class Bursts:
             return burst, burst.event
         return None
 
+    def pids(self, now: float, window: float, most: int = 16) -> list[str]:
+        """The pids with a burst within `window` of `now`, numerically, at most `most`."""
+        live = [b.pid for b in self._by_pid.values() if b.pid and now - b.last <= window]
+        return sorted(live, key=lambda p: (len(p), p))[:most]
+
     def observe(self, event: Event, window: float, new_id: Callable[[], str]) -> tuple[str, Burst]:
         """ "repeat" of this process's burst within `window`, or a "new" burst."""
         pid = event.attr("pid")

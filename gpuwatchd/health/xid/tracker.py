@@ -303,6 +303,9 @@ class XidTracker:
             burst_id=st.burst_id,
             epoch=epoch,
         )
+        pids = st.bursts.pids(event.time, self.settings.burst_window)
+        if len(pids) > 1:  # other processes hit this Xid on this GPU within the window
+            attrs["pids"] = ",".join(pids)
         if escalated:
             attrs["escalated"] = (
                 f"seen in {len(self._epochs.get((st.kind, st.bus, st.code), {}))} boots or"
