@@ -26,6 +26,8 @@ from gpuwatchd.health import engine as engine_mod
 from gpuwatchd.health import fabric as _fabric  # noqa: F401 (registers its rule)
 from gpuwatchd.health import storage as _storage  # noqa: F401 (registers its rule)
 from gpuwatchd.health.engine import HealthEngine
+from gpuwatchd.health.hangs.monitor import METRICS as HANG_METRICS
+from gpuwatchd.health.hangs.monitor import HangMonitor
 from gpuwatchd.health.xid.stage import METRICS as XID_METRICS
 from gpuwatchd.health.xid.stage import XidStage
 from gpuwatchd.http.endpoints import events_route
@@ -58,6 +60,7 @@ __all__ = [
 log = logging.getLogger("gpuwatchd")
 
 TICK_SECONDS = 1.0
+HANG_ALERTS_DB = "hang-alerts.db"
 
 PIPELINE_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
@@ -79,6 +82,7 @@ CONSUMER_METRICS: tuple[MetricSpec, ...] = (
     *PIPELINE_METRICS,
     *XID_METRICS,
     *engine_mod.METRICS,
+    *HANG_METRICS,
     *alertmanager.METRICS,
     *remediation.METRICS,
     *store.METRICS,
@@ -137,7 +141,8 @@ class Consumers:
         self._one_shot = one_shot
         self.queue = PublishQueue()
         self._lock = threading.Lock()  # one step at a time: the consumer or a reload
-        self._errors = dict.fromkeys((*self.STEPS, "tick"), 0)
+        self._errors = dict.fromkeys((*self.STEPS, "hangs", "tick"), 0)
+        self.hangs: HangMonitor | None = None  # the daemon's job hang detector (Pipeline)
         state.subscribe(self.queue.offer)
 
     def drain(self) -> None:
@@ -149,7 +154,12 @@ class Consumers:
     def _consume(self, batch: Sequence[Publish]) -> None:
         if not batch:
             return
-        steps = (("xid", self.xids.on_publish), ("health", self.engine.on_publish))
+        steps: list[tuple[str, Callable[..., object]]] = [
+            ("xid", self.xids.on_publish),
+            ("health", self.engine.on_publish),
+        ]
+        if self.hangs is not None:
+            steps.append(("hangs", self.hangs.on_publish))
         for item in batch:
             for name, step in steps:
                 self._guarded(name, step, self._state.snapshot(), item.source, item.events)
@@ -192,6 +202,18 @@ class Pipeline(Consumers):
         self.engine.add_listener(self.sink.update)
         self.remediation = RemediationSink(cfg, clock, node, self.store)
         self.engine.add_listener(self.remediation.update)
+        # Job hangs: their own detector and forensics thread; their alerts go through a
+        # sink of their own (its own outbox), beside the engine's.
+        self.hang_monitor = HangMonitor(cfg, clock, self.store)
+        self.hangs = self.hang_monitor
+        self.hang_sink = AlertSink(
+            cfg,
+            os.path.join(cfg.daemon.state_dir, HANG_ALERTS_DB),
+            clock,
+            node,
+            listen_port=listen_port,
+        )
+        self.hang_monitor.add_listener(self.hang_sink.update)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._heartbeat = clock.monotonic()
@@ -206,7 +228,11 @@ class Pipeline(Consumers):
         return self.store.load_cursor(source)
 
     def routes(self) -> dict[str, Route]:
-        return {"/events": events_route(self.store), "/alerts": self.sink.route_alerts}
+        return {
+            "/events": events_route(self.store),
+            "/alerts": self.sink.route_alerts,
+            "/hangs": self.hang_monitor.route,
+        }
 
     def status(self) -> Mapping[str, Any]:
         return {
@@ -221,6 +247,8 @@ class Pipeline(Consumers):
         """Start the alert senders and the consumer thread."""
         self.sink.start()
         self.remediation.start()
+        self.hang_sink.start()
+        self.hang_monitor.start()
         self._heartbeat = self._clock.monotonic()
         self._thread = threading.Thread(target=self._run, name="consumer", daemon=True)
         self._thread.start()
@@ -249,6 +277,7 @@ class Pipeline(Consumers):
         ]
         out.append(Sample.of("gpuwatchd_consumer_coalesced_total", self.queue.coalesced))
         self._state.publish_extra("consumer", out)
+        self._state.publish_extra("hangs", self.hang_monitor.samples())
         # Sinks only count; their samples are published from here when they moved.
         mark = (id(self.sink), self.sink.version)
         if mark != self._sink_published:
@@ -275,6 +304,7 @@ class Pipeline(Consumers):
         with self._lock:
             self.xids.reconfigure(cfg)
             self.engine.reconfigure(cfg)
+            self.hang_monitor.reconfigure(cfg)
             old = self.sink
             old.stop(flush_timeout=2.0)
             self.engine.remove_listener(old.update)
@@ -300,6 +330,8 @@ class Pipeline(Consumers):
             if self._thread.is_alive():
                 log.error("consumer thread did not stop in %.0fs", timeout)
         self.remediation.stop()
+        self.hang_monitor.stop(timeout)
+        self.hang_sink.stop(flush_timeout=timeout)
         self.sink.stop(flush_timeout=timeout)
         self.store.close()
 

@@ -13,12 +13,15 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from gpuwatchd.model import Workload
+
 __all__ = [
     "DEFAULT_RAS_ADDR",
     "JobView",
     "RankView",
     "job_key",
     "jobs_from_gpu_processes",
+    "jobs_from_workloads",
     "read_cpu_seconds",
     "read_environ",
 ]
@@ -217,3 +220,58 @@ def jobs_from_gpu_processes(
             )
         )
     return jobs
+
+
+def jobs_from_workloads(workloads: Iterable[Workload], procfs: str = "/proc") -> list[JobView]:
+    """Jobs from the workloads source (pods, Slurm jobs, bare processes).
+
+    A pod or Slurm job is one job. Bare processes are grouped by their
+    launcher's variables, as `jobs_from_gpu_processes` does, so the ranks
+    of one torchrun land in one job.
+    """
+    out: list[JobView] = []
+    bare: dict[str, list[int]] = {}
+    for w in workloads:
+        if w.kind == "process":
+            for p in w.processes:
+                bare.setdefault(p.gpu, []).append(p.pid)
+            continue
+        gpus_of: dict[int, list[str]] = {}
+        for p in w.processes:
+            gpus_of.setdefault(p.pid, []).append(p.gpu)
+        envs = {pid: read_environ(pid, procfs) for pid in gpus_of}
+        ranks = []
+        for pid, gpus in sorted(gpus_of.items()):
+            env = envs[pid]
+            proc = w.process(pid)
+            rank = _int(proc.rank if proc and proc.rank else env.get("RANK"))
+            ranks.append(
+                RankView(
+                    pid=pid,
+                    gpus=tuple(sorted(set(gpus), key=_gpu_order)),
+                    rank=rank,
+                    local_rank=_int(proc.local_rank if proc else env.get("LOCAL_RANK")),
+                    world_size=_int(w.world_size or env.get("WORLD_SIZE")),
+                    cpu_seconds=read_cpu_seconds(pid, procfs),
+                    ras_addr=env.get("NCCL_RAS_ADDR") or DEFAULT_RAS_ADDR,
+                    command=_command(pid, procfs),
+                )
+            )
+        local, world = _expected_local(envs.values())
+        key = f"{w.kind}:{w.id}"
+        labels = [("job", key)]
+        labels += [(k, v) for k, v in (("namespace", w.namespace), ("pod", w.pod)) if v]
+        if w.slurm_job:
+            labels.append(("slurm_job", w.slurm_job))
+        out.append(
+            JobView(
+                job=key,
+                ranks=tuple(ranks),
+                expected_local=local,
+                world_size=world or _int(w.world_size),
+                labels=tuple(labels),
+                ras_addr=ranks[0].ras_addr if ranks else DEFAULT_RAS_ADDR,
+            )
+        )
+    out += jobs_from_gpu_processes(bare, procfs)
+    return sorted(out, key=lambda j: j.job)

@@ -1,0 +1,461 @@
+"""The hang consumer: detector on every NVML poll, forensics on its own thread.
+
+`on_publish` (the consumer chain) turns the NVML source's samples and the
+workloads (or NVML's process list) into the detector's inputs. A job newly
+suspected goes on a bounded queue; the forensics worker captures each
+rank's stack once per stall (opt-in), queries NCCL RAS once and then every
+`ras_interval_seconds`, matches the signature catalog and stores the result
+as a `job_hang` event. `findings()` holds one `JobHangSuspected` per job;
+listeners (an alert sink) hear when they change. A job that makes progress
+or ends resolves its alert.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from gpuwatchd.clock import Clock
+from gpuwatchd.config import Config
+from gpuwatchd.health.hangs.detector import (
+    HangDetector,
+    HangThresholds,
+    JobVerdict,
+    activity_from_samples,
+)
+from gpuwatchd.health.hangs.signatures import Signature, load_catalog
+from gpuwatchd.health.hangs.summary import HangSummary, summarize
+from gpuwatchd.model import (
+    Action,
+    Event,
+    Finding,
+    MetricSpec,
+    Sample,
+    Severity,
+    SourceSnapshot,
+    Workload,
+)
+from gpuwatchd.sources.hangs import ras, stacks
+from gpuwatchd.sources.hangs.jobs import JobView, jobs_from_gpu_processes, jobs_from_workloads
+from gpuwatchd.state import NodeSnapshot
+
+__all__ = ["ALERTNAME", "METRICS", "HangMonitor", "HangRecord", "thresholds_from_config"]
+
+log = logging.getLogger("gpuwatchd.hangs")
+
+ALERTNAME = "JobHangSuspected"
+RULE = "job_hang"
+GENERIC_REMEDIATION = (
+    "The job makes no progress. Take its ranks' stacks (py-spy dump --native --pid PID), "
+    "rerun with NCCL_DEBUG=INFO and a collective timeout, then restart it."
+)
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        "gpuwatchd_job_hang_info",
+        "info",
+        "1 for each job on this node suspected to hang (JobHangSuspected): workload is the job"
+        " (pod, Slurm job or launcher id), signature the matched hang signature (pending"
+        " until forensics ran). Absent when no job hangs.",
+        ("workload", "namespace", "pod", "slurm_job", "signature"),
+    ),
+    MetricSpec(
+        "gpuwatchd_hang_forensics_dropped_total",
+        "counter",
+        "Suspected hangs analysed without stacks or RAS because the forensics queue was full.",
+    ),
+)
+Listener = Callable[[Sequence[Finding], float], None]
+StackFn = Callable[[int], stacks.StackCapture]
+RasFn = Callable[[JobView], ras.RasAnswer]
+
+
+class EventWriter(Protocol):
+    def write(self, records: Sequence[tuple[Event, str, int]]) -> None: ...
+
+
+def thresholds_from_config(cfg: Config) -> HangThresholds:
+    """The detector's thresholds from the `hangs:` section."""
+    h = cfg.hangs
+    return HangThresholds(
+        decide_after_seconds=h.decide_after_seconds,
+        rank_missing_after_seconds=h.rank_missing_after_seconds,
+        max_sm_active=h.max_sm_active,
+        max_sm_occupancy=h.max_sm_occupancy,
+        max_cpu_ratio=h.max_cpu_ratio,
+        single_process_cpu_stall=h.single_process_cpu_stall,
+    )
+
+
+@dataclass
+class HangRecord:
+    """One suspected hang of one job: what the detector saw and what forensics found."""
+
+    id: int
+    job: JobView
+    verdict: JobVerdict
+    summary: HangSummary | None = None
+    stacks: dict[int, stacks.StackCapture] = field(default_factory=dict)
+    ras_text: str = ""
+    ras_error: str = ""
+    ras_at: float = 0.0
+    resolved_at: float | None = None
+
+    def json(self) -> dict[str, Any]:
+        """Everything, JSON-able, for /hangs, the store and `gpuwatchd hang show`."""
+        s = self.summary
+        return {
+            "id": self.id,
+            "job": self.job.job,
+            "labels": dict(self.job.labels),
+            "since": self.verdict.since,
+            "resolved_at": self.resolved_at,
+            "conditions": list(self.verdict.conditions),
+            "signals": self.verdict.signals,
+            "reason": self.verdict.reason,
+            "signature": s.signature.name if s and s.signature else "",
+            "remediation": s.signature.remediation if s and s.signature else "",
+            "signatures": list(s.signatures) if s else [],
+            "facts": list(s.facts) if s else [],
+            "where": s.where_line() if s else "",
+            "ranks": [asdict(r) for r in s.ranks] if s else [],
+            "missing": list(s.missing) if s else [],
+            "unresponsive": list(s.unresponsive) if s else [],
+            "diverging_frame": s.diverging_frame if s else "",
+            "stacks": {
+                str(pid): {"ok": c.ok, "error": c.error, "seconds": c.seconds, "dump": c.raw}
+                for pid, c in self.stacks.items()
+            },
+            "ras": {"error": self.ras_error, "at": self.ras_at, "answer": self.ras_text},
+        }
+
+
+def _ras_for(cfg: Config) -> RasFn:
+    h = cfg.hangs
+
+    def query(job: JobView) -> ras.RasAnswer:
+        if h.ras_netns and job.ranks:
+            return ras.query_in_netns(job.ranks[0].pid, job.ras_addr, timeout=h.ras_timeout_seconds)
+        return ras.query(job.ras_addr, timeout=h.ras_timeout_seconds)
+
+    return query
+
+
+class HangMonitor:
+    """Detector, forensics worker and the JobHangSuspected findings."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        clock: Clock,
+        store: EventWriter | None = None,
+        *,
+        capture: StackFn | None = None,
+        ras_query: RasFn | None = None,
+        max_queue: int = 16,
+    ) -> None:
+        self._clock = clock
+        self._store = store
+        self._capture = capture
+        self._ras_query = ras_query
+        self._queue: queue.Queue[int | None] = queue.Queue(maxsize=max_queue)
+        self._lock = threading.Lock()
+        self._records: dict[int, HangRecord] = {}
+        self._open: dict[str, int] = {}  # job -> record id
+        self._next_id = 1
+        self._listeners: list[Listener] = []
+        self._seen_stamp: float | None = None
+        self._thread: threading.Thread | None = None
+        self.dropped = 0
+        self.reconfigure(cfg)
+
+    def reconfigure(self, cfg: Config) -> None:
+        """New thresholds and opt-ins; open hangs are kept."""
+        self.cfg = cfg
+        self.detector = HangDetector(thresholds_from_config(cfg))
+        self.catalog: tuple[Signature, ...] = load_catalog(cfg.hangs.signatures_file)
+        if self._capture is None or getattr(self._capture, "_default", False):
+            t = cfg.hangs.stacks_timeout_seconds
+
+            def capture(pid: int) -> stacks.StackCapture:
+                return stacks.capture(pid, timeout=t)
+
+            capture._default = True  # type: ignore[attr-defined]
+            self._capture = capture
+        if self._ras_query is None or getattr(self._ras_query, "_default", False):
+            q = _ras_for(cfg)
+            q._default = True  # type: ignore[attr-defined]
+            self._ras_query = q
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call `listener(findings, now)` whenever the open hangs change."""
+        self._listeners.append(listener)
+
+    # --- the consumer step ------------------------------------------------------------
+
+    def on_publish(
+        self, snap: NodeSnapshot, source: SourceSnapshot | None = None, events: object = ()
+    ) -> None:
+        """Evaluate once per new NVML poll."""
+        if not self.cfg.hangs.enabled:
+            return
+        nvml = snap.sources.get("nvml")
+        if nvml is None or not nvml.ok or nvml.timestamp == self._seen_stamp:
+            return
+        self._seen_stamp = nvml.timestamp
+        jobs = self.jobs_of(snap)
+        self.observe(
+            jobs, activity_from_samples(nvml.samples), nvml.timestamp or self._clock.time()
+        )
+
+    def jobs_of(self, snap: NodeSnapshot) -> list[JobView]:
+        """Jobs from the workloads source when it runs, else from NVML's processes."""
+        procfs = self.cfg.paths.procfs
+        wl = snap.sources.get("workloads")
+        if wl is not None and wl.ok:
+            from gpuwatchd.sources.workloads.source import workloads_from_status
+
+            current: list[Workload] = workloads_from_status(
+                {"workloads": wl.status.get("workloads")}
+            )
+            return jobs_from_workloads(current, procfs)
+        nvml = snap.sources["nvml"]
+        pids: dict[str, list[int]] = {}
+        gpus = nvml.status.get("gpus")
+        for info in gpus.values() if isinstance(gpus, Mapping) else ():
+            if not isinstance(info, Mapping):
+                continue
+            for proc in info.get("processes") or ():
+                pid = proc.get("pid") if isinstance(proc, Mapping) else None
+                if isinstance(pid, int):
+                    pids.setdefault(str(info.get("gpu")), []).append(pid)
+        return jobs_from_gpu_processes(pids, procfs)
+
+    def observe(self, jobs: Sequence[JobView], gpus: Iterable[Any], now: float) -> None:
+        """Feed one poll (also from tests and benchmarks)."""
+        verdicts = self.detector.observe(jobs, list(gpus), now)
+        by_job = {j.job: j for j in jobs}
+        changed = False
+        with self._lock:
+            suspected = {v.job: v for v in verdicts if v.suspected}
+            for job, rid in list(self._open.items()):
+                if job not in suspected:  # progress, or the job ended
+                    self._records[rid].resolved_at = now
+                    del self._open[job]
+                    changed = True
+                    log.info("hang of job %s resolved", job)
+            for job, v in suspected.items():
+                known = self._open.get(job)
+                if known is None:
+                    rid = self._new_record(by_job[job], v, now)
+                    # the alert waits for forensics (signature, severity) unless they cannot run
+                    changed |= not self._enqueue(rid)
+                else:
+                    rec = self._records[known]
+                    rec.job, rec.verdict = by_job[job], v
+                    interval = self.cfg.hangs.ras_interval_seconds
+                    if self.cfg.hangs.ras and rec.ras_at and now - rec.ras_at >= interval:
+                        rec.ras_at = now  # one re-query per interval
+                        self._enqueue(known)
+        if changed:
+            self._notify(now)
+
+    def _new_record(self, job: JobView, v: JobVerdict, now: float) -> int:
+        rid = self._next_id
+        self._next_id += 1
+        self._records[rid] = HangRecord(rid, job, v, ras_at=now)
+        self._open[job.job] = rid
+        for old in sorted(self._records)[:-200]:  # keep the newest 200
+            if old not in self._open.values():
+                del self._records[old]
+        log.warning("hang suspected in job %s: %s", job.job, v.reason)
+        return rid
+
+    def _enqueue(self, rid: int) -> bool:
+        try:
+            self._queue.put_nowait(rid)
+        except queue.Full:
+            self.dropped += 1
+            log.error("hang forensics queue full: job hang %d alerted without stacks or RAS", rid)
+            return False
+        return True
+
+    # --- the forensics worker ---------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the forensics thread."""
+        self._thread = threading.Thread(target=self._work, name="hang-forensics", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the forensics thread (a capture in flight ends at its own deadline)."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout)
+
+    def run_pending(self) -> None:
+        """Analyse every queued hang in the caller's thread (tests, one-shot use)."""
+        while True:
+            try:
+                rid = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if rid is not None:
+                self.analyse(rid)
+
+    def _work(self) -> None:
+        while True:
+            rid = self._queue.get()
+            if rid is None:
+                return
+            try:
+                self.analyse(rid)
+            except Exception:  # one bad capture must not end forensics
+                log.exception("hang forensics of %d", rid)
+
+    def analyse(self, rid: int) -> None:
+        """Stacks (once per stall), RAS, summary, signature, store; then notify."""
+        with self._lock:
+            rec = self._records.get(rid)
+            if rec is None:
+                return
+            job, verdict, have_stacks = rec.job, rec.verdict, bool(rec.stacks)
+        h = self.cfg.hangs
+        caps = dict(rec.stacks)
+        if h.stacks and not have_stacks and self._capture is not None:
+            for r in job.ranks:
+                caps[r.pid] = self._capture(r.pid)
+                if not caps[r.pid].ok:
+                    log.warning("hang %d: no stack of pid %d: %s", rid, r.pid, caps[r.pid].error)
+        answer: ras.RasAnswer | None = None
+        ras_error = ""
+        if h.ras and self._ras_query is not None:
+            try:
+                answer = self._ras_query(job)
+            except ras.RasError as e:
+                ras_error = str(e)
+        report = answer.report if answer is not None else None
+        summary = summarize(job, verdict, caps, report, self.catalog)
+        with self._lock:
+            rec.stacks = caps
+            rec.summary = summary
+            rec.ras_text = answer.text if answer is not None else rec.ras_text
+            rec.ras_error = ras_error
+            doc = rec.json()
+            resolved = rec.resolved_at is not None
+        log.warning(
+            "hang %d in job %s: %s; %s",
+            rid,
+            job.job,
+            summary.signature.title if summary.signature else "unclassified",
+            summary.where_line(),
+        )
+        if self._store is not None:
+            self._store.write([(self._event(rec, doc), f"hang:{job.job}:{verdict.since}", 1)])
+        if not resolved:
+            self._notify(self._clock.time())
+
+    def _event(self, rec: HangRecord, doc: Mapping[str, Any]) -> Event:
+        return Event(
+            kind=RULE,
+            source="hangs",
+            time=rec.verdict.since,
+            message=f"job {rec.job.job}: {rec.verdict.reason}",
+            severity=self._severity(rec),
+            attrs=(("job", rec.job.job), ("hang_id", str(rec.id)), ("forensics", json.dumps(doc))),
+        )
+
+    # --- findings ---------------------------------------------------------------------
+
+    @staticmethod
+    def _severity(rec: HangRecord) -> Severity:
+        sig = rec.summary.signature if rec.summary else None
+        return (
+            Severity.CRITICAL
+            if sig is not None and sig.severity == "critical"
+            else Severity.WARNING
+        )
+
+    def findings(self) -> list[Finding]:
+        """One JobHangSuspected per job suspected now."""
+        with self._lock:
+            return [self._finding(self._records[rid]) for rid in self._open.values()]
+
+    def _finding(self, rec: HangRecord) -> Finding:
+        s = rec.summary
+        sig = s.signature if s else None
+        where = s.where_line() if s else ""
+        ranks = ", ".join(f"{r.rank if r.rank is not None else '?'}:{r.pid}" for r in rec.job.ranks)
+        reason = f"Job {rec.job.job} hangs: {rec.verdict.reason}. Ranks (rank:pid): {ranks}."
+        if sig is not None:
+            reason += f" Signature: {sig.title}."
+        if where:
+            reason += f" Where: {where}."
+        labels = [*rec.job.labels, ("ranks", ranks), ("where", where)]
+        labels.append(("signature", sig.name if sig else "pending"))
+        return Finding(
+            rule=RULE,
+            alertname=ALERTNAME,
+            scope="job",
+            subject=tuple(
+                (k, v) for k, v in rec.job.labels if k in ("job", "namespace", "pod", "slurm_job")
+            ),
+            severity=self._severity(rec),
+            reason=reason,
+            action=Action.RESTART_APP,
+            remediation=sig.remediation if sig else GENERIC_REMEDIATION,
+            labels=tuple(labels),
+            since=rec.verdict.since,
+        )
+
+    def samples(self) -> list[Sample]:
+        """The per-job info series (only while suspected) and the dropped counter."""
+        out = [Sample.of("gpuwatchd_hang_forensics_dropped_total", self.dropped)]
+        with self._lock:
+            for rid in self._open.values():
+                rec = self._records[rid]
+                lab = dict(rec.job.labels)
+                sig = rec.summary.signature if rec.summary else None
+                out.append(
+                    Sample.of(
+                        "gpuwatchd_job_hang_info",
+                        1,
+                        workload=rec.job.job,
+                        namespace=lab.get("namespace", ""),
+                        pod=lab.get("pod", ""),
+                        slurm_job=lab.get("slurm_job", ""),
+                        signature=sig.name if sig else "pending",
+                    )
+                )
+        return out
+
+    def _notify(self, now: float) -> None:
+        found = self.findings()
+        for listener in list(self._listeners):
+            try:
+                listener(found, now)
+            except Exception:
+                log.exception("hang listener")
+
+    # --- reading ----------------------------------------------------------------------
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every kept hang, newest first."""
+        with self._lock:
+            return [self._records[r].json() for r in sorted(self._records, reverse=True)]
+
+    def route(self, query: Mapping[str, list[str]]) -> tuple[int, str, bytes]:
+        """GET /hangs (all kept, newest first) or /hangs?id=N (one, with stacks and RAS)."""
+        wanted = (query.get("id") or [""])[0]
+        docs = self.records()
+        if wanted:
+            docs = [d for d in docs if str(d["id"]) == wanted]
+            if not docs:
+                return 404, "text/plain", b"no such hang\n"
+            return 200, "application/json", json.dumps(docs[0], indent=1).encode() + b"\n"
+        body = {"count": len(docs), "hangs": docs}
+        return 200, "application/json", json.dumps(body, indent=1).encode() + b"\n"
