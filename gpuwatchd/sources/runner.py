@@ -109,10 +109,6 @@ class Runner:
             if now - slot.heartbeat > slot.source.interval + max_age
         ]
 
-    def last_progress(self) -> float:
-        """Monotonic time of the most recent progress of any source loop."""
-        return max((s.heartbeat for s in self._slots.values()), default=self._clock.monotonic())
-
     def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()
         for slot in self._slots.values():
