@@ -13,6 +13,7 @@ from typing import Any, TypeVar, Union
 from gpuwatchd.config.schema import Config
 from gpuwatchd.config.validate import check_paths, raise_all, validate, validate_listen
 from gpuwatchd.errors import ConfigError
+from gpuwatchd.logs import escape_control
 
 __all__ = ["check_paths", "load", "load_text", "read", "render_default", "validate_listen"]
 
@@ -124,7 +125,9 @@ def _build(cls: type[T], data: object, file: str, prefix: str, errors: list[Conf
 
 
 def _key(key: object) -> str:
-    return repr(key) if not isinstance(key, (str, int)) or "\x00" in str(key) else str(key)
+    """A key as an error message shows it: control characters escaped, length bounded."""
+    text = str(key) if isinstance(key, (str, int)) else repr(key)
+    return escape_control(text, 64)
 
 
 def _number(tp: Any, value: object, file: str, path: str, meta: Any) -> Any:
