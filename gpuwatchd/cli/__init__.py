@@ -22,6 +22,7 @@ COMMANDS: tuple[str, ...] = (
     "gpuwatchd.cli.xid",
     "gpuwatchd.cli.check",
     "gpuwatchd.cli.clear",
+    "gpuwatchd.cli.hang",
 )
 
 

@@ -240,13 +240,16 @@ class HangMonitor:
         verdicts = self.detector.observe(jobs, list(gpus), now)
         by_job = {j.job: j for j in jobs}
         changed = False
+        resolved: list[HangRecord] = []
         with self._lock:
             suspected = {v.job: v for v in verdicts if v.suspected}
             for job, rid in list(self._open.items()):
                 if job not in suspected:  # progress, or the job ended
-                    self._records[rid].resolved_at = now
+                    rec = self._records[rid]
+                    rec.resolved_at = now
                     del self._open[job]
                     changed = True
+                    resolved.append(rec)
                     log.info("hang of job %s resolved", job)
             for job, v in suspected.items():
                 known = self._open.get(job)
@@ -261,8 +264,14 @@ class HangMonitor:
                     if self.cfg.hangs.ras and rec.ras_at and now - rec.ras_at >= interval:
                         rec.ras_at = now  # one re-query per interval
                         self._enqueue(known)
+        if self._store is not None and resolved:
+            self._store.write([(self._event(r, r.json()), self._burst(r), 1) for r in resolved])
         if changed:
             self._notify(now)
+
+    @staticmethod
+    def _burst(rec: HangRecord) -> str:
+        return f"hang:{rec.job.job}:{rec.verdict.since}"
 
     def _new_record(self, job: JobView, v: JobVerdict, now: float) -> int:
         rid = self._next_id
@@ -355,7 +364,7 @@ class HangMonitor:
             summary.where_line(),
         )
         if self._store is not None:
-            self._store.write([(self._event(rec, doc), f"hang:{job.job}:{verdict.since}", 1)])
+            self._store.write([(self._event(rec, doc), self._burst(rec), 1)])
         if not resolved:
             self._notify(self._clock.time())
 
