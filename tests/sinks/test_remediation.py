@@ -197,3 +197,58 @@ def test_fleet_guard_reads_slurm(slurm: SlurmCluster, tmp_path: Path) -> None:
         sink.stop()
         store.close()
         slurm.run(["scontrol", "update", f"nodename={slurm.node}", "state=resume"], check=False)
+
+
+XID79 = (
+    "[ 8123.456789] NVRM: Xid (PCI:0000:00:06): 79, pid='<unknown>', name=<unknown>,"
+    " GPU has fallen off the bus.\n"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_daemon_drains_on_xid79_and_clear_resumes(
+    slurm: SlurmCluster, tmp_path: Path, start_daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole chain: kernel log -> Xid stage -> health engine -> remediation -> Slurm."""
+    from tests.conftest import FIXTURES
+
+    (tmp_path / "shm").mkdir()
+    kern = tmp_path / "kern.log"
+    kern.write_text("")
+    scontrol = shutil.which("scontrol") or "scontrol"
+    cfg = f"""
+paths: {{sysfs: {FIXTURES / "sys"}, dev_shm: {tmp_path / "shm"}}}
+sources:
+  nvml: {{interval: 1}}
+  kmsg: {{backend: file, file: {kern}}}
+  udev: {{enabled: false}}
+remediation:
+  hold_seconds: 2
+  slurm: {{drain_on: [critical], node_name: "{slurm.node}", scontrol: {scontrol}}}
+"""
+    capture = FIXTURES / "nvml" / "h200x2-probe.json"
+    d = start_daemon(cfg, "--nvml-replay", str(capture), env={"SLURM_CONF": str(slurm.conf)})
+    try:
+        assert _state(slurm)[0] == "idle"
+        with kern.open("a") as fh:
+            fh.write(XID79)
+        state, reason = _wait_state(slurm, "drain", timeout=30)
+        assert state.startswith("drain"), d.output()[-3000:]
+        assert reason.startswith("gpuwatchd: GpuXidCritical gpu 0: "), reason
+        engaged = 'gpuwatchd_remediation_engaged{action="slurm_drain"} 1.0'
+        end = time.monotonic() + 10  # the consumer thread publishes the sink's samples each second
+        while engaged not in d.get("/metrics")[1].decode() and time.monotonic() < end:
+            time.sleep(0.2)
+        assert engaged in d.get("/metrics")[1].decode()
+        status, body = d.get("/events?kind=remediation")
+        assert b'"result": "done"' in body or b'"result":"done"' in body
+
+        monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
+        args = ["clear", "--all", "--resume", "--config", str(d.config)]
+        assert main([*args, "--state-dir", str(tmp_path / "state")]) == 0
+        assert _wait_state(slurm, "idle")[0] == "idle"
+        time.sleep(4)  # two hold times: the cleared Xid must not drain again
+        assert _state(slurm)[0] == "idle", d.output()[-3000:]
+    finally:
+        slurm.run(["scontrol", "update", f"nodename={slurm.node}", "state=resume"], check=False)
