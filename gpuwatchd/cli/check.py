@@ -29,6 +29,7 @@ from gpuwatchd.clock import Clock, SystemClock
 from gpuwatchd.config import Config
 from gpuwatchd.errors import GpuwatchdError
 from gpuwatchd.health import alerts
+from gpuwatchd.health.hangs.monitor import open_hangs
 from gpuwatchd.health.rollup import finding_json
 from gpuwatchd.model import Finding, Severity, SourceSnapshot
 from gpuwatchd.sources import Source
@@ -37,6 +38,8 @@ from gpuwatchd.sources.workloads.source import workloads_on_gpus
 from gpuwatchd.state import State
 
 __all__ = ["Verdict", "check", "collect", "register"]
+
+HANG_LOOKBACK_SECONDS = 86400.0  # an open hang older than a day is taken as stale
 
 log = logging.getLogger("gpuwatchd.check")
 
@@ -267,6 +270,8 @@ def check(cfg: Config, clock: Clock | None = None, timeout: float = 30.0) -> Ver
         snap = state.snapshot()
         stamps = [s.timestamp for s in snap.sources.values() if s.timestamp]
         findings = chain.engine.evaluate(snap, now=max(stamps, default=clock.time()))
+        if store is not None:  # job hangs the running daemon holds open (its own memory)
+            findings += open_hangs(store.events_since(clock.time() - HANG_LOOKBACK_SECONDS))
     finally:
         if store is not None:
             store.close()

@@ -44,7 +44,14 @@ from gpuwatchd.sources.hangs import ras, stacks
 from gpuwatchd.sources.hangs.jobs import JobView, jobs_from_gpu_processes, jobs_from_workloads
 from gpuwatchd.state import NodeSnapshot
 
-__all__ = ["ALERTNAME", "METRICS", "HangMonitor", "HangRecord", "thresholds_from_config"]
+__all__ = [
+    "ALERTNAME",
+    "METRICS",
+    "HangMonitor",
+    "HangRecord",
+    "open_hangs",
+    "thresholds_from_config",
+]
 
 log = logging.getLogger("gpuwatchd.hangs")
 
@@ -468,3 +475,43 @@ class HangMonitor:
             return 200, "application/json", json.dumps(docs[0], indent=1).encode() + b"\n"
         body = {"count": len(docs), "hangs": docs}
         return 200, "application/json", json.dumps(body, indent=1).encode() + b"\n"
+
+
+def open_hangs(events: Iterable[Event]) -> list[Finding]:
+    """JobHangSuspected findings for the stored hangs not yet resolved (`gpuwatchd check`)."""
+    latest: dict[str, Mapping[str, Any]] = {}
+    for ev in events:
+        if ev.kind != RULE:
+            continue
+        try:
+            doc = json.loads(ev.attr("forensics") or "{}")
+        except ValueError:
+            continue
+        if isinstance(doc, dict) and doc.get("job"):
+            latest[str(doc["job"])] = doc  # oldest first: the newest record of a job wins
+    out = []
+    for job, doc in sorted(latest.items()):
+        if doc.get("resolved_at"):
+            continue
+        critical = doc.get("signature") and "critical" == _signature_severity(doc["signature"])
+        subject = tuple((k, str(v)) for k, v in (doc.get("labels") or {}).items() if v)
+        out.append(
+            Finding(
+                rule=RULE,
+                alertname=ALERTNAME,
+                scope="job",
+                subject=subject or (("job", job),),
+                severity=Severity.CRITICAL if critical else Severity.WARNING,
+                reason=f"Job {job} hangs: {doc.get('reason', '')}. Where: {doc.get('where', '')}",
+                action=Action.RESTART_APP,
+                remediation=str(doc.get("remediation") or GENERIC_REMEDIATION),
+                since=float(doc.get("since") or 0.0),
+            )
+        )
+    return out
+
+
+def _signature_severity(name: object) -> str:
+    from gpuwatchd.health.hangs.signatures import builtin_catalog
+
+    return next((s.severity for s in builtin_catalog() if s.name == name), "warning")
