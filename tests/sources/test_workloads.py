@@ -308,3 +308,22 @@ def test_a_pod_on_a_mig_device_is_matched_by_the_mig_uuid(
     assert w.gpus == (MIG,) and w.processes[0].uuid == MIG
     (info,) = [s for s in samples if s.name == "gpuwatchd_gpu_workload_info"]
     assert (info.label("gpu"), info.label("uuid"), info.label("pod")) == ("4", parent, "infer-7f9c")
+
+
+def test_a_poll_asks_slurm_about_few_new_jobs(tmp_path: Path) -> None:
+    """A hung or broken slurmctld cannot stretch one poll: 4 new jobs asked per poll at most."""
+    procfs = tmp_path / "proc"
+    for i in range(6):
+        fake_proc(procfs, 400 + i, f"0::/slurm/uid_0/job_{900 + i}/step_0\n", {}, "a.out")
+    index = {"0000:01:00.0": gpu(0, GPU0, [(400 + i, 1) for i in range(6)])}
+    # the commands "exist" but cannot be started (empty PATH): each ask fails at once
+    jobs = SlurmJobs(env={"PATH": ""}, which=lambda name: f"/nonexistent/{name}")
+    src = WorkloadSource(lambda: index, procfs=str(procfs), slurm=jobs)
+    src.poll(0.0)
+    assert jobs.calls == 4
+    src.poll(10.0)
+    assert jobs.calls == 6  # the other 2; the failed 4 wait out their retry time
+    src.poll(20.0)
+    assert jobs.calls == 6
+    assert jobs.errors == {"exec": 6}
+    assert {w.slurm_job for w in src.workloads()} == {str(900 + i) for i in range(6)}

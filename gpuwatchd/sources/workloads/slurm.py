@@ -82,6 +82,10 @@ class SlurmJobs:
         """Whether the Slurm client commands are installed."""
         return self._which("scontrol") is not None or self._which("squeue") is not None
 
+    def cached(self, job_id: str) -> SlurmJob | None:
+        """The cached facts of `job_id`, asking nobody."""
+        return self._cache.get(job_id)
+
     def lookup(self, job_id: str, now: float) -> SlurmJob | None:
         """Facts about `job_id`, from the cache or from Slurm (bounded by `timeout`)."""
         if not job_id.isdigit():

@@ -55,6 +55,12 @@ METRICS = (
     ),
 )
 
+# A poll asks Slurm about at most this many new jobs (each bounded by call_timeout);
+# the rest wait for the next poll, so a hung slurmctld cannot stretch one poll much.
+SLURM_LOOKUPS_PER_POLL = 4
+# Exited processes remembered for late Xids, newest first, at most this many.
+MAX_EXITED = 256
+
 GpuStatus = Callable[[], Mapping[str, Mapping[str, Any]]]
 
 
@@ -107,6 +113,7 @@ class WorkloadSource:
         self._exited: dict[int, tuple[float, Workload]] = {}
         self._errors = {"kubelet": 0, "slurm": 0}
         self._kubelet_error = ""
+        self._slurm_budget = SLURM_LOOKUPS_PER_POLL
 
     @classmethod
     def from_config(cls, cfg: Config, ctx: SourceContext) -> WorkloadSource:
@@ -130,6 +137,7 @@ class WorkloadSource:
         devices = self._pod_devices(gpus)
         groups: dict[tuple[str, str], dict[str, Any]] = {}
         seen: set[int] = set()
+        self._slurm_budget = SLURM_LOOKUPS_PER_POLL
         for gpu, uuid, bus, migs, procs in gpus:
             for device in (uuid, *migs):  # a pod may hold the GPU or one of its MIG devices
                 for pod_dev in devices.get(device, ()):
@@ -212,7 +220,10 @@ class WorkloadSource:
         if a.status == "slurm":
             fields = {"kind": "slurm", "id": a.slurm_job, "slurm_job": a.slurm_job}
             fields["slurm_step"] = a.slurm_step
-            job = self.slurm.lookup(a.slurm_job, now) if self.slurm is not None else None
+            job = self.slurm.cached(a.slurm_job) if self.slurm is not None else None
+            if job is None and self.slurm is not None and self._slurm_budget > 0:
+                self._slurm_budget -= 1
+                job = self.slurm.lookup(a.slurm_job, now)
             if job is not None:
                 fields.update(slurm_user=job.user, slurm_job_name=job.name)
             return fields
@@ -243,6 +254,8 @@ class WorkloadSource:
             self._exited.pop(pid, None)
         for pid in [p for p, (t, _) in self._exited.items() if now - t > self.keep_seconds]:
             del self._exited[pid]
+        while len(self._exited) > MAX_EXITED:  # oldest first: insertion order
+            del self._exited[next(iter(self._exited))]
 
     def _samples(self, gpus: list[_GpuProcesses], workloads: tuple[Workload, ...]) -> list[Sample]:
         by_uuid = {}
