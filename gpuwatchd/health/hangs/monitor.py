@@ -478,7 +478,7 @@ class HangMonitor:
 
 
 def open_hangs(events: Iterable[Event]) -> list[Finding]:
-    """JobHangSuspected findings for the stored hangs not yet resolved (`gpuwatchd check`)."""
+    """Critical JobHangSuspected findings for stored hangs not yet resolved (`gpuwatchd check`)."""
     latest: dict[str, Mapping[str, Any]] = {}
     for ev in events:
         if ev.kind != RULE:
@@ -493,7 +493,6 @@ def open_hangs(events: Iterable[Event]) -> list[Finding]:
     for job, doc in sorted(latest.items()):
         if doc.get("resolved_at"):
             continue
-        critical = doc.get("signature") and "critical" == _signature_severity(doc["signature"])
         subject = tuple((k, str(v)) for k, v in (doc.get("labels") or {}).items() if v)
         out.append(
             Finding(
@@ -501,7 +500,7 @@ def open_hangs(events: Iterable[Event]) -> list[Finding]:
                 alertname=ALERTNAME,
                 scope="job",
                 subject=subject or (("job", job),),
-                severity=Severity.CRITICAL if critical else Severity.WARNING,
+                severity=Severity.CRITICAL,  # check exits 2 so a health check script acts
                 reason=f"Job {job} hangs: {doc.get('reason', '')}. Where: {doc.get('where', '')}",
                 action=Action.RESTART_APP,
                 remediation=str(doc.get("remediation") or GENERIC_REMEDIATION),
@@ -509,9 +508,3 @@ def open_hangs(events: Iterable[Event]) -> list[Finding]:
             )
         )
     return out
-
-
-def _signature_severity(name: object) -> str:
-    from gpuwatchd.health.hangs.signatures import builtin_catalog
-
-    return next((s.severity for s in builtin_catalog() if s.name == name), "warning")
