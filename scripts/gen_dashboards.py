@@ -504,11 +504,16 @@ FLEET: list[P] = [
          f' (max by ({NODE_KEYS}, uuid) (gpuwatchd_health{{{S}, scope="gpu"}}) > 0))', ""),
     ], 12, 8, description=EMPTY + "Pods and Slurm jobs with a process on a GPU that is degraded"
       " or unhealthy now.", instant=True),
-    P("table", "Hangs suspected", [
+    P("table", "Job hangs suspected", [
+        (f"max by ({NODE_KEYS}, workload, namespace, pod, slurm_job, signature)"
+         f" (gpuwatchd_job_hang_info{{{S}}})", ""),
+    ], 12, 8, description=EMPTY + "Jobs gpuwatchd suspects to hang (JobHangSuspected), with"
+      " the matched hang signature once forensics ran.", instant=True),
+    P("table", "GPUs stuck (suspected NCCL hang)", [
         ('max by (cluster, node, gpu, uuid) (ALERTS{alertname="GpuStuckSuspected",'
          f' alertstate="firing", {S}}})', ""),
-    ], 12, 8, description=EMPTY + "GPUs busy at idle power with no memory traffic (the"
-      " GpuStuckSuspected rule): a suspected NCCL hang.", instant=True),
+    ], 24, 6, description=EMPTY + "GPUs busy at idle power with no memory traffic (the"
+      " GpuStuckSuspected rule).", instant=True),
     row("Top offenders"),
     P("table", "Most Xid reports (time range)", [
         (f"topk(10, sum by ({NODE_KEYS}, gpu, uuid) (increase(gpuwatchd_xid_errors_total"
