@@ -95,3 +95,19 @@ def test_bad_answers_are_errors_not_crashes() -> None:
         ras.parse_report("not json")
     with pytest.raises(ras.RasError):
         ras.parse_report("[1, 2]")
+
+
+def test_query_from_a_child_in_the_network_namespace_of_a_process() -> None:
+    """The child joins the namespace of a process (here our own) before asking."""
+    import os
+
+    with ras_server(fixture("ras-running.txt"), fixture("ras-running.json")) as srv:
+        try:
+            answer = ras.query_in_netns(os.getpid(), srv.addr, timeout=10)
+        except ras.RasError as e:
+            if "Operation not permitted" in str(e):
+                pytest.skip("no CAP_SYS_ADMIN here")
+            raise
+    assert answer.report is not None and answer.report.nccl_version == "2.28.9"
+    with pytest.raises(ras.RasError, match="network namespace of pid|No such file"):
+        ras.query_in_netns(2**22 + 7, "127.0.0.1:1", timeout=2)
