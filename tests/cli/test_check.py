@@ -254,9 +254,13 @@ def test_json_names_the_workloads_on_unhealthy_gpus(write_config, tmp_path, caps
 
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", TORCHELASTIC_RUN_ID="epilog-test")
     proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, env=env
+        [sys.executable, "-c", "import sys; print('up', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
     )
     try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"up\n"  # environ set
         capture = json.loads(H200.read_text())
         calls = capture["devices"][0]["calls"]
         calls["compute_running_processes"] = [
@@ -270,8 +274,9 @@ def test_json_names_the_workloads_on_unhealthy_gpus(write_config, tmp_path, caps
     finally:
         proc.kill()
         proc.wait(5)
-        assert proc.stdin is not None
+        assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.close()
+        proc.stdout.close()
     [held] = data["workloads"]
     assert held["kind"] == "process" and held["id"] == str(proc.pid)
     [p] = held["processes"]

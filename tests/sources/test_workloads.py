@@ -59,13 +59,19 @@ def torch_process() -> Iterator[subprocess.Popen[bytes]]:
     """A real process started with a torch.distributed-style environment (and a secret)."""
     env = dict(os.environ, **TORCH_ENV)
     proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, env=env
+        [sys.executable, "-c", "import sys; print('up', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
     )
+    # execve() closes the pipe Popen waits on before the new environ is in place
+    assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
     yield proc
     proc.kill()
     proc.wait(5)
     assert proc.stdin is not None
     proc.stdin.close()
+    proc.stdout.close()
 
 
 # --- ranks ----------------------------------------------------------------------------

@@ -86,6 +86,11 @@ class SlurmJobs:
         """The cached facts of `job_id`, asking nobody."""
         return self._cache.get(job_id)
 
+    def would_ask(self, job_id: str, now: float) -> bool:
+        """Whether lookup() would run a command (not cached, not failed recently)."""
+        recent = now - self._failed.get(job_id, float("-inf")) < self.retry_after
+        return job_id.isdigit() and job_id not in self._cache and not recent
+
     def lookup(self, job_id: str, now: float) -> SlurmJob | None:
         """Facts about `job_id`, from the cache or from Slurm (bounded by `timeout`)."""
         if not job_id.isdigit():
@@ -115,7 +120,8 @@ class SlurmJobs:
             if "unrecognized option" in err or "invalid option" in err:
                 self._scontrol_json = False  # before 23.02: ask squeue from now on
             else:
-                self._count("exit")
+                if err:  # a timeout or exec failure is counted already
+                    self._count("exit")
                 return None
         if self._which("squeue") is None:
             self._count("absent")

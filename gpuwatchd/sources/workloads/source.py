@@ -221,9 +221,10 @@ class WorkloadSource:
             fields = {"kind": "slurm", "id": a.slurm_job, "slurm_job": a.slurm_job}
             fields["slurm_step"] = a.slurm_step
             job = self.slurm.cached(a.slurm_job) if self.slurm is not None else None
-            if job is None and self.slurm is not None and self._slurm_budget > 0:
-                self._slurm_budget -= 1
-                job = self.slurm.lookup(a.slurm_job, now)
+            if self.slurm is not None and self.slurm.would_ask(a.slurm_job, now):
+                if self._slurm_budget > 0:
+                    self._slurm_budget -= 1
+                    job = self.slurm.lookup(a.slurm_job, now)
             if job is not None:
                 fields.update(slurm_user=job.user, slurm_job_name=job.name)
             return fields
