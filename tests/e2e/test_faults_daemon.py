@@ -67,7 +67,8 @@ def test_sighup_storm_then_sigterm(tmp_path: Path, alertmanager: AlertmanagerSer
     figures = probe.stop()
     reloads = d.output().count("SIGHUP: reloading")
     drill.stop()
-    assert 1 <= reloads < 50, reloads  # pending reloads collapse
+    # Pending reloads collapse into one, and a stop wins over any still pending.
+    assert reloads <= 2, reloads
     figures["stop_seconds"] = stop_seconds
     assert stop_seconds < 10, stop_seconds
     drill.start()
