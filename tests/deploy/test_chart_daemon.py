@@ -23,6 +23,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -192,13 +193,29 @@ def test_default_chart_catches_an_xid_written_to_dev_kmsg(tmp_path: Path) -> Non
         pod.stop()
 
 
+def pod_mounts(refused: Path, var_log: Path) -> list[str]:
+    """Shell steps that give a private mount namespace the pod's kernel-log view."""
+    # /dev/kmsg becomes the kernel's device node on a nodev mount, so opening it fails
+    # as under a device cgroup that does not allow 1:11; /var/log is the stand-in.
+    return [
+        f"mount -t tmpfs -o nodev,size=64k none {refused}",
+        f"mknod {refused}/kmsg c 1 11",
+        f"mount --bind {refused}/kmsg /dev/kmsg",
+        f"mount --bind {var_log} /var/log",
+        # the host's volatile journal, if any, is hidden (the nodev mount has no journal files)
+        f"if [ -d /run/log/journal ]; then mount --bind {refused} /run/log/journal; fi",
+    ]
+
+
 def _can_mount() -> bool:
-    if not (shutil.which("unshare") and shutil.which("mount")):
+    """Whether this machine lets the test build that view (root, mount namespaces)."""
+    if not (shutil.which("unshare") and shutil.which("mount") and shutil.which("mknod")):
         return False
-    res = subprocess.run(
-        ["unshare", "-m", "mount", "-t", "tmpfs", "none", "/mnt"],
-        capture_output=True, timeout=10, check=False,
-    )  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        script = "; ".join([*pod_mounts(Path(tmp), Path(tmp)), "true"])
+        res = subprocess.run(
+            ["unshare", "-m", "sh", "-ec", script], capture_output=True, timeout=10, check=False
+        )
     return res.returncode == 0
 
 
@@ -217,17 +234,9 @@ def test_default_chart_falls_back_to_the_journal_when_kmsg_is_refused(tmp_path: 
     refused.mkdir()
     pod = Pod(tmp_path, {"kmsg": Path("/dev/kmsg"), "var-log": Path("/var/log")})
     assert pod.local["paths"]["kmsg"] == "/dev/kmsg"
-    # In a private mount namespace: /dev/kmsg is the kernel's device node on a nodev
-    # mount, so opening it fails as under a device cgroup that does not allow 1:11;
-    # /var/log is the stand-in holding the journal (/run/log/journal only if present).
-    script = [
-        f"mount -t tmpfs -o nodev,size=64k none {refused}",
-        f"mknod {refused}/kmsg c 1 11",
-        f"mount --bind {refused}/kmsg /dev/kmsg",
-        f"mount --bind {var_log} /var/log",
-        'exec "$@"',
-    ]
-    pod.start(["unshare", "-m", "sh", "-ec", "; ".join(script), "pod"])
+    # In a private mount namespace: /dev/kmsg refused, /var/log holding the journal.
+    script = "; ".join([*pod_mounts(refused, var_log), 'exec "$@"'])
+    pod.start(["unshare", "-m", "sh", "-ec", script, "pod"])
     try:
         # auto tries /dev/kmsg first: the journal is in use only because it was refused
         body = pod.metrics_until(r'gpuwatchd_kmsg_reader_up\{backend="journald"\} 1')
