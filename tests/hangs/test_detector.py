@@ -130,3 +130,13 @@ def test_activity_from_the_nvml_and_gpm_series() -> None:
     (g,) = activity_from_samples(samples)
     assert (g.utilization, g.memory_utilization, g.power_watts) == (1.0, 0.0, 123.0)
     assert (g.sm_active, g.sm_occupancy, g.dram_active) == (0.0076, 0.0001, None)
+
+
+def test_a_rank_that_leaves_while_the_others_work_is_not_a_hang() -> None:
+    busy = GpuActivity("0", 1.0, 0.3, 600.0, 700.0, 0.9, 0.3)
+    det = HangDetector(HangThresholds())
+    both = JobView("j", (_rank(10, "0", 0, 0.0), _rank(11, "0", 1, 0.0)), 2, 2)
+    det.observe([both], [busy], 100.0)
+    for i in range(1, 300):  # rank 0 writes a checkpoint for five minutes after rank 1 exits
+        alone = JobView("j", (_rank(10, "0", 0, float(i)),), 2, 2)
+        assert not det.observe([alone], [busy], 100.0 + i)[0].suspected

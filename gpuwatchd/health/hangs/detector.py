@@ -7,7 +7,7 @@ Four conditions, each held for a while before it counts:
   occupancy near zero; without it, low power and no memory traffic.
 - cpu_stall: the job's GPUs idle and its processes' CPU time flat.
 - rank_missing: fewer local ranks than the job expects, or a rank that was
-  seen has gone while the others stay.
+  seen has gone, while the others make no progress (spin, or flat CPU time).
 - straggler: one rank at a different activity than all its peers.
 
 `step()` is pure over typed inputs; `HangDetector` keeps the state.
@@ -190,7 +190,8 @@ def _current(
     held = {
         "gpu_stall": gpu_stall,
         "cpu_stall": cpu_stall,
-        "rank_missing": missing_count > 0,
+        # a rank gone while the others work is a job winding down, not a hang
+        "rank_missing": missing_count > 0 and (gpu_stall or cpu_stall or cpu_flat),
         "straggler": bool(straggler),
     }
     if cpu_stall:
@@ -202,15 +203,12 @@ def _current(
         "missing_count": missing_count,
         "straggler": tuple(straggler),
         "ranks_now": ranks_now,
-        "stalled": gpu_stall or cpu_stall or cpu_flat,
     }
     return held, details
 
 
-def _needed(cond: str, details: Mapping[str, object], t: HangThresholds) -> float:
-    if cond == "rank_missing" and details["stalled"]:
-        return t.rank_missing_after_seconds
-    return t.decide_after_seconds
+def _needed(cond: str, t: HangThresholds) -> float:
+    return t.rank_missing_after_seconds if cond == "rank_missing" else t.decide_after_seconds
 
 
 def step(
@@ -230,9 +228,7 @@ def step(
             mem = replace(mem, onset={}, cpu={})  # a gap: start the clocks again
         held, details = _current(job, mem, by_gpu, now, t)
         onset = {c: mem.onset.get(c, now) for c, on in held.items() if on}
-        decided = tuple(
-            c for c in CONDITIONS if c in onset and now - onset[c] >= _needed(c, details, t)
-        )
+        decided = tuple(c for c in CONDITIONS if c in onset and now - onset[c] >= _needed(c, t))
         ranks_now = details["ranks_now"]
         assert isinstance(ranks_now, dict)
         seen = {**mem.seen_ranks, **ranks_now}
