@@ -99,7 +99,7 @@ _XID_RE = re.compile(
     r"(?:pid=(?:'?<unknown>'?|(\d+))\s*(?:,\s*|$))?"
     r"(?:name=(<unknown>|[^,]{0,64}?)\s*(?:,\s*|$))?"
 )
-_MIG_IDS = re.compile(r"\s*GPU-(I|CI):\s*(\d{1,4})")
+_MIG_IDS = re.compile(r"GPU-(I|CI):[ ]{0,4}(\d{1,4})")
 _MIG_KEYS = {"I": "gpu_instance", "CI": "compute_instance"}
 _SXID_RE = re.compile(
     r"(nvidia-nvswitch\d{0,4}): SXid \((?:PCI:)?([^)]{0,64})\):\s*(\d+)\s*(?:,\s*)?"
@@ -270,7 +270,7 @@ def _parse(line: str, year: int | None) -> KmsgRecord | None:
         where = m.group(1)
         # MIG: "(PCI:0000:3b:00 GPU-I:01 GPU-CI:00)" names the GPU and compute instance
         instance = tuple((_MIG_KEYS[k], str(int(v))) for k, v in _MIG_IDS.findall(where))
-        bus = normalize_bus_id(_MIG_IDS.sub("", where) if instance else where)
+        bus = normalize_bus_id(_MIG_IDS.sub("", where).strip() if instance else where)
         if not bus:
             return _unparsed(text, m.start(), year)
         code = _bounded(m.group(2), MAX_CODE)
