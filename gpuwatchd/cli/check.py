@@ -20,7 +20,7 @@ import json
 import logging
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -325,10 +325,30 @@ def render_text(v: Verdict, cfg: Config) -> str:
             f"           do: {f.remediation or '-'}",
             f"           action: {f.action}   runbook: {base}/{f.alertname}.md",
         ]
+    if v.workloads:
+        lines += ["", "On these GPUs: " + "; ".join(_workload_line(w) for w in v.workloads)]
     lines.append("")
     lines.append("Sources: " + "; ".join(f"{p.name} {p.describe()}" for p in v.polled.values()))
     lines.extend(f"Note: {n}" for n in v.notes)
     return "\n".join(lines) + "\n"
+
+
+def _workload_line(w: Mapping[str, object]) -> str:
+    """pod ml/train-0, Slurm job 12 (bert, alice) or pid 4242, with its GPUs' processes."""
+    if w.get("pod"):
+        who = f"pod {w.get('namespace')}/{w.get('pod')}"
+    elif w.get("kind") == "k8s":
+        who = f"pod uid {w.get('pod_uid')}"
+    elif w.get("slurm_job"):
+        extra = ", ".join(str(w[k]) for k in ("slurm_job_name", "slurm_user") if w.get(k))
+        who = f"Slurm job {w['slurm_job']}" + (f" ({extra})" if extra else "")
+    else:
+        who = f"pid {w.get('id')}"
+    procs = w.get("processes")
+    pids = (
+        [str(p.get("pid")) for p in procs if isinstance(p, dict)] if isinstance(procs, list) else []
+    )
+    return who + (f" [pids {', '.join(pids)}]" if pids else "")
 
 
 def render_json(v: Verdict) -> str:

@@ -271,6 +271,8 @@ def test_json_names_the_workloads_on_unhealthy_gpus(write_config, tmp_path, caps
         cfg = write_config(XID31, CRITICAL_31, nvml=nvml)
         assert run(["check", "--json", "--config", str(cfg)]) == 2
         data = json.loads(capsys.readouterr().out)
+        assert run(["check", "--config", str(cfg)]) == 2
+        assert f"On these GPUs: pid {proc.pid} [pids {proc.pid}]" in capsys.readouterr().out
     finally:
         proc.kill()
         proc.wait(5)
