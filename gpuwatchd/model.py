@@ -27,9 +27,9 @@ __all__ = [
     "Severity",
     "SourceSnapshot",
     "WORKLOAD_ALERT_LABELS",
-    "XidFields",
     "Workload",
     "WorkloadProcess",
+    "XidFields",
     "labels_of",
 ]
 
