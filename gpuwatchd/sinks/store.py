@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from gpuwatchd.config import Config
 
 __all__ = [
-    "ClearRow",
     "DB_NAME",
     "EventStore",
     "METRICS",
@@ -58,9 +57,6 @@ class Record(NamedTuple):
     event: Event
     burst_id: str = ""
     reports: int = 1
-
-
-ClearRow = Clear  # an operator clear or a GPU reset, as stored (one type: model.Clear)
 
 
 def _clear_of(r: Sequence[Any]) -> Clear:
