@@ -17,7 +17,6 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from gpuwatchd.clock import Clock
@@ -28,8 +27,15 @@ from gpuwatchd.health.hangs.detector import (
     JobVerdict,
     activity_from_samples,
 )
+from gpuwatchd.health.hangs.record import (
+    ALERTNAME,
+    GENERIC_REMEDIATION,
+    RULE,
+    HangRecord,
+    open_hangs,
+)
 from gpuwatchd.health.hangs.signatures import Signature, load_catalog
-from gpuwatchd.health.hangs.summary import HangSummary, summarize
+from gpuwatchd.health.hangs.summary import summarize
 from gpuwatchd.model import (
     Action,
     Event,
@@ -46,21 +52,15 @@ from gpuwatchd.state import NodeSnapshot
 
 __all__ = [
     "ALERTNAME",
-    "METRICS",
     "HangMonitor",
     "HangRecord",
+    "METRICS",
     "open_hangs",
     "thresholds_from_config",
 ]
 
 log = logging.getLogger("gpuwatchd.hangs")
 
-ALERTNAME = "JobHangSuspected"
-RULE = "job_hang"
-GENERIC_REMEDIATION = (
-    "The job makes no progress. Take its ranks' stacks (py-spy dump --native --pid PID), "
-    "rerun with NCCL_DEBUG=INFO and a collective timeout, then restart it."
-)
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "gpuwatchd_job_hang_info",
@@ -96,49 +96,6 @@ def thresholds_from_config(cfg: Config) -> HangThresholds:
         max_cpu_ratio=h.max_cpu_ratio,
         single_process_cpu_stall=h.single_process_cpu_stall,
     )
-
-
-@dataclass
-class HangRecord:
-    """One suspected hang of one job: what the detector saw and what forensics found."""
-
-    id: int
-    job: JobView
-    verdict: JobVerdict
-    summary: HangSummary | None = None
-    stacks: dict[int, stacks.StackCapture] = field(default_factory=dict)
-    ras_text: str = ""
-    ras_error: str = ""
-    ras_at: float = 0.0
-    resolved_at: float | None = None
-
-    def json(self) -> dict[str, Any]:
-        """Everything, JSON-able, for /hangs, the store and `gpuwatchd hang show`."""
-        s = self.summary
-        return {
-            "id": self.id,
-            "job": self.job.job,
-            "labels": dict(self.job.labels),
-            "since": self.verdict.since,
-            "resolved_at": self.resolved_at,
-            "conditions": list(self.verdict.conditions),
-            "signals": self.verdict.signals,
-            "reason": self.verdict.reason,
-            "signature": s.signature.name if s and s.signature else "",
-            "remediation": s.signature.remediation if s and s.signature else "",
-            "signatures": list(s.signatures) if s else [],
-            "facts": list(s.facts) if s else [],
-            "where": s.where_line() if s else "",
-            "ranks": [asdict(r) for r in s.ranks] if s else [],
-            "missing": list(s.missing) if s else [],
-            "unresponsive": list(s.unresponsive) if s else [],
-            "diverging_frame": s.diverging_frame if s else "",
-            "stacks": {
-                str(pid): {"ok": c.ok, "error": c.error, "seconds": c.seconds, "dump": c.raw}
-                for pid, c in self.stacks.items()
-            },
-            "ras": {"error": self.ras_error, "at": self.ras_at, "answer": self.ras_text},
-        }
 
 
 def _ras_for(cfg: Config) -> RasFn:
@@ -475,36 +432,3 @@ class HangMonitor:
             return 200, "application/json", json.dumps(docs[0], indent=1).encode() + b"\n"
         body = {"count": len(docs), "hangs": docs}
         return 200, "application/json", json.dumps(body, indent=1).encode() + b"\n"
-
-
-def open_hangs(events: Iterable[Event]) -> list[Finding]:
-    """Critical JobHangSuspected findings for stored hangs not yet resolved (`gpuwatchd check`)."""
-    latest: dict[str, Mapping[str, Any]] = {}
-    for ev in events:
-        if ev.kind != RULE:
-            continue
-        try:
-            doc = json.loads(ev.attr("forensics") or "{}")
-        except ValueError:
-            continue
-        if isinstance(doc, dict) and doc.get("job"):
-            latest[str(doc["job"])] = doc  # oldest first: the newest record of a job wins
-    out = []
-    for job, doc in sorted(latest.items()):
-        if doc.get("resolved_at"):
-            continue
-        subject = tuple((k, str(v)) for k, v in (doc.get("labels") or {}).items() if v)
-        out.append(
-            Finding(
-                rule=RULE,
-                alertname=ALERTNAME,
-                scope="job",
-                subject=subject or (("job", job),),
-                severity=Severity.CRITICAL,  # check exits 2 so a health check script acts
-                reason=f"Job {job} hangs: {doc.get('reason', '')}. Where: {doc.get('where', '')}",
-                action=Action.RESTART_APP,
-                remediation=str(doc.get("remediation") or GENERIC_REMEDIATION),
-                since=float(doc.get("since") or 0.0),
-            )
-        )
-    return out
