@@ -207,6 +207,15 @@ ALERTS: dict[str, AlertInfo] = {
     "GpuStuckSuspected": AlertInfo(
         _W, "nvml", Action.RESTART_APP, "GPU {gpu} looks stuck (suspected NCCL hang)", ""
     ),
+    # Raised by health/hangs/monitor.py, one per job (its own text, severity and remediation).
+    "JobHangSuspected": AlertInfo(
+        _W,
+        "nvml",
+        Action.RESTART_APP,
+        "Job {job} looks hung",
+        "",
+        ("job", "namespace", "pod", "slurm_job"),
+    ),
     "ShmNearlyFull": AlertInfo(_W, "shm", Action.NONE, "/dev/shm nearly full", "", ()),
     "ShmStaleSegments": AlertInfo(
         _W, "shm", Action.NONE, "Stale NCCL segments in /dev/shm", "", ()
