@@ -27,7 +27,7 @@ from collections.abc import Iterable, Iterator
 
 from gpuwatchd.model import MetricSpec, Sample
 
-__all__ = ["DETAILS", "ROLLUP_METRICS", "NvlinkRollup", "nvlink_rollup"]
+__all__ = ["DETAILS", "NvlinkRollup", "ROLLUP_METRICS", "nvlink_rollup"]
 
 DETAILS = ("gpu", "link")
 _UP = "gpuwatchd_nvlink_up"
