@@ -314,3 +314,15 @@ def test_quiet_repeat_publish_is_not_re_evaluated_within_a_second() -> None:
     n = len(runs)
     publish(state, hot, clock)  # changed samples: evaluated at once
     assert len(runs) > n
+
+
+def test_a_tick_that_changes_nothing_leaves_the_snapshot_alone() -> None:
+    """The scrape cache lives as long as a snapshot generation: a quiet tick keeps it."""
+    engine, state, clock = make()
+    publish(state, Node(gpus={U0: {"ecc_dbe_volatile": 1}, U1: {}}), clock)
+    generation = state.snapshot().generation
+    clock.advance(1.0)
+    engine.tick()
+    assert state.snapshot().generation == generation
+    publish(state, Node(gpus={U0: {}, U1: {}}), clock)  # a change still publishes
+    assert state.snapshot().generation > generation
