@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 import yaml
 
 from gpuwatchd import config
+from gpuwatchd.config import XidRule
 from gpuwatchd.errors import CatalogError, ConfigError
 from gpuwatchd.health.xid import catalog as xid
 from gpuwatchd.model import Action, Severity
@@ -154,10 +156,14 @@ xid:
 
 
 def test_bad_override_key_is_a_config_error() -> None:
-    cfg = config.load_text("xid:\n  overrides:\n    thirteen: {severity: critical}\n")
+    with pytest.raises(ConfigError) as exc:  # refused when loading, by `config check` too
+        config.load_text("xid:\n  overrides:\n    thirteen: {severity: critical}\n")
+    assert exc.value.key == "xid.overrides.thirteen"
+    cfg = config.read(None)
+    cfg = dataclasses.replace(cfg, xid=dataclasses.replace(cfg.xid, overrides={"x": XidRule()}))
     with pytest.raises(ConfigError) as exc:
         xid.from_config(cfg)
-    assert exc.value.key == "xid.overrides.thirteen"
+    assert exc.value.key == "xid.overrides.x"
 
 
 def _minimal() -> dict:

@@ -163,7 +163,9 @@ def test_metrics_cover_every_published_sample(tmp_path: Path) -> None:
     (tmp_path / "kmsg").write_text(raw(1, xid(79)))
     node = Node(tmp_path, clock)
     node.poll()
-    names = {m.name for m in METRICS}
+    from gpuwatchd.sinks.store import METRICS as STORE_METRICS
+
+    names = {m.name for m in (*METRICS, *STORE_METRICS)}  # the stage publishes the store's too
     assert {s.name for s in node.state.snapshot().extra["xid"]} <= names
     node.stop()
 
