@@ -97,12 +97,13 @@ def test_parse_sinfo() -> None:
     text = (
         "n1|drained|2026-11-23T20:01:02|gpuwatchd: GpuLost gpu 1: reboot\n"
         "n2|idle|Unknown|none\n"
+        "n3|mixed+drain|2026-11-23T20:01:02|gpuwatchd: GpuLost gpu 2: reboot\n"
         "n1|drained|2026-11-23T20:01:02|gpuwatchd: GpuLost gpu 1: reboot\n"
         "garbage\n"
     )
     nodes = parse_sinfo(text)
-    assert sorted(nodes) == ["n1", "n2"]
-    assert nodes["n1"].drained and not nodes["n2"].drained
+    assert sorted(nodes) == ["n1", "n2", "n3"]
+    assert nodes["n1"].drained and not nodes["n2"].drained and nodes["n3"].drained
     assert nodes["n2"].reason == "" and nodes["n2"].reason_time == 0.0
 
 

@@ -22,7 +22,6 @@ __all__ = ["SlurmError", "SlurmNode", "SlurmNodes", "parse_sinfo"]
 log = logging.getLogger("gpuwatchd.remediation")
 
 _SINFO_FORMAT = "%N|%T|%H|%E"
-_DRAINED = ("drain", "drained", "draining")
 
 
 class SlurmError(GpuwatchdError):
@@ -40,7 +39,8 @@ class SlurmNode:
 
     @property
     def drained(self) -> bool:
-        return any(self.state.lower().rstrip("*~#!%$@^-").startswith(d) for d in _DRAINED)
+        """DRAIN in any form: drained, draining, or a combined state such as mixed+drain."""
+        return "drain" in self.state.lower()
 
 
 def parse_sinfo(text: str) -> dict[str, SlurmNode]:
