@@ -226,3 +226,23 @@ def test_problem_condition_for_tools_that_act_on_true(api: FakeApiServer, tmp_pa
     node.set_condition(True, "OperatorResumed", "resumed")
     types = {c["type"]: c["status"] for c in api.node["status"]["conditions"]}
     assert types["GpuHealthy"] == "True" and types["GpuProblem"] == "False"
+
+
+def test_missing_client_is_said_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import importlib.util
+
+    cfg = make_cfg(tmp_path, "http://127.0.0.1:9", taint=False)
+    store = EventStore.from_config(cfg)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "kubernetes" else real(name)
+    )
+    sink = RemediationSink(cfg, FakeClock(T0), NAME, store)
+    try:
+        sink.start()
+        assert "kubernetes Python client is not installed" in caplog.text
+    finally:
+        sink.stop()
+        store.close()

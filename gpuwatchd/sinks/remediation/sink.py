@@ -10,6 +10,7 @@ still-open critical condition must hold for the hold time again.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import threading
 from collections.abc import Iterable, Mapping
@@ -129,7 +130,15 @@ class RemediationSink:
     def start(self) -> None:
         if not self.active:
             return
-        log.info("remediation on: %s", ", ".join(enabled_actions(self.cfg)))
+        actions = enabled_actions(self.cfg)
+        log.info("remediation on: %s", ", ".join(actions))
+        kube = [a for a in actions if a.startswith("kubernetes")]
+        if kube and importlib.util.find_spec("kubernetes") is None:
+            log.error(
+                "remediation %s configured, but the kubernetes Python client is not installed"
+                " (pip install gpuwatchd[kubernetes]); each attempt will fail",
+                ", ".join(kube),
+            )
         self._thread = threading.Thread(target=self._loop, name="remediation", daemon=True)
         self._thread.start()
         self.publish()
