@@ -50,3 +50,60 @@ def test_a_critical_alert_displaces_a_warning_and_the_rest_follow_when_room_free
     sink.update(warnings[:3] + criticals)
     assert firing(sink) == {"100", "101", "102", "0", "1", "2"}
     sink.stop()
+
+
+def test_the_outbox_moves_to_memory_when_its_disk_refuses_and_writes_back(
+    tmp_path: Path,
+) -> None:
+    from gpuwatchd.sinks.alertmanager.outbox import Outbox
+
+    path = str(tmp_path / "db")
+    box = Outbox(path, max_alerts=10)
+    box.sync([({"alertname": "A", "severity": "critical"}, {}, 1.0)], 1.0)
+    real = box._db
+    box._db = _Refusing(real)  # type: ignore[assignment]  # an injected full disk
+    result = box.sync(
+        [
+            ({"alertname": "A", "severity": "critical"}, {}, 1.0),
+            ({"alertname": "B", "severity": "critical"}, {}, 2.0),
+        ],
+        2.0,
+    )
+    assert box.in_memory and [a.labels["alertname"] for a in result.fired] == ["B"]
+    assert {a.labels["alertname"] for a in box.alerts()} == {"A", "B"}
+    box._file = real  # the file works again
+    box._retry_at = 0.0
+    box.mark_sent("am", box.alerts(), 3.0)
+    assert not box.in_memory
+    again = Outbox(path)
+    assert {a.labels["alertname"] for a in again.alerts()} == {"A", "B"}
+    again.close()
+    box.close()
+
+
+class _Refusing:
+    """A connection whose every write fails as on a full disk; reads pass through."""
+
+    def __init__(self, db: object) -> None:
+        self._db = db
+
+    def execute(self, sql: str, *args: object) -> object:
+        if sql.lstrip().upper().startswith("SELECT"):
+            return self._db.execute(sql, *args)  # type: ignore[attr-defined]
+        import sqlite3
+
+        raise sqlite3.OperationalError("database or disk is full")
+
+    def executemany(self, sql: str, *args: object) -> object:
+        import sqlite3
+
+        raise sqlite3.OperationalError("database or disk is full")
+
+    def __enter__(self) -> _Refusing:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
