@@ -201,3 +201,21 @@ def test_xid_log_entry_carries_journal_fields(tmp_path: Path, caplog) -> None:
     assert rec.PCI_BUS_ID == "0000:00:06.0"
     assert rec.XID_PID == "4242"
     assert rec.XID_SEVERITY == "critical"
+
+
+def test_a_quiet_tick_leaves_the_snapshot_alone(tmp_path: Path) -> None:
+    clock = FakeClock()
+    (tmp_path / "kmsg").write_text(raw(1, xid(31)))
+    node = Node(tmp_path, clock)
+    node.poll()
+    node.stage.tick()
+    generation = node.state.snapshot().generation
+    node.stage.tick()  # nothing new: no publish, the scrape cache stays valid
+    assert node.state.snapshot().generation == generation
+    nvml = Event("xid", "nvml", clock.time(), 79, "0000:00:07.0")
+    node.state.publish(SourceSnapshot("nvml", (), True), [nvml])
+    clock.advance(10)  # past the NVML hold: the stage passes it on and publishes
+    generation = node.state.snapshot().generation
+    node.stage.tick()
+    assert node.state.snapshot().generation > generation
+    node.stop()

@@ -107,6 +107,7 @@ class XidStage:
         self._lock = threading.Lock()
         self._cursors: dict[str, str] = {}
         self._store_errors = 0
+        self._published: tuple[Sample, ...] | None = None
         self._last_clear_id = 0
         self.log_reports = True  # off for a one-shot `check`: it reports what it found itself
         self._unlogged: dict[str, tuple[float, Event]] = {}
@@ -249,7 +250,10 @@ class XidStage:
         store_samples = getattr(self.store, "samples", None)  # the store's own metrics
         if store_samples is not None:
             samples.extend(store_samples())
-        self._publish_extra(OWNER, samples)
+        frozen = tuple(samples)
+        if frozen != self._published:  # a quiet tick: keep the snapshot (and scrape cache)
+            self._published = frozen
+            self._publish_extra(OWNER, frozen)
 
     # --- operator actions -------------------------------------------------------------
 
