@@ -200,6 +200,16 @@ def query(prom: PrometheusServer, expr: str) -> list[dict[str, Any]]:
     return list(data["result"])
 
 
+def slowest_rules(prom: PrometheusServer, n: int = 5) -> dict[str, float]:
+    """The `n` rules whose last evaluation took longest (seconds), by name."""
+    data = prom.api("rules")["data"]
+    assert isinstance(data, dict)
+    rules = [
+        (float(r.get("evaluationTime", 0.0)), r["name"]) for g in data["groups"] for r in g["rules"]
+    ]
+    return {name: round(t, 4) for t, name in sorted(rules, reverse=True)[:n]}
+
+
 def dashboard_latency(prom: PrometheusServer, rounds: int = 3) -> dict[str, float]:
     """Seconds each fleet dashboard query takes over all nodes (median of `rounds`)."""
     values = {
@@ -278,6 +288,7 @@ def main() -> int:
         rule_times = prom_metric(prom, "prometheus_rule_group_last_duration_seconds")
         head = prom_metric(prom, "prometheus_tsdb_head_series")
         latency = dashboard_latency(prom)
+        rules_slowest = slowest_rules(prom)
         rss = [rss_bytes(d["proc"].pid) for d in daemons if d["proc"].poll() is None]
         prom_rss = rss_bytes(prom.proc.pid) if prom.proc is not None else 0
         scrape = [
@@ -300,6 +311,7 @@ def main() -> int:
             "rule_group_seconds": {
                 k.rsplit(";", 1)[-1].strip('"}'): v for k, v in rule_times.items()
             },
+            "slowest_rules_seconds": rules_slowest,
             "dashboard_query_seconds": {
                 "median": statistics.median(latency.values()),
                 "max": max(latency.values()),
