@@ -61,11 +61,15 @@ def test_state_dir_deleted_while_running(tmp_path: Path, alertmanager: Alertmana
         drill.stop()
 
 
-@pytest.mark.parametrize("fault", ["full", "read_only"])
+@pytest.mark.parametrize("fault", ["full", "read_only", "full_then_kill_9"])
 def test_state_dir_full_or_read_only_then_fixed(
     tmp_path: Path, alertmanager: AlertmanagerServer, fault: str
 ) -> None:
-    """A real tmpfs as the state dir: filled up, or a read-only one mounted over it."""
+    """A real tmpfs as the state dir: filled up, or a read-only one mounted over it.
+
+    `full_then_kill_9`: the daemon dies (kill -9) while events wait in memory; the disk is
+    freed and it starts again: the cursor never moved past them, so it reads them again.
+    """
     mnt = tmp_path / "mnt"
     if not mount_tmpfs(mnt, "4m"):
         pytest.skip(
@@ -79,7 +83,7 @@ def test_state_dir_full_or_read_only_then_fixed(
         drill.feed(79, 0)
         drill.wait_for(lambda: drill.stored() == drill.expected_store(), why="first Xid stored")
         filler = mnt / "filler"
-        if fault == "full":
+        if fault.startswith("full"):
             with open(filler, "wb", buffering=0) as f:
                 try:
                     while True:
@@ -100,12 +104,21 @@ def test_state_dir_full_or_read_only_then_fixed(
         drill.wait_for(
             lambda: len(drill.in_alertmanager(alertmanager)) == len(drill.fed), why="alerts"
         )
-        if fault == "full":
+        if fault == "full_then_kill_9":
+            drill.daemon.proc.kill()
+            drill.daemon.proc.wait(10)
+            drill.stop()
+            filler.unlink()
+            drill.start()
+        elif fault == "full":
             filler.unlink()
         else:
             subprocess.run(["mount", "-o", "remount,rw", str(mnt)], check=True)
         drill.assert_nothing_lost(alertmanager, timeout=60)
         drill.wait_for(lambda: drill.metric("gpuwatchd_event_store_up") == 1, why="store up")
+        if fault == "full_then_kill_9":
+            probe.stop()
+            return
         assert drill.metric("gpuwatchd_event_store_errors_total", op="write") >= 1
         assert_responsive(f"state dir {fault.replace('_', '-')} then fixed", probe.stop())
     finally:
