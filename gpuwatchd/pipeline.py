@@ -281,7 +281,9 @@ class Pipeline(Consumers):
             ]
             out.append(Sample.of("gpuwatchd_consumer_coalesced_total", self.queue.coalesced))
             self._state.publish_extra("consumer", out)
-        self._state.publish_extra("hangs", self.hang_monitor.samples())
+        hangs = tuple(self.hang_monitor.samples())
+        if self._state.snapshot().extra.get("hangs") != hangs:
+            self._state.publish_extra("hangs", hangs)
         # Sinks only count; their samples are published from here when they moved.
         mark = (id(self.sink), self.sink.version)
         if mark != self._sink_published:

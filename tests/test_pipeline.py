@@ -187,3 +187,17 @@ def test_healthz_and_the_watchdog_name_a_stuck_consumer(tmp_path: Path) -> None:
     finally:
         block.set()
         pipeline.stop()
+
+
+def test_quiet_ticks_keep_the_snapshot_generation(tmp_path: Path) -> None:
+    """Nothing moved: no publish, so the exposition cached for this generation stays valid."""
+    state = State()
+    pipeline = Pipeline(cfg_for(tmp_path), state, FakeClock(), "n", 0, [])
+    try:
+        pipeline.tick()
+        generation = state.snapshot().generation
+        pipeline.tick()
+        pipeline.tick()
+        assert state.snapshot().generation == generation
+    finally:
+        pipeline.stop()
