@@ -83,12 +83,15 @@ OVERRIDE_FLAGS = {
 }
 
 
-def flag_error(exc: ConfigError, ov: Overrides) -> ConfigError:
-    """The error named after the command-line flag when a flag set the bad value."""
+def flag_error(exc: ConfigError, ov: object) -> ConfigError:
+    """The error named after the command-line flag when a flag set the bad value.
+
+    `ov` is the Overrides, or the parsed arguments of any subcommand with such flags.
+    """
     if isinstance(exc, config.ConfigErrors):
         return config.ConfigErrors([flag_error(e, ov) for e in exc.errors])
-    field, flag = OVERRIDE_FLAGS.get(exc.key, ("", ""))
-    if field and getattr(ov, field) is not None:
+    field, flag = OVERRIDE_FLAGS.get(getattr(exc, "key", ""), ("", ""))
+    if field and getattr(ov, field, None) is not None:
         return ConfigError("command line", flag, exc.problem)
     return exc
 

@@ -39,7 +39,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         rc: int = args.func(args)
         return rc
     except ConfigError as exc:
-        for line in str(exc).splitlines():  # one line per problem
+        from gpuwatchd.daemon import flag_error  # only on this error path: it is heavy
+
+        for line in str(flag_error(exc, args)).splitlines():  # one line per problem
             print(f"gpuwatchd: {line}", file=sys.stderr)
         return 78
     except KeyboardInterrupt:

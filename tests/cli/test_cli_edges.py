@@ -97,3 +97,11 @@ def test_scan_names_the_mig_instance(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert cli_main(["xid", "scan", "--json", str(log)]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["extras"] == {"gpu_instance": "1", "compute_instance": "0"}
+
+
+def test_check_flag_errors_name_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli_main(["check", "--nvml-replay", str(tmp_path / "missing.json")]) == 78
+    err = capsys.readouterr().err
+    assert "command line: --nvml-replay: cannot read" in err and "<defaults>" not in err
