@@ -279,12 +279,19 @@ class EventStore:
             self.state_dir,
         )
         with self._lock:
+            old = self._db
             try:
-                self._db.close()
-            except sqlite3.Error:
-                pass
-            self._db = self._open()  # raises OSError/sqlite3.Error: the caller holds the rows
+                self._db = self._open()
+            except BaseException:
+                # Reads go on from the old file until a retry opens a new one;
+                # the caller holds the rows.
+                self._db = old
+                raise
             self._dir_id = dir_identity(self.state_dir)
+        try:
+            old.close()
+        except sqlite3.Error:
+            pass
         return True
 
     def pending(self) -> bool:
