@@ -107,3 +107,17 @@ class _Refusing:
 
     def close(self) -> None:
         pass
+
+
+def test_control_characters_never_reach_alert_text(tmp_path: Path) -> None:
+    sink = AlertSink(config([], max_alerts=10), str(tmp_path / "db"), SystemClock(), "n")
+    forged = dataclasses.replace(
+        xid_finding(code=13), reason="Xid 13: pid 7 evil\nlevel=error msg=forged\x1b[2J"
+    )
+    sink.update([forged])
+    _code, _ctype, body = sink.route_alerts({})
+    (alert,) = json.loads(body)["alerts"]
+    text = json.dumps(alert["annotations"])
+    assert "\\n" in alert["annotations"]["description"]
+    assert "\n" not in alert["annotations"]["description"] and "\x1b" not in text
+    sink.stop()

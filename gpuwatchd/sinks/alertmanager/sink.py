@@ -28,6 +28,7 @@ from gpuwatchd.config import Config
 from gpuwatchd.config.validate import check_alertmanager, check_paths, raise_all
 from gpuwatchd.errors import ConfigError
 from gpuwatchd.health.alerts import ALERTS, GPU_LABELS, WORKLOAD_ANNOTATIONS, summary
+from gpuwatchd.logs import escape_control
 from gpuwatchd.model import Finding, MetricSpec, Sample, Severity
 from gpuwatchd.sinks.alertmanager.client import AlertmanagerClient
 from gpuwatchd.sinks.alertmanager.outbox import RESOLVED_RETENTION, Outbox, StoredAlert
@@ -229,8 +230,9 @@ class AlertSink:
         ann.update((k, v) for k, v in f.labels if k in keep and v)
         if self._am.runbook_base_url:
             ann["runbook_url"] = f"{self._am.runbook_base_url.rstrip('/')}/{f.alertname}.md"
-        # Text from kernel log lines can carry undecodable bytes: never lose an alert for that.
-        return {k: _printable(v) for k, v in ann.items() if v}
+        # Text from kernel log lines and process names can carry undecodable bytes and
+        # control characters: never lose an alert for that, never pass them on. Bounded.
+        return {k: escape_control(_printable(v), 4096) for k, v in ann.items() if v}
 
     # --- delivery ------------------------------------------------------------
 
