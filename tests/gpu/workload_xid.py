@@ -6,21 +6,22 @@ real kernel log; only the listen address and state directory are set),
 waits until its kernel log reader has caught up, then starts two child
 processes with a torch.distributed-style environment (RANK 0 and 1,
 WORLD_SIZE 2, MASTER_ADDR/PORT, TORCHELASTIC_RUN_ID, plus a secret that
-must never show up). Each one stores to an unmapped address (Xid 31, the
-PTX helper in faults.py) and stays alive. The second faults 10 s after
-the first, inside the default 60 s burst window: two processes, so two
-faults. The script then reads /events and /alerts and prints one JSON
-object showing, for each child, the stored event's pid, rank and workload,
-and the alert's labels and annotations.
+must never show up). Each one opens a CUDA context, waits --settle seconds
+(so NVML lists it and the workloads source places it), then stores to an
+unmapped address (Xid 31, the PTX helper in faults.py) and stays alive. The
+second faults --gap (10) seconds after the first, inside the default 60 s
+burst window: two processes, so two faults. The script then reads /events
+and /alerts and prints one JSON object showing, for each child, the stored
+event's pid, rank and workload, and the alert's labels and annotations.
 
 Run from the repository root, as root, on a machine with an NVIDIA GPU:
 
-    sudo python3 tests/gpu/workload_xid.py [--gap 10] [--out result.json]
+    sudo .venv/bin/python tests/gpu/workload_xid.py [--gap 10] [--settle 12] [--out result.json]
 
-Exit status 0 when both events are there, each with its own pid and rank,
-each logged once (count 1), the Xid error counter rose by 2, and the secret
-appears nowhere; 1 when something did not hold; 2 when there is no GPU or
-the daemon could not start (the JSON says why).
+Exit status 0 when both events are there, each with its own pid, rank and
+workload, each stored once (count 1), logged once, the Xid error counter rose
+by 2, and the secret appears nowhere; 1 when something did not hold; 2 when
+there is no GPU or the daemon could not start (the JSON says why).
 """
 
 from __future__ import annotations
@@ -41,11 +42,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 SECRET = "gpuwatchd-secret-must-not-leak"
 
 
-def fault_child(rank: int) -> int:
-    """Runs in a child: fault GPU 0 with an illegal write, report, stay alive."""
+def hold_context() -> None:
+    """Open a CUDA context on device 0, so NVML lists this process before it faults."""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    for name, args in (
+        ("cuInit", (0,)),
+        ("cuDeviceGet", (ctypes.byref(dev), 0)),
+        ("cuCtxCreate_v2", (ctypes.byref(ctx), 0, dev)),
+    ):
+        rc = int(getattr(cuda, name)(*args))
+        if rc != 0:
+            raise RuntimeError(f"{name} returned CUresult {rc}")
+
+
+def fault_child(rank: int, settle: float) -> int:
+    """Runs in a child: hold a context for `settle` s, fault GPU 0, report, stay alive."""
     from faults import illegal_write_ptx
 
     try:
+        hold_context()
+        time.sleep(settle)  # the NVML and workloads sources see the process meanwhile
         result: dict[str, Any] = illegal_write_ptx()
     except Exception as exc:
         result = {"error": f"{type(exc).__name__}: {exc}"}
@@ -129,21 +148,26 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> int:
             time.sleep(0.2)
         before = xid31_total(get(url + "/metrics")[1], samples)
 
-        faults = []
-        for rank in (0, 1):
+        for rank in (0, 1):  # same settle time each: the faults come `gap` seconds apart
             if rank:
                 time.sleep(args.gap)
             child = subprocess.Popen(
-                [sys.executable, __file__, "--child", str(rank)],
+                [sys.executable, __file__, "--child", str(rank), "--settle", str(args.settle)],
                 cwd=ROOT,
                 env=torch_env(rank),
                 stdout=subprocess.PIPE,
                 text=True,
             )
             children.append(child)
+        faults = []
+        for child in children:
             assert child.stdout is not None
             faults.append(json.loads(child.stdout.readline() or "{}"))
         result["faults"] = faults
+        if all("launched_at" in f for f in faults):
+            result["seconds_between_faults"] = round(
+                faults[1]["launched_at"] - faults[0]["launched_at"], 3
+            )
         pids = {f.get("pid") for f in faults}
 
         # both events stored and attributed (the store and /events see them within seconds)
@@ -200,6 +224,9 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> int:
     checks = {
         "both_faults_illegal_address": all(f.get("synchronize") == 700 for f in faults),
         "two_events_two_pids": len(by_pid) == 2,
+        "workload_on_both": all(
+            by_pid.get(f.get("pid"), {}).get("attrs", {}).get("workload") for f in faults
+        ),
         "ranks_match": all(
             str(by_pid.get(f.get("pid"), {}).get("attrs", {}).get("rank")) == str(f["rank"])
             for f in faults
@@ -233,11 +260,17 @@ def _summary(e: dict[str, Any]) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gap", type=float, default=10.0, help="seconds between the two faults")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=12.0,
+        help="seconds each child holds its context before faulting (> the 10 s NVML interval)",
+    )
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
-        return fault_child(args.child)
+        return fault_child(args.child, args.settle)
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": os.uname().nodename,
