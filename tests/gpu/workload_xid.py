@@ -16,7 +16,7 @@ event's pid, rank and workload, and the alert's labels and annotations.
 
 Run from the repository root, as root, on a machine with an NVIDIA GPU:
 
-    sudo .venv/bin/python tests/gpu/workload_xid.py [--gap 10] [--settle 12] [--out result.json]
+    sudo .venv/bin/python tests/gpu/workload_xid.py [--gap 10] [--settle 21] [--out result.json]
 
 Exit status 0 when both events are there, each with its own pid, rank and
 workload, each stored once (count 1), logged once, the Xid error counter rose
@@ -263,8 +263,9 @@ def main() -> int:
     parser.add_argument(
         "--settle",
         type=float,
-        default=12.0,
-        help="seconds each child holds its context before faulting (> the 10 s NVML interval)",
+        default=21.0,
+        help="seconds each child holds a context before it faults (NVML, then the workloads"
+        " source, must each poll once: every 10 s by default)",
     )
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
