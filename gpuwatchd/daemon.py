@@ -41,6 +41,7 @@ __all__ = [
     "Overrides",
     "apply_overrides",
     "flag_error",
+    "load_checked",
     "split_listen",
 ]
 
@@ -99,6 +100,26 @@ def flag_error(exc: ConfigError, ov: object) -> ConfigError:
 def split_listen(listen: str) -> tuple[str, int]:
     host, _, port = listen.rpartition(":")
     return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def load_checked(
+    path: str | None, overrides: Overrides = Overrides()
+) -> tuple[Config, webconfig.WebConfig | None]:
+    """Every check `run` makes before it starts, all problems at once (`config check` too)."""
+    errors: list[ConfigError] = []
+    cfg = apply_overrides(config.read(path, errors), overrides)
+    try:
+        config.validate(cfg, path or "<defaults>")
+    except ConfigError as exc:
+        errors.append(flag_error(exc, overrides))
+    web = None
+    if cfg.http.web_config_file and not errors:
+        try:
+            web = webconfig.load(cfg.http.web_config_file)
+        except ConfigError as exc:
+            errors.append(exc)
+    config.raise_all(errors)
+    return cfg, web
 
 
 def lock_state_dir(cfg: Config, source: str) -> StateDirLock:
@@ -189,16 +210,7 @@ class Daemon:
         self.lock: StateDirLock | None = None
 
     def load_config(self) -> Config:
-        errors: list[ConfigError] = []
-        cfg = apply_overrides(config.read(self.cfg_path, errors), self.overrides)
-        source = self.cfg_path or "<defaults>"
-        try:
-            config.validate(cfg, source)  # the very checks of `gpuwatchd config check`
-        except ConfigError as exc:
-            errors.append(flag_error(exc, self.overrides))
-        config.raise_all(errors)
-        if cfg.http.web_config_file:
-            self.web = webconfig.load(cfg.http.web_config_file)
+        cfg, self.web = load_checked(self.cfg_path, self.overrides)
         return cfg
 
     def run(self) -> int:

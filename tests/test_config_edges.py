@@ -118,3 +118,12 @@ def test_config_check_refuses_what_run_refuses(tmp_path: Path, text: str) -> Non
     assert check.returncode == run.returncode == 78, (check.stderr, run.stderr)
     assert "Traceback" not in check.stderr + run.stderr
     assert check.stderr.strip().splitlines()[0].split(": ", 1)[1] in run.stderr
+
+
+def test_config_check_also_reads_the_web_config(tmp_path: Path, capsys) -> None:
+    web = tmp_path / "web.yml"
+    web.write_text("tls_server_config:\n  bogus: 1\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"http:\n  web_config_file: {web}\n")
+    assert main(["config", "check", str(cfg)]) == 78
+    assert "bogus" in capsys.readouterr().err

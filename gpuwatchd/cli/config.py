@@ -23,7 +23,9 @@ def register(sub: Any) -> None:
 
 
 def _config_check(args: argparse.Namespace) -> int:
-    config.load(args.file)  # every check `run` makes, all problems at once
+    from gpuwatchd.daemon import load_checked  # the daemon's own checks, web config included
+
+    load_checked(args.file)  # every check `run` makes, all problems at once
     print(f"{args.file}: ok")
     return 0
 
