@@ -36,6 +36,11 @@ from tests.conftest import ROOT, free_port
             "basic_auth_password_file",
         ),
         ("alertmanager:\n  static_labels: {'bad-name': x}\n", "alertmanager.static_labels", ""),
+        (
+            "alertmanager:\n  external_url: 'https://u:hunter2@me'\n",
+            "alertmanager.external_url",
+            "credentials",
+        ),
     ],
 )
 def test_bad_values_are_one_line_each(text: str, key: str, problem: str) -> None:

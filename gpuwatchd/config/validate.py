@@ -126,6 +126,12 @@ def check_alertmanager(cfg: Config, file: str) -> None:
             )
         elif parts.scheme not in ("http", "https") or not parts.hostname or port == 0:
             errors.append(ConfigError(file, key, f"must be http(s)://host[:port], got {url!r}"))
+    for key in ("external_url", "runbook_base_url"):
+        # Both end up in every alert (generatorURL, runbook_url).
+        if "@" in urllib.parse.urlsplit(getattr(am, key)).netloc:
+            errors.append(
+                ConfigError(file, f"alertmanager.{key}", "credentials in the URL are not allowed")
+            )
     for name, value in am.static_labels.items():
         key = f"alertmanager.static_labels.{name}"
         if not LABEL_NAME.fullmatch(name) or name.startswith("__"):
