@@ -19,10 +19,12 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping
 
+from gpuwatchd.model import MetricSpec, MetricType
 from gpuwatchd.sources.nvml.client import code_name
 
 __all__ = [
     "FABRIC_HEALTH_BITS",
+    "FABRIC_METRICS",
     "FABRIC_STATES",
     "FabricManagerProbe",
     "read_fabric",
@@ -136,3 +138,46 @@ def _systemctl(args: list[str], timeout: float) -> str:
         [exe, *args], capture_output=True, text=True, timeout=timeout, check=False
     )
     return done.stdout
+
+
+_GPU = ("gpu", "uuid", "pci_bus_id")
+
+
+def _m(name: str, kind: MetricType, help: str, *labels: str) -> MetricSpec:
+    return MetricSpec(name, kind, help, _GPU + labels)
+
+
+FABRIC_METRICS: tuple[MetricSpec, ...] = (
+    _m(
+        "gpuwatchd_gpu_fabric_state",
+        "gauge",
+        "NVLink fabric registration: 1 not started, 2 in progress, 3 completed "
+        "(absent without a fabric).",
+    ),
+    _m(
+        "gpuwatchd_gpu_fabric_info",
+        "info",
+        "Fabric registration by name, its NVML status, clique id and cluster UUID.",
+        "state",
+        "status",
+        "clique_id",
+        "cluster_uuid",
+    ),
+    _m(
+        "gpuwatchd_gpu_fabric_health_issue",
+        "gauge",
+        "1 while the fabric reports this condition, 0 when it reports it absent.",
+        "issue",
+    ),
+    MetricSpec(
+        "gpuwatchd_fabricmanager_up",
+        "gauge",
+        "1 while the nvidia-fabricmanager unit is active (absent where it is not installed).",
+    ),
+    MetricSpec(
+        "gpuwatchd_fabricmanager_state_info",
+        "info",
+        "The nvidia-fabricmanager unit's systemd state (value 1).",
+        ("active_state", "sub_state", "result"),
+    ),
+)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-__all__ = ["DCGM_FIELDS", "read_gpm", "samples_from_gpm"]
+from gpuwatchd.model import MetricSpec, MetricType
+
+__all__ = ["DCGM_FIELDS", "GPM_METRICS", "read_gpm", "samples_from_gpm"]
 
 Get = Callable[..., object | None]
 Put = Callable[..., None]
@@ -71,3 +73,52 @@ def read_gpm(get: Get, put: Put, supported: bool, last: dict[str, object]) -> No
         got = samples_from_gpm(values, put)
         if "sm_active" in got:
             last["sm_active_ratio"] = got["sm_active"]
+
+
+_GPU = ("gpu", "uuid", "pci_bus_id")
+
+
+def _m(name: str, kind: MetricType, help: str, *labels: str) -> MetricSpec:
+    return MetricSpec(name, kind, help, _GPU + labels)
+
+
+GPM_METRICS: tuple[MetricSpec, ...] = (
+    _m(
+        "gpuwatchd_gpu_gpm_supported",
+        "gauge",
+        "1 when the GPU has GPM profiling metrics (Hopper and later), else 0.",
+    ),
+    _m(
+        "gpuwatchd_gpu_sm_active_ratio",
+        "gauge",
+        "Fraction of time SMs had a warp resident, averaged over SMs (last poll interval).",
+    ),
+    _m(
+        "gpuwatchd_gpu_sm_occupancy_ratio",
+        "gauge",
+        "Resident warps as a fraction of the maximum, averaged over SMs (last poll interval).",
+    ),
+    _m(
+        "gpuwatchd_gpu_pipe_active_ratio",
+        "gauge",
+        "Fraction of time a pipe was busy (tensor, fp64, fp32, fp16; last poll interval).",
+        "pipe",
+    ),
+    _m(
+        "gpuwatchd_gpu_dram_active_ratio",
+        "gauge",
+        "Fraction of peak device memory bandwidth used (last poll interval).",
+    ),
+    _m(
+        "gpuwatchd_gpu_pcie_bytes_per_second",
+        "gauge",
+        "PCIe throughput (rx to the GPU, tx from it; last poll interval).",
+        "direction",
+    ),
+    _m(
+        "gpuwatchd_gpu_nvlink_bytes_per_second",
+        "gauge",
+        "NVLink throughput, all links summed (rx, tx; last poll interval).",
+        "direction",
+    ),
+)

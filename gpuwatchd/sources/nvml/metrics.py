@@ -7,12 +7,10 @@ own labels; all label values are bounded (enums, link numbers, reasons).
 from __future__ import annotations
 
 from gpuwatchd.model import MetricSpec, MetricType
-from gpuwatchd.sources.nvml.metrics_more import (
-    FABRIC_METRICS,
-    GPM_METRICS,
-    MIG_METRICS,
-    PERF_METRICS,
-)
+from gpuwatchd.sources.nvml.fabric import FABRIC_METRICS
+from gpuwatchd.sources.nvml.gpm import GPM_METRICS
+from gpuwatchd.sources.nvml.mig import MIG_METRICS
+from gpuwatchd.sources.nvml.perf import PERF_METRICS
 from gpuwatchd.sources.nvml.rollup import ROLLUP_METRICS
 
 __all__ = ["METRICS"]
@@ -161,7 +159,7 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     _m("gpuwatchd_gpu_compute_processes", "gauge", "Compute processes on the GPU."),
 )
-# clocks, P-state, reserved memory, GPM, MIG and fabric (metrics_more.py)
+# clocks, P-state, reserved memory, GPM, MIG and fabric: declared beside their readers
 METRICS += PERF_METRICS + GPM_METRICS + MIG_METRICS + FABRIC_METRICS
 # NVLink errors per GPU, exported in place of per-link counters by default (rollup.py)
 METRICS += ROLLUP_METRICS

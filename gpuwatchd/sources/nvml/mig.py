@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from gpuwatchd.model import MetricSpec, MetricType
 from gpuwatchd.sources.nvml.gpm import samples_from_gpm
 
-__all__ = ["MigDevice", "read_mig"]
+__all__ = ["MIG_METRICS", "MigDevice", "read_mig"]
 
 Get = Callable[..., object | None]
 Put = Callable[..., None]
@@ -103,3 +104,71 @@ def _mig_put(put: Put) -> Put:
         put(name.replace("gpuwatchd_gpu_", "gpuwatchd_mig_", 1), value, **labels)
 
     return mig
+
+
+_GPU = ("gpu", "uuid", "pci_bus_id")
+
+
+def _m(name: str, kind: MetricType, help: str, *labels: str) -> MetricSpec:
+    return MetricSpec(name, kind, help, _GPU + labels)
+
+
+_MIG = (*_GPU, "gpu_instance", "compute_instance")
+
+
+def _mig(name: str, kind: MetricType, help: str, *labels: str) -> MetricSpec:
+    return MetricSpec(name, kind, help, _MIG + labels)
+
+
+MIG_METRICS: tuple[MetricSpec, ...] = (
+    _m("gpuwatchd_gpu_mig_mode", "gauge", "MIG mode, current and pending (1 on).", "which"),
+    _m("gpuwatchd_gpu_mig_devices", "gauge", "MIG devices (compute instances) on the GPU."),
+    _mig(
+        "gpuwatchd_mig_device_info",
+        "info",
+        "A MIG device: its UUID and profile (value 1).",
+        "mig_uuid",
+        "profile",
+    ),
+    _mig("gpuwatchd_mig_memory_used_bytes", "gauge", "Memory in use in the MIG device."),
+    _mig("gpuwatchd_mig_memory_free_bytes", "gauge", "Memory free in the MIG device."),
+    _mig("gpuwatchd_mig_memory_capacity_bytes", "gauge", "Memory size of the MIG device."),
+    _mig("gpuwatchd_mig_multiprocessors", "gauge", "SMs of the MIG device."),
+    _mig("gpuwatchd_mig_compute_processes", "gauge", "Compute processes on the MIG device."),
+    MetricSpec(
+        "gpuwatchd_mig_sm_active_ratio",
+        "gauge",
+        "SM activity of a GPU instance (GPM; last poll interval).",
+        (*_GPU, "gpu_instance"),
+    ),
+    MetricSpec(
+        "gpuwatchd_mig_sm_occupancy_ratio",
+        "gauge",
+        "SM occupancy of a GPU instance (GPM; last poll interval).",
+        (*_GPU, "gpu_instance"),
+    ),
+    MetricSpec(
+        "gpuwatchd_mig_pipe_active_ratio",
+        "gauge",
+        "Pipe activity of a GPU instance (GPM; last poll interval).",
+        (*_GPU, "pipe", "gpu_instance"),
+    ),
+    MetricSpec(
+        "gpuwatchd_mig_dram_active_ratio",
+        "gauge",
+        "DRAM bandwidth use of a GPU instance (GPM; last poll interval).",
+        (*_GPU, "gpu_instance"),
+    ),
+    MetricSpec(
+        "gpuwatchd_mig_pcie_bytes_per_second",
+        "gauge",
+        "PCIe throughput of a GPU instance (GPM; last poll interval).",
+        (*_GPU, "direction", "gpu_instance"),
+    ),
+    MetricSpec(
+        "gpuwatchd_mig_nvlink_bytes_per_second",
+        "gauge",
+        "NVLink throughput of a GPU instance (GPM; last poll interval).",
+        (*_GPU, "direction", "gpu_instance"),
+    ),
+)

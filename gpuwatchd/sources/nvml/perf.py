@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from gpuwatchd.model import MetricSpec, MetricType
 from gpuwatchd.sources.nvml.client import FieldKey
 
 __all__ = [
     "CLOCK_DOMAINS",
     "CLOCK_EVENT_TIME_FIELDS",
+    "PERF_METRICS",
     "clock_event_fields",
     "read_max_clocks",
     "read_perf",
@@ -82,3 +84,34 @@ def read_perf(
         ns = fv.get((name, 0))
         if ns is not None:
             put("gpuwatchd_gpu_clock_event_seconds_total", ns * 1e-9, reason=reason)
+
+
+_GPU = ("gpu", "uuid", "pci_bus_id")
+
+
+def _m(name: str, kind: MetricType, help: str, *labels: str) -> MetricSpec:
+    return MetricSpec(name, kind, help, _GPU + labels)
+
+
+PERF_METRICS: tuple[MetricSpec, ...] = (
+    _m(
+        "gpuwatchd_gpu_memory_reserved_bytes",
+        "gauge",
+        "Framebuffer memory the driver reserves (not counted as used, as in nvidia-smi).",
+    ),
+    _m("gpuwatchd_gpu_clock_hz", "gauge", "Current clock (graphics, sm, memory, video).", "clock"),
+    _m("gpuwatchd_gpu_clock_max_hz", "gauge", "Maximum clock by domain.", "clock"),
+    _m(
+        "gpuwatchd_gpu_clock_application_hz",
+        "gauge",
+        "Application (target) clock (graphics, memory).",
+        "clock",
+    ),
+    _m("gpuwatchd_gpu_performance_state", "gauge", "Performance state: 0 (P0, fastest) to 15."),
+    _m(
+        "gpuwatchd_gpu_clock_event_seconds_total",
+        "counter",
+        "Time clocks were held down by this reason since the driver loaded.",
+        "reason",
+    ),
+)

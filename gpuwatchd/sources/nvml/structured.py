@@ -23,11 +23,11 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["GPM_METRICS", "GpmSamples", "STRUCTURED_CALLS"]
+__all__ = ["GPM_METRIC_IDS", "GpmSamples", "STRUCTURED_CALLS"]
 
 # Our name -> NVML_GPM_METRIC_* id (nvml.h). Ratios are NVML percentages;
 # the *_per_second ones are MiB/s.
-GPM_METRICS: Mapping[str, int] = {
+GPM_METRIC_IDS: Mapping[str, int] = {
     "graphics_active": 1,
     "sm_active": 2,
     "sm_occupancy": 3,
@@ -136,17 +136,17 @@ def _gpm(nv: Any, handle: Any, state: GpmSamples, gpu_instance: int | None) -> o
     try:
         request = nv.c_nvmlGpmMetricsGet_t()
         request.version = nv.NVML_GPM_METRICS_GET_VERSION
-        request.numMetrics = len(GPM_METRICS)
+        request.numMetrics = len(GPM_METRIC_IDS)
         request.sample1 = previous
         request.sample2 = sample
-        for i, metric_id in enumerate(GPM_METRICS.values()):
+        for i, metric_id in enumerate(GPM_METRIC_IDS.values()):
             request.metrics[i].metricId = metric_id
         nv.nvmlGpmMetricsGet(request)
     finally:
         nv.nvmlGpmSampleFree(previous)
     out: dict[str, object] = {}
     failed: dict[str, int] = {}
-    for i, name in enumerate(GPM_METRICS):
+    for i, name in enumerate(GPM_METRIC_IDS):
         metric = request.metrics[i]
         if int(metric.nvmlReturn) == 0:
             out[name] = float(metric.value)
