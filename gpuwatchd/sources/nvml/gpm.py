@@ -5,6 +5,7 @@ sample and the previous poll's (an empty answer the first time), so each
 value covers one poll interval. NVML gives activities in percent and
 throughput in MiB/s; they are exported as ratios and bytes per second.
 Where the GPU has no GPM, only `gpuwatchd_gpu_gpm_supported 0` is exported.
+The DCGM field of each family is in docs/metrics.md (scripts/gen_metrics_doc.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Callable, Mapping
 
 from gpuwatchd.model import MetricSpec, MetricType
 
-__all__ = ["DCGM_FIELDS", "GPM_METRICS", "read_gpm", "samples_from_gpm"]
+__all__ = ["GPM_METRICS", "read_gpm", "samples_from_gpm"]
 
 Get = Callable[..., object | None]
 Put = Callable[..., None]
@@ -32,23 +33,6 @@ _FAMILIES: Mapping[str, tuple[str, Mapping[str, str], float]] = {
     "pcie_tx_per_second": ("gpuwatchd_gpu_pcie_bytes_per_second", {"direction": "tx"}, _MIB),
     "nvlink_rx_per_second": ("gpuwatchd_gpu_nvlink_bytes_per_second", {"direction": "rx"}, _MIB),
     "nvlink_tx_per_second": ("gpuwatchd_gpu_nvlink_bytes_per_second", {"direction": "tx"}, _MIB),
-}
-
-# family (and label) -> the DCGM field dcgm-exporter users know it as
-DCGM_FIELDS = {
-    "gpuwatchd_gpu_sm_active_ratio": "DCGM_FI_PROF_SM_ACTIVE",
-    "gpuwatchd_gpu_sm_occupancy_ratio": "DCGM_FI_PROF_SM_OCCUPANCY",
-    "gpuwatchd_gpu_pipe_active_ratio": (
-        "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE (tensor), DCGM_FI_PROF_PIPE_FP64_ACTIVE (fp64), "
-        "DCGM_FI_PROF_PIPE_FP32_ACTIVE (fp32), DCGM_FI_PROF_PIPE_FP16_ACTIVE (fp16)"
-    ),
-    "gpuwatchd_gpu_dram_active_ratio": "DCGM_FI_PROF_DRAM_ACTIVE",
-    "gpuwatchd_gpu_pcie_bytes_per_second": (
-        "DCGM_FI_PROF_PCIE_RX_BYTES (rx), DCGM_FI_PROF_PCIE_TX_BYTES (tx)"
-    ),
-    "gpuwatchd_gpu_nvlink_bytes_per_second": (
-        "DCGM_FI_PROF_NVLINK_RX_BYTES (rx), DCGM_FI_PROF_NVLINK_TX_BYTES (tx)"
-    ),
 }
 
 
