@@ -125,6 +125,16 @@ def test_gpm_absent_where_unsupported_or_not_recorded() -> None:
 def test_single_h100_has_no_fabric_series(idle: list[Sample]) -> None:
     # recorded: nvmlDeviceGetGpuFabricInfoV answers state 0 (not supported) here
     assert [s for s in idle if "fabric" in s.name] == []
+    client = ReplayClient.load(IDLE)
+    source = NvmlSource(client, call_timeout=2.0)
+    try:
+        for _ in range(3):
+            source.poll(0.0)
+        status = source.status()["gpus"]
+    finally:
+        source.close()
+    assert client.count(0, "gpu_fabric_info") == 1  # no fabric: not asked again
+    assert status[BUS]["unsupported"]["gpu_fabric_info"] == "NO_FABRIC"  # type: ignore[index]
 
 
 def test_fabric_state_and_health_from_the_info() -> None:

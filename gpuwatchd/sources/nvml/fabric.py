@@ -46,14 +46,20 @@ FABRIC_HEALTH_BITS = {
 }
 
 
-def read_fabric(get: Get, put: Put, last: dict[str, object]) -> None:
-    """Fabric state, status and health of one GPU, where it has a fabric."""
+def read_fabric(get: Get, put: Put, last: dict[str, object]) -> bool | None:
+    """Fabric state, status and health of one GPU, where it has a fabric.
+
+    Returns False when NVML answered that the GPU has no fabric (state "not
+    supported", which does not change), None when it gave no answer.
+    """
     info = get("gpu_fabric_info")
     if not isinstance(info, dict):
-        return
+        return None
     state = info.get("state")
-    if not isinstance(state, int) or state == 0:
-        return
+    if not isinstance(state, int):
+        return None
+    if state == 0:
+        return False
     status = info.get("status")
     status_name = "SUCCESS" if status == 0 else code_name(int(status or -1))
     put("gpuwatchd_gpu_fabric_state", state)
@@ -72,6 +78,7 @@ def read_fabric(get: Get, put: Put, last: dict[str, object]) -> None:
             bits = (mask >> shift) & 0x3
             if bits in (1, 2):
                 put("gpuwatchd_gpu_fabric_health_issue", 1 if bits == 1 else 0, issue=condition)
+    return True
 
 
 _UNIT = "nvidia-fabricmanager.service"

@@ -371,7 +371,8 @@ class DeviceReader:
         self._read_pcie(put, ident, fv)
         read_perf(self.get, put, ident.max_clocks, fv, last)
         read_gpm(self.get, put, ident.gpm, last)
-        read_fabric(self.get, put, last)
+        if read_fabric(self.get, put, last) is False:  # no fabric here: do not ask again
+            self.unsupported["gpu_fabric_info"] = "NO_FABRIC"
         mig_procs = read_mig(self._mig_get, put, ident.gpm, last)
 
         action = fv.get((FI_RECOVERY_ACTION, 0))
