@@ -144,3 +144,26 @@ def test_forensics_queue_full_is_counted_not_blocking() -> None:
     for t, jobs, gpus in polls("peerdeath-polls.jsonl"):
         monitor.observe(jobs, gpus, 1_800_002_000.0 + t)
     assert monitor.dropped == 1
+
+
+def test_reload_keeps_the_detector_memory_and_a_bad_site_file_keeps_the_old_catalog(
+    tmp_path: Path,
+) -> None:
+    from gpuwatchd.errors import ConfigError
+
+    monitor = HangMonitor(_cfg(ras=False), FakeClock())
+    rows = list(polls("peerdeath-polls.jsonl"))
+    for t, jobs, gpus in rows[:40]:  # up to 15 s after the kill: nothing decided yet
+        monitor.observe(jobs, gpus, 1_800_000_000.0 + t)
+    assert monitor.findings() == []
+    bad = tmp_path / "sig.yaml"
+    bad.write_text("signatures: 3\n")
+    monitor.reconfigure(_cfg(ras=False, signatures_file=str(bad)))
+    assert monitor.catalog[0].name == "teardown_graph_holds_communicator"
+    for t, jobs, gpus in rows[40:]:
+        monitor.observe(jobs, gpus, 1_800_000_000.0 + t)
+        if monitor.findings():
+            break
+    assert 0 < t <= 25  # the onset from before the reload still counts
+    with pytest.raises(ConfigError, match="sig.yaml"):
+        HangMonitor(_cfg(ras=False, signatures_file=str(bad)), FakeClock())

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config
+from gpuwatchd.errors import ConfigError
 from gpuwatchd.health.hangs.detector import (
     HangDetector,
     HangThresholds,
@@ -139,9 +140,20 @@ class HangMonitor:
 
     def reconfigure(self, cfg: Config) -> None:
         """New thresholds and opt-ins; open hangs are kept."""
+        first = not hasattr(self, "detector")
+        try:
+            catalog = load_catalog(cfg.hangs.signatures_file)
+        except ConfigError:
+            if first:
+                raise  # at start: exit 78 naming the file
+            log.exception("hang signatures not reloaded; the previous ones stay")
+            catalog = self.catalog
         self.cfg = cfg
-        self.detector = HangDetector(thresholds_from_config(cfg))
-        self.catalog: tuple[Signature, ...] = load_catalog(cfg.hangs.signatures_file)
+        self.catalog: tuple[Signature, ...] = catalog
+        if first:
+            self.detector = HangDetector(thresholds_from_config(cfg))
+        else:  # the detector's memory (onsets, ranks seen) survives a reload
+            self.detector.thresholds = thresholds_from_config(cfg)
         if self._capture is None or getattr(self._capture, "_default", False):
             t = cfg.hangs.stacks_timeout_seconds
 
