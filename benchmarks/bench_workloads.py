@@ -5,8 +5,9 @@ torch.distributed environment each) under a temporary /proc tree, and a
 real kubelet pod-resources v1 gRPC server on a unix socket (grpcio server,
 generated servicer) answering List with one pod per GPU. Measures the
 first poll (reads every pid's cgroup, environ and comm) and the steady
-polls (one List call, cached per-pid facts), with the same source the daemon
-runs. Slurm is off (its lookups are cached per job and bounded by a timeout).
+polls after each NVML poll (one List call, cached per-pid facts), and a
+poll that finds no new NVML poll (the last answer), with the same source
+the daemon runs. Slurm is off (its lookups are cached per job and bounded by a timeout).
 
     python benchmarks/bench_workloads.py [--polls 300] [--no-write]
 """
@@ -83,7 +84,7 @@ def main() -> int:
     server.start()
     try:
         src = WorkloadSource(
-            lambda: status,
+            lambda: dict(status),  # a new object: as after every NVML poll
             procfs=str(tmp / "proc"),
             kubelet=PodResourcesClient(str(sock)),
             slurm=SlurmJobs(which=lambda name: None),
@@ -100,6 +101,14 @@ def main() -> int:
             times.append(time.perf_counter() - t)
         cpu = (time.process_time() - cpu0) / args.polls
         src.close()
+        # a poll that finds no new NVML poll since the last one
+        same = dict(status)
+        idle_src = WorkloadSource(lambda: same, procfs=str(tmp / "proc"))
+        idle_src.poll(0.0)
+        t = time.perf_counter()
+        for i in range(args.polls):
+            idle_src.poll(float(i + 1))
+        idle = (time.perf_counter() - t) / args.polls
     finally:
         server.stop(None)
     times.sort()
@@ -110,6 +119,7 @@ def main() -> int:
         "poll_p50_ms": round(statistics.median(times) * 1000, 2),
         "poll_p99_ms": round(times[int(len(times) * 0.99) - 1] * 1000, 2),
         "cpu_per_poll_ms": round(cpu * 1000, 2),
+        "idle_poll_us": round(idle * 1e6, 1),
         "share_of_one_core_at_10s": f"{cpu / 10 * 100:.3f} %",
     }
     rows = [
@@ -117,7 +127,8 @@ def main() -> int:
         f"| steady poll, p50 / p99 (one kubelet List) | {fig['poll_p50_ms']} / "
         f"{fig['poll_p99_ms']} ms |",
         f"| CPU per steady poll (all threads of this process) | {fig['cpu_per_poll_ms']} ms |",
-        f"| share of one core at the 10 s NVML interval | {fig['share_of_one_core_at_10s']} |",
+        f"| poll that finds no new NVML poll (the last answer) | {fig['idle_poll_us']} us |",
+        f"| share of one core at the 10 s interval | {fig['share_of_one_core_at_10s']} |",
     ]
     publish(
         fig,

@@ -102,6 +102,13 @@ def test_match_by_pid_then_by_gpu() -> None:
     assert match_workload(ev(31, T0), [other, job]) is job  # no pid: the GPU's only workload
     assert match_workload(ev(31, T0, pid="8", slurm_job="99"), [job]) is None
     assert dict(job.attrs(7))["rank"] == "5"
+    # a pod's process NVML has not listed yet: the pod the kubelet gave that GPU
+    pod = Workload("k8s", "ns/p", namespace="ns", pod="p", gpus=(UUID,))
+    new = ev(
+        31, T0, pid="9", pod_uid="0f2d8c9e-1a2b-4c3d-8e9f-0a1b2c3d4e5f", attribution="kubernetes"
+    )
+    assert match_workload(new, [pod, other]) is pod
+    assert match_workload(ev(31, T0, pid="9", attribution="host"), [pod]) is None
 
 
 # --- through the stage, the store, a restart, the log and the alert ---------------------

@@ -219,8 +219,9 @@ def test_source_names_pod_slurm_job_and_ranks(
         "0000:02:00.0": gpu(1, GPU1, [(102, 2 << 30)]),
         "0000:03:00.0": gpu(2, "GPU-3", [(201, 3 << 30), (301, 1 << 20)]),
     }
+    nvml = [index]  # what the NVML source published last; a new object per NVML poll
     src = WorkloadSource(
-        lambda: index,
+        lambda: nvml[-1],
         procfs=str(procfs),
         kubelet=PodResourcesClient(str(kubelet.socket_path)),
         slurm=SlurmJobs(timeout=10.0, env=slurm.env),
@@ -263,10 +264,12 @@ def test_source_names_pod_slurm_job_and_ranks(
     assert [
         w["slurm_job"] for w in workloads_on_gpus(status, ["0000:03:00.0"]) if "slurm_job" in w
     ] == [job]
-    assert kubelet.calls == {"List": 1}  # one List per poll
+    assert kubelet.calls == {"List": 1}
+    assert src.poll(1.0) == samples and kubelet.calls == {"List": 1}  # no new NVML poll yet
     # an exited process stays attributable for a while
-    index["0000:02:00.0"] = gpu(1, GPU1, [])
+    nvml.append({**index, "0000:02:00.0": gpu(1, GPU1, [])})
     src.poll(10.0)
+    assert kubelet.calls == {"List": 2}  # one List per NVML poll
     exited = workloads_from_status(src.status())[-1]
     assert exited.pod == "llama-train-0" and exited.processes[0].pid == 102
     slurm.run(["scancel", job])
@@ -324,7 +327,7 @@ def test_a_poll_asks_slurm_about_few_new_jobs(tmp_path: Path) -> None:
     index = {"0000:01:00.0": gpu(0, GPU0, [(400 + i, 1) for i in range(6)])}
     # the commands "exist" but cannot be started (empty PATH): each ask fails at once
     jobs = SlurmJobs(env={"PATH": ""}, which=lambda name: f"/nonexistent/{name}")
-    src = WorkloadSource(lambda: index, procfs=str(procfs), slurm=jobs)
+    src = WorkloadSource(lambda: dict(index), procfs=str(procfs), slurm=jobs)  # a poll each
     src.poll(0.0)
     assert jobs.calls == 4
     src.poll(10.0)

@@ -20,6 +20,16 @@ def _pid(ev: Event) -> int | None:
     return int(text) if text.isdigit() else None
 
 
+def _on_gpu(ev: Event, workloads: Sequence[Workload]) -> list[Workload]:
+    uuid, bus = ev.attr("uuid"), ev.pci_bus_id
+    return [
+        w
+        for w in workloads
+        if (uuid and uuid in w.gpus)
+        or any(p.pci_bus_id == bus or (uuid and p.uuid == uuid) for p in w.processes)
+    ]
+
+
 def match_workload(ev: Event, workloads: Sequence[Workload]) -> Workload | None:
     """The workload of the event's pid, its cgroup's job or pod, or the GPU's only one."""
     pid = _pid(ev)
@@ -31,16 +41,15 @@ def match_workload(ev: Event, workloads: Sequence[Workload]) -> Workload | None:
         for w in workloads:
             if (job and w.slurm_job == job) or (pod_uid and w.pod_uid == pod_uid):
                 return w
-        if job or pod_uid or ev.attr("attribution") not in ("", "process gone"):
+        if pod_uid:
+            # A pod's process not listed yet: the one pod the kubelet gave this GPU to,
+            # unless that pod is known under another UID.
+            pods = [w for w in _on_gpu(ev, workloads) if w.kind == "k8s" and w.pod]
+            return pods[0] if len(pods) == 1 and not pods[0].pod_uid else None
+        if job or ev.attr("attribution") not in ("", "process gone"):
             return None  # the cgroup placed it and no known workload matches
-    uuid, bus = ev.attr("uuid"), ev.pci_bus_id
-    on_gpu = {
-        w.id: w
-        for w in workloads
-        if (uuid and uuid in w.gpus)
-        or any(p.pci_bus_id == bus or (uuid and p.uuid == uuid) for p in w.processes)
-    }
-    return next(iter(on_gpu.values())) if len(on_gpu) == 1 else None
+    on_gpu = _on_gpu(ev, workloads)
+    return on_gpu[0] if len(on_gpu) == 1 else None
 
 
 def attach_workload(ev: Event, workloads: Sequence[Workload]) -> Event:

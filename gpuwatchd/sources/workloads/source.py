@@ -114,10 +114,12 @@ class WorkloadSource:
         self._errors = {"kubelet": 0, "slurm": 0}
         self._kubelet_error = ""
         self._slurm_budget = SLURM_LOOKUPS_PER_POLL
+        self._last_status: object = None
+        self._samples_cache: list[Sample] | None = None
 
     @classmethod
     def from_config(cls, cfg: Config, ctx: SourceContext) -> WorkloadSource:
-        """Build from sources.workloads; the interval is the NVML poll interval."""
+        """Build from sources.workloads; polled at the NVML interval (see poll())."""
         wc = cfg.sources.workloads
         return cls(
             ctx.gpu_status,
@@ -132,8 +134,18 @@ class WorkloadSource:
     # --- the poll ------------------------------------------------------------------
 
     def poll(self, now: float) -> Sequence[Sample | Event]:
-        """Read processes, place and name them; samples: workload info and lookup errors."""
-        gpus = self._gpus()
+        """Read processes, place and name them; samples: workload info and lookup errors.
+
+        Polled at the NVML interval, it works only when NVML has published a
+        new poll since (a new status object): at most one kubelet call per
+        NVML poll. (Polling faster would name new processes sooner but adds
+        a publish, and a pass of the consumer chain, every time.)
+        """
+        status = self._gpu_status()
+        if status is self._last_status and self._samples_cache is not None:
+            return self._samples_cache
+        self._last_status = status
+        gpus = self._gpus(status)
         devices = self._pod_devices(gpus)
         groups: dict[tuple[str, str], dict[str, Any]] = {}
         seen: set[int] = set()
@@ -164,11 +176,12 @@ class WorkloadSource:
         workloads = tuple(_build(g) for g in groups.values())
         self._forget(seen, workloads, now)
         self._workloads = workloads
-        return self._samples(gpus, workloads)
+        self._samples_cache = self._samples(gpus, workloads)
+        return self._samples_cache
 
-    def _gpus(self) -> list[_GpuProcesses]:
+    def _gpus(self, status: Mapping[str, Mapping[str, Any]]) -> list[_GpuProcesses]:
         out = []
-        for bus, gpu in sorted(self._gpu_status().items()):
+        for bus, gpu in sorted(status.items()):
             procs = []
             for p in gpu.get("processes") or ():
                 pid = p.get("pid") if isinstance(p, Mapping) else None
