@@ -58,7 +58,7 @@ METRICS = (
 # A poll asks Slurm about at most this many new jobs (each bounded by call_timeout);
 # the rest wait for the next poll, so a hung slurmctld cannot stretch one poll much.
 SLURM_LOOKUPS_PER_POLL = 4
-# Exited processes remembered for late Xids, newest first, at most this many.
+# Exited processes remembered for late Xids: the newest, at most this many.
 MAX_EXITED = 256
 
 GpuStatus = Callable[[], Mapping[str, Mapping[str, Any]]]
