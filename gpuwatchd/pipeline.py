@@ -422,7 +422,6 @@ class SourceSet:
             clock=clock,
             log=logging.getLogger("gpuwatchd.sources"),
             nudge=self._nudge,
-            gpu_index=self.gpu_index,
             gpu_status=self.gpu_status,
             gpus=self.gpus,
             load_cursor=pipeline.load_cursor if pipeline else (lambda name: None),
@@ -438,12 +437,6 @@ class SourceSet:
         nvml = self.state.snapshot().sources.get("nvml")
         inventory = nvml.inventory if nvml is not None else None
         return inventory if inventory is not None else GpuInventory()
-
-    def gpu_index(self) -> Mapping[str, Mapping[str, str]]:
-        """The inventory as bus id -> {gpu, uuid, name}, for sources not yet on `gpus`."""
-        return {
-            g.pci_bus_id: {"gpu": str(g.index), "uuid": g.uuid, "name": g.name} for g in self.gpus()
-        }
 
     def gpu_status(self) -> Mapping[str, Mapping[str, object]]:
         """The NVML source's per-GPU status (with its processes) of its last poll, by bus id."""

@@ -64,9 +64,7 @@ class SourceContext:
     clock: Clock = field(default_factory=SystemClock)
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("gpuwatchd"))
     nudge: Callable[[str], None] = lambda name: None
-    # Shared, read-only lookups between sources (e.g. the NVML bus-id -> GPU map)
-    gpu_index: Callable[[], Mapping[str, Mapping[str, str]]] = dict
-    # The GPUs of the NVML source's last poll, typed (prefer this to gpu_index)
+    # Shared, read-only lookups between sources: the GPUs of the NVML source's last poll
     gpus: Callable[[], GpuInventory] = GpuInventory
     # The NVML source's per-GPU status of its last poll (gpu, uuid, processes), by bus id
     gpu_status: Callable[[], Mapping[str, Mapping[str, object]]] = dict
