@@ -21,6 +21,7 @@ from typing import IO, Any, TextIO
 
 from gpuwatchd import config
 from gpuwatchd.health.xid import catalog as xid
+from gpuwatchd.health.xid import nvlink5
 from gpuwatchd.health.xid.catalog import Catalog, XidInfo
 from gpuwatchd.model import Action, Severity
 from gpuwatchd.sources.kmsg.parse import GPU, SXID, UNPARSED, XID, KmsgParser, KmsgRecord
@@ -198,6 +199,10 @@ def explain(args: argparse.Namespace) -> int:
             cond = f'"{o.contains}"' if o.contains else f'"{o.recovery_action}"'
             arrow = f"{cond:<24} -> {o.severity}, {o.action}"
             out.write(f"  {label:<11}{arrow}\n" if j == 0 else f"  {'':<11}{arrow}\n")
+        for r in nvlink5.rules() if kind == "xid" and info.line_overrides else ():
+            if r.xid == code:  # decoded before the Fatal/Nonfatal word
+                sub = "" if r.subcode is None else f" subcode {r.subcode}"
+                out.write(f"  {'unit ' + r.unit + sub:<35} -> {r.severity}, {r.action}\n")
 
         if info.mnemonic:
             out.write(f"  mnemonic   {info.mnemonic}\n")

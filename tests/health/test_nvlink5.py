@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from gpuwatchd.health.xid import nvlink5
 from gpuwatchd.health.xid.catalog import default_catalog
 from gpuwatchd.model import Action, Severity
@@ -60,3 +62,10 @@ def test_nonfatal_sxid_never_reboots_the_node() -> None:
         assert info.severity <= Severity.WARNING
         fatal = cat.resolve(code, "sxid", "Fatal, Link 32", fatal=True)
         assert fatal.severity == Severity.CRITICAL
+
+
+def test_explain_lists_the_decode_rules(capsys: pytest.CaptureFixture[str]) -> None:
+    from gpuwatchd.cli import main
+
+    assert main(["xid", "explain", "146"]) == 0
+    assert "unit TLW*" in capsys.readouterr().out
