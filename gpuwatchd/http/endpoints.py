@@ -72,9 +72,11 @@ def _first(query: Mapping[str, list[str]], key: str) -> str:
 
 
 def events_route(store: EventStore, max_limit: int = 1000) -> Route:
-    """GET /events?limit=N&kind=xid&code=79&gpu=<bus|uuid|index>&since=<epoch>."""
+    """GET /events?limit=N&kind=xid&code=79&gpu=<bus|uuid|index>&since=<epoch>; /events/ID."""
 
     def route(query: Mapping[str, list[str]]) -> tuple[int, str, bytes]:
+        if _first(query, "id"):
+            return _one_event(store, _first(query, "id"))
         try:
             limit = int(_first(query, "limit") or 100)
             code = int(_first(query, "code")) if _first(query, "code") else None
@@ -92,3 +94,19 @@ def events_route(store: EventStore, max_limit: int = 1000) -> Route:
         return 200, "application/json", json.dumps(body, indent=1).encode() + b"\n"
 
     return route
+
+
+def _one_event(store: EventStore, ident: str) -> tuple[int, str, bytes]:
+    """One event; a job hang's forensics (stacks, NCCL RAS answer) as JSON, not a string."""
+    if not ident.isdigit():
+        return 400, "text/plain", b"the event id is a number\n"
+    event = store.event(int(ident))
+    if event is None:
+        return 404, "text/plain", b"no such event\n"
+    attrs = event.get("attrs") or {}
+    if isinstance(attrs.get("forensics"), str):
+        try:
+            attrs["forensics"] = json.loads(attrs["forensics"])
+        except ValueError:
+            pass  # served as stored
+    return 200, "application/json", json.dumps(event, indent=1).encode() + b"\n"

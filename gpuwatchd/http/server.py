@@ -79,6 +79,9 @@ def make_app(
         if method not in ("GET", "HEAD"):
             return _reply(start_response, 405, "text/plain", b"method not allowed\n")
         query = parse_qs(environ.get("QUERY_STRING", ""))
+        base, _, item = path.rpartition("/")
+        if path not in routes and base in routes and item:
+            path, query = base, {**query, "id": [item]}  # /events/42 is /events?id=42
         if path == "/metrics":
             body = exposition()
             status, ctype = 200, "text/plain; version=0.0.4; charset=utf-8"

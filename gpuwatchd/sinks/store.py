@@ -407,6 +407,14 @@ class EventStore:
             rows = cur.fetchall()
         return [_row_json(dict(zip(names, row, strict=True))) for row in rows]
 
+    def event(self, event_id: int) -> dict[str, Any] | None:
+        """One stored event by its id, as JSON-able dict; None if there is none."""
+        with self._lock:
+            cur = self._db.execute("SELECT * FROM events WHERE id = ?", (event_id,))
+            names = [d[0] for d in cur.description]
+            row = cur.fetchone()
+        return None if row is None else _row_json(dict(zip(names, row, strict=True)))
+
     def count(self) -> int:
         with self._lock:
             return int(self._db.execute("SELECT count(*) FROM events").fetchone()[0])

@@ -52,3 +52,43 @@ def test_hang_show_lists_and_details_a_recorded_hang(
     assert doc["signature"] == "straggler_or_dead_peer" and doc["resolved_at"] == 1_800_000_200.0
 
     assert main(["hang", "show", "7", "--state-dir", str(tmp_path)]) == 1
+
+
+def test_events_id_and_hangs_id_over_http(tmp_path: Path) -> None:
+    """/events/ID serves a job hang's forensics as JSON; /hangs/ID the monitor's record."""
+    from prometheus_client import CollectorRegistry
+
+    from gpuwatchd.http.endpoints import events_route
+    from gpuwatchd.http.server import make_app, serve
+    from tests.conftest import free_port, http_get
+
+    cfg = dataclasses.replace(
+        Config(),
+        daemon=DaemonConfig(state_dir=str(tmp_path)),
+        hangs=HangsConfig(stacks=True, ras=False),
+    )
+    store = EventStore.from_config(cfg)
+    text = fixture("pyspy-peerdeath.txt")
+    cap = StackCapture(1031, True, parse_dump(text)[1], raw=text)
+    monitor = HangMonitor(cfg, FakeClock(), store, capture=lambda pid: cap)
+    for t, jobs, gpus in polls("peerdeath-polls.jsonl"):
+        monitor.observe(jobs, gpus, 1_800_000_000.0 + t)
+        monitor.run_pending()
+    (row,) = store.recent(10, kind="job_hang")
+    app = make_app(CollectorRegistry(), {"/events": events_route(store), "/hangs": monitor.route})
+    port = free_port()
+    httpd, _ = serve(app, "127.0.0.1", port)
+    try:
+        status, body = http_get(f"http://127.0.0.1:{port}/events/{row['id']}")
+        assert status == 200
+        forensics = json.loads(body)["attrs"]["forensics"]
+        assert forensics["signature"] == "straggler_or_dead_peer"
+        assert "cuCtxSynchronize_v2" in forensics["stacks"]["1031"]["dump"]
+        status, body = http_get(f"http://127.0.0.1:{port}/hangs/1")
+        assert status == 200 and json.loads(body)["missing"] == ["rank 1"]
+        assert http_get(f"http://127.0.0.1:{port}/events/999999")[0] == 404
+        assert http_get(f"http://127.0.0.1:{port}/events/x")[0] == 400
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        store.close()
