@@ -100,8 +100,8 @@ def test_mig_devices_become_per_instance_series() -> None:
         {
             "pid": 4242,
             "used_memory": 400_000_000,
-            "gpu_instance": "1",
-            "compute_instance": "0",
+            "gpu_instance": 1,
+            "compute_instance": 0,
             "mig_uuid": three_g["uuid"],
         }
     ]

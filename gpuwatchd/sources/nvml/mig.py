@@ -86,7 +86,9 @@ def read_mig(
             put("gpuwatchd_mig_compute_processes", len(procs), **ids)
             for p in procs:
                 if isinstance(p, dict):
-                    processes.append({**p, **ids, "mig_uuid": uuid})
+                    processes.append(
+                        {**p, "gpu_instance": gi, "compute_instance": ci, "mig_uuid": uuid}
+                    )
     put("gpuwatchd_gpu_mig_devices", len(found))
     last["mig_devices"] = found
     if gpm_supported:

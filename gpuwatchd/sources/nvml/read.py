@@ -410,7 +410,9 @@ class DeviceReader:
             if isinstance(found, list):
                 procs = tuple(p for p in found if isinstance(p, dict))
                 put("gpuwatchd_gpu_compute_processes", len(procs))
-            procs += tuple(mig_procs)
+            # in MIG mode the parent lists the same processes; the MIG device's entry names more
+            in_mig = {p.get("pid") for p in mig_procs}
+            procs = tuple(p for p in procs if p.get("pid") not in in_mig) + tuple(mig_procs)
         return out, {k: v for k, v in last.items() if v is not None}, procs
 
     def _mig_get(self, name: str, *args: int) -> object | None:
