@@ -98,7 +98,7 @@ def _key(f: Finding) -> Key:
 
 
 class HealthEngine:
-    """Thread-safe evaluator; subscribe `on_publish` to the State."""
+    """Thread-safe evaluator; the consumer thread calls `on_publish` and `tick`."""
 
     def __init__(
         self,
@@ -176,12 +176,12 @@ class HealthEngine:
     def on_publish(
         self, snap: NodeSnapshot, source: SourceSnapshot | None, events: tuple[Event, ...]
     ) -> None:
-        """State listener: evaluate with the snapshot just published.
+        """Consumer step: evaluate with the snapshot after a source's publish.
 
         A publish that changes nothing within a second of the last evaluation
         (the kernel log source publishes every half second while the log is
         quiet) is skipped: nothing a rule reads has moved, and time-based
-        rules are covered by the next publish or the daemon's 1 s tick.
+        rules are covered by the next publish or the consumer's 1 s tick.
         """
         if source is not None and not events:
             key = (source.ok, source.samples)
@@ -215,7 +215,7 @@ class HealthEngine:
             return list(current)
 
     def tick(self, now: float | None = None) -> list[Finding]:
-        """Periodic call from the daemon loop: pick up operator clears, then evaluate.
+        """The consumer's 1 s tick: pick up operator clears, then evaluate.
 
         Hold times and for-durations expire even when no source publishes.
         """

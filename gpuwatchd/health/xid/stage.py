@@ -1,8 +1,10 @@
 """Xid events from the sources to the tracker, the store and the metrics.
 
-A State listener: every publish of the kmsg or NVML source hands its
-events here. NVML duplicates of log reports are merged away, each report
-is classified and accounted by the tracker, and the resulting events go
+A step of the consumer thread (pipeline.py): every publish of the kmsg or
+NVML source hands its events here, and the 1 s tick releases NVML events
+that waited long enough and applies clears other processes recorded.
+NVML duplicates of log reports are merged away, each report is
+classified and accounted by the tracker, and the resulting events go
 to the store together with the kernel log cursor of the same poll, in one
 transaction. The tracker's samples are published as extra samples
 (owner "xid"); the health engine reads `active(now)`.
@@ -89,7 +91,7 @@ class EventSink(Protocol):
 
 
 class XidStage:
-    """Listener that turns source events into tracked, stored, exported Xids."""
+    """Consumer step that turns source events into tracked, stored, exported Xids."""
 
     def __init__(
         self,
@@ -159,12 +161,12 @@ class XidStage:
         if active:
             log.info("restored %d active Xid condition(s) from the store", len(active))
 
-    # --- the State listener ---------------------------------------------------------
+    # --- the consumer step ----------------------------------------------------------
 
     def on_publish(
         self, snap: NodeSnapshot, source: SourceSnapshot | None, events: tuple[Event, ...]
     ) -> None:
-        """State listener: called after each source publish, in that source's thread."""
+        """Consumer step: a source's publish (events, and the kernel log cursor to store)."""
         cursor = ""
         if source is not None and source.source == "kmsg":
             cursor = str(source.status.get("cursor") or "")
