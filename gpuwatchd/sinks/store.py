@@ -27,6 +27,8 @@ from gpuwatchd.sinks.store_schema import (
     MIGRATIONS,
     SCHEMA_VERSION,
     STORE_OPS,
+    clear_of,
+    row_json,
     upsert_event,
 )
 
@@ -57,21 +59,6 @@ class Record(NamedTuple):
     event: Event
     burst_id: str = ""
     reports: int = 1
-
-
-def _clear_of(r: Sequence[Any]) -> Clear:
-    """A row of `SELECT id, time, who, kind, pci_bus_id, code, reason, reset, boot_id`."""
-    return Clear(
-        id=r[0],
-        time=r[1],
-        who=r[2],
-        kind=r[3],
-        pci_bus_id=r[4],
-        code=r[5],
-        reason=r[6],
-        reset=bool(r[7]),
-        boot_id=r[8],
-    )
 
 
 class EventStore:
@@ -405,7 +392,7 @@ class EventStore:
             cur = self._db.execute(sql, (*args, limit))
             names = [d[0] for d in cur.description]
             rows = cur.fetchall()
-        return [_row_json(dict(zip(names, row, strict=True))) for row in rows]
+        return [row_json(dict(zip(names, row, strict=True))) for row in rows]
 
     def event(self, event_id: int) -> dict[str, Any] | None:
         """One stored event by its id, as JSON-able dict; None if there is none."""
@@ -413,7 +400,7 @@ class EventStore:
             cur = self._db.execute("SELECT * FROM events WHERE id = ?", (event_id,))
             names = [d[0] for d in cur.description]
             row = cur.fetchone()
-        return None if row is None else _row_json(dict(zip(names, row, strict=True)))
+        return None if row is None else row_json(dict(zip(names, row, strict=True)))
 
     def count(self) -> int:
         with self._lock:
@@ -455,7 +442,7 @@ class EventStore:
                 " FROM clears WHERE time >= ? ORDER BY time, id",
                 (since,),
             ).fetchall()
-        return [_clear_of(r) for r in rows]
+        return [clear_of(r) for r in rows]
 
     def clears_after(self, clear_id: int) -> list[Clear]:
         """Clears added after row `clear_id` (by another process, e.g. `gpuwatchd clear`)."""
@@ -465,7 +452,7 @@ class EventStore:
                 " FROM clears WHERE id > ? ORDER BY id",
                 (clear_id,),
             ).fetchall()
-        return [_clear_of(r) for r in rows]
+        return [clear_of(r) for r in rows]
 
     def load_gpu_baseline(self) -> int:
         """The most GPUs the health engine has seen on this node (0 = none yet)."""
@@ -491,16 +478,3 @@ class EventStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
-
-
-def _row_json(row: dict[str, Any]) -> dict[str, Any]:
-    row["attribution"] = json.loads(row["attribution"] or "{}")
-    row["attrs"] = json.loads(row["attrs"] or "{}")
-    row["time_iso"] = _iso(row["time"])
-    row["last_time_iso"] = _iso(row["last_time"])
-    row.pop("burst_id", None)
-    return row
-
-
-def _iso(t: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
+from collections.abc import Sequence
+from typing import Any
 
-from gpuwatchd.model import Event, MetricSpec, XidFields
+from gpuwatchd.model import Clear, Event, MetricSpec, XidFields
 
 __all__ = [
     "ATTRIBUTION_KEYS",
@@ -13,6 +16,8 @@ __all__ = [
     "MIGRATIONS",
     "SCHEMA_VERSION",
     "STORE_OPS",
+    "clear_of",
+    "row_json",
     "upsert_event",
 ]
 
@@ -171,3 +176,32 @@ def upsert_event(db: sqlite3.Connection, rec: tuple[Event, str, int]) -> None:
             burst_id or None,
         ),
     )
+
+
+def clear_of(r: Sequence[Any]) -> Clear:
+    """A row of `SELECT id, time, who, kind, pci_bus_id, code, reason, reset, boot_id`."""
+    return Clear(
+        id=r[0],
+        time=r[1],
+        who=r[2],
+        kind=r[3],
+        pci_bus_id=r[4],
+        code=r[5],
+        reason=r[6],
+        reset=bool(r[7]),
+        boot_id=r[8],
+    )
+
+
+def row_json(row: dict[str, Any]) -> dict[str, Any]:
+    """An events row as /events serves it (JSON columns decoded, ISO times)."""
+    row["attribution"] = json.loads(row["attribution"] or "{}")
+    row["attrs"] = json.loads(row["attrs"] or "{}")
+    row["time_iso"] = _iso(row["time"])
+    row["last_time_iso"] = _iso(row["last_time"])
+    row.pop("burst_id", None)
+    return row
+
+
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
