@@ -91,6 +91,11 @@ class NvmlConfig:
         True, "also take Xids from NVML's event API (needs no kernel log access)"
     )
     processes: bool = opt(True, "list compute processes per GPU (pid, memory)")
+    gpm: bool = opt(
+        True,
+        "read GPM profiling metrics (SM, tensor, DRAM activity; Hopper and later, about 2 ms"
+        " per GPU poll); off where another profiler (DCGM profiling, Nsight) owns the counters",
+    )
     init_retry_max: float = opt(
         300.0, "longest wait between NVML initialisation retries (exponential backoff)", min=1
     )

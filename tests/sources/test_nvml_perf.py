@@ -210,3 +210,16 @@ def test_every_new_series_is_declared() -> None:
             spec = declared.get(s.name)
             assert spec is not None, s.name
             assert {k for k, _ in s.labels} == set(spec.labels), s.name
+
+
+def test_gpm_can_be_switched_off() -> None:
+    client = ReplayClient.load(LOAD)
+    source = NvmlSource(client, call_timeout=2.0, gpm=False)
+    try:
+        for _ in range(3):
+            samples = [s for s in source.poll(0.0) if isinstance(s, Sample)]
+    finally:
+        source.close()
+    assert one(samples, "gpuwatchd_gpu_gpm_supported") == 0
+    assert values(samples, "gpuwatchd_gpu_sm_active_ratio") == {}
+    assert client.count(0, "gpm_support") == 0 and client.count(0, "gpm_metrics") == 0

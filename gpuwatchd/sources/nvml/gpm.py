@@ -70,7 +70,8 @@ GPM_METRICS: tuple[MetricSpec, ...] = (
     _m(
         "gpuwatchd_gpu_gpm_supported",
         "gauge",
-        "1 when the GPU has GPM profiling metrics (Hopper and later), else 0.",
+        "1 when GPM profiling metrics are read for the GPU (Hopper and later), 0 when it has"
+        " none or sources.nvml.gpm is off.",
     ),
     _m(
         "gpuwatchd_gpu_sm_active_ratio",

@@ -149,9 +149,10 @@ def _num(value: object) -> float | None:
 class DeviceReader:
     """Reads one GPU and remembers which of its readings NVML does not support."""
 
-    def __init__(self, index: int, processes: bool = True) -> None:
+    def __init__(self, index: int, processes: bool = True, gpm: bool = True) -> None:
         self.index = index
         self.processes = processes
+        self.gpm = gpm
         self.unsupported: dict[str, str] = {}  # call key -> code it failed with
         self._errors: Counter[str] = Counter()
         self._logged: dict[str, str] = {}
@@ -298,7 +299,7 @@ class DeviceReader:
             pcie_max=pcie_max,
             nvlinks=MAX_NVLINKS if links is None else int(links),
             max_clocks=read_max_clocks(self.get),
-            gpm=self.get("gpm_support") == 1,
+            gpm=self.gpm and self.get("gpm_support") == 1,
         )
 
     def read(

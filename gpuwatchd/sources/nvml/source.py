@@ -88,6 +88,7 @@ class NvmlSource:
         call_timeout: float = 5.0,
         init_retry_max: float = 300.0,
         processes: bool = True,
+        gpm: bool = True,
         nvlink_error_interval: float = 0.0,
         clock: Clock | None = None,
         xid_events: bool = False,
@@ -99,6 +100,7 @@ class NvmlSource:
         self._timeout = call_timeout
         self._retry_max = init_retry_max
         self._processes = processes
+        self._gpm = gpm
         self._slow_every = nvlink_error_interval
         self._clock = clock or SystemClock()
         self._deadline = DeadlineRunner()
@@ -135,6 +137,7 @@ class NvmlSource:
             call_timeout=nc.call_timeout,
             init_retry_max=nc.init_retry_max,
             processes=nc.processes,
+            gpm=nc.gpm,
             nvlink_error_interval=nc.nvlink_error_interval,
             clock=ctx.clock,
             xid_events=nc.xid_events,
@@ -273,7 +276,7 @@ class NvmlSource:
     def _rebuild(self, count: int) -> None:
         if self._gpus or count:
             log.info("NVML sees %d GPU(s)", count)
-        self._gpus = [_Gpu(i, DeviceReader(i, self._processes)) for i in range(count)]
+        self._gpus = [_Gpu(i, DeviceReader(i, self._processes, self._gpm)) for i in range(count)]
         if self._pool is not None:
             self._pool.shutdown(wait=False)
         # Pool threads only wait (at most one deadline); the NVML calls run on
