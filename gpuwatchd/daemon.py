@@ -13,7 +13,7 @@ import os
 import queue
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 from wsgiref.simple_server import WSGIServer
 
@@ -324,6 +324,16 @@ class Daemon:
                 return signum
         return 0
 
+    def _wait_unless_stopped(self, done: Callable[[], bool], timeout: float) -> None:
+        """Wait for `done()` (which waits briefly) up to `timeout`, but not past a stop."""
+        end = self.clock.monotonic() + timeout
+        while not done() and self.clock.monotonic() < end:
+            pending = self._next_signal(0)
+            if pending:
+                self.signals.put(pending)  # the loop acts on it next
+                if pending != signal.SIGHUP:
+                    return
+
     def _housekeeping(self, watchdog: float | None) -> None:
         assert self.wiring is not None
         cfg = self.wiring.cfg
@@ -367,7 +377,7 @@ class Daemon:
         if self.pipeline is not None:
             self.pipeline.reconfigure(cfg)
         new.start()
-        new.runner.wait_first_polls(FIRST_POLL_TIMEOUT)
+        self._wait_unless_stopped(lambda: new.runner.wait_first_polls(0.1), FIRST_POLL_TIMEOUT)
         if self.pipeline is not None:
             self.pipeline.wait_idle(FIRST_POLL_TIMEOUT)
         log.info("reloaded: %s", new.summary())

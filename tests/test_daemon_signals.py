@@ -25,3 +25,23 @@ def test_pending_reloads_are_one() -> None:
     d.signals.put(signal.SIGTERM)
     d.signals.put(signal.SIGHUP)
     assert d._next_signal(d.signals.get()) == signal.SIGTERM
+
+
+def test_a_stop_ends_the_wait_of_a_reload() -> None:
+    from gpuwatchd.clock import FakeClock
+
+    clock = FakeClock()
+    d = Daemon(None, clock=clock)
+    calls = []
+
+    def never_done() -> bool:
+        calls.append(1)
+        if len(calls) == 3:
+            d.signals.put(signal.SIGHUP)
+            d.signals.put(signal.SIGTERM)
+        clock.advance(0.1)
+        return False
+
+    d._wait_unless_stopped(never_done, 60.0)
+    assert len(calls) == 3  # not 600: the stop ended the wait
+    assert d._next_signal(d.signals.get_nowait()) == signal.SIGTERM
