@@ -101,7 +101,8 @@ def _resume(cfg: Config, args: argparse.Namespace) -> int:
         os.path.join(cfg.daemon.state_dir, DB_NAME), cfg.store.max_events, cfg.store.max_age_days
     )
     try:
-        for line in resume(cfg, node, store, operator(), args.reason):
+        lines = resume(cfg, node, store, operator(), args.reason)
+        for line in lines or ["nothing to resume: no remediation is configured or in effect"]:
             print(line)
     except GpuwatchdError as exc:
         print(f"gpuwatchd clear --resume: {exc}", file=sys.stderr)

@@ -253,3 +253,19 @@ remediation:
         assert _state(slurm)[0] == "idle", d.output()[-3000:]
     finally:
         slurm.run(["scontrol", "update", f"nodename={slurm.node}", "state=resume"], check=False)
+
+
+def test_clear_needs_a_target_and_resume_alone_works(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state = str(tmp_path / "state")
+    assert main(["clear", "--state-dir", state]) == 2
+    assert "one of --gpu, --all or --resume" in capsys.readouterr().err
+    assert main(["clear", "--resume", "--state-dir", state]) == 0
+    assert "nothing to resume" in capsys.readouterr().out
+    store = EventStore(str(tmp_path / "state" / "gpuwatchd.db"))
+    try:
+        [row] = store.recent(5, kind="remediation")
+        assert row["attrs"]["result"] == "resumed"
+    finally:
+        store.close()
