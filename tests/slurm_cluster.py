@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -222,7 +223,16 @@ class SlurmCluster:
         raise AssertionError(f"job {job} is {seen!r}, not {state}: {self.logs()}")
 
     def stop(self) -> None:
-        """Stop the daemons this cluster started (slurmd, slurmctld, munged)."""
+        """Cancel its jobs, stop its daemons (slurmd, slurmctld, munged) and job steps."""
+        if self.procs and all(p.poll() is None for p in self.procs):
+            # A step whose slurmd is gone waits for it forever: end the jobs first.
+            self.run(["scancel", "--full", f"--nodelist={self.node}"], check=False, timeout=10)
+            end = time.monotonic() + 10
+            while time.monotonic() < end:
+                res = self.run(["squeue", "-h", "-o", "%i"], check=False, timeout=5)
+                if res.returncode != 0 or not res.stdout.strip():
+                    break
+                time.sleep(0.2)
         for proc in reversed(self.procs):
             if proc.poll() is None:
                 proc.terminate()
@@ -232,6 +242,22 @@ class SlurmCluster:
                     proc.kill()
                     proc.wait(timeout=5)
         self.procs.clear()
+        self._kill_steps()
+
+    def _kill_steps(self) -> None:
+        """slurmstepd processes of this cluster that outlived it (found by their SLURM_CONF)."""
+        mine = f"SLURM_CONF={self.conf}".encode()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if (entry / "comm").read_text().strip() != "slurmstepd":
+                    continue
+                if mine not in (entry / "environ").read_bytes().split(b"\0"):
+                    continue
+                os.kill(int(entry.name), signal.SIGKILL)
+            except (OSError, ValueError):
+                continue
 
 
 def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
