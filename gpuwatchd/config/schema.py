@@ -427,6 +427,13 @@ class SlurmRemediationConfig:
     guard_window_seconds: float = opt(
         3600.0, "the guard's window (by the time Slurm set the reason)", min=60, max=604800
     )
+    spread_seconds: float = opt(
+        30.0,
+        "wait up to this much longer than hold_seconds, a fixed share per node name, so daemons"
+        " that see one fault at once consult the guard one after another",
+        min=0,
+        max=3600,
+    )
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import Config
 from gpuwatchd.model import Action, Finding, Severity, labels_of
 from gpuwatchd.sinks.remediation.policy import due, reason_text
-from gpuwatchd.sinks.remediation.sink import RemediationSink, engaged_actions
+from gpuwatchd.sinks.remediation.sink import RemediationSink, engaged_actions, spread_offset
 from gpuwatchd.sinks.remediation.slurm import parse_sinfo
 from gpuwatchd.sinks.store import EventStore
 from tests.slurm_cluster import SlurmCluster, slurm_cluster
@@ -46,14 +46,16 @@ def finding(severity: Severity = Severity.CRITICAL, since: float = T0, name: str
     )
 
 
-def make_cfg(tmp_path: Path, node: str = "", drain: bool = True, extra: str = "") -> Config:
+def make_cfg(
+    tmp_path: Path, node: str = "", drain: bool = True, extra: str = "", spread: float = 0
+) -> Config:
     scontrol = shutil.which("scontrol") or "scontrol"
     text = f"""
 daemon: {{state_dir: {tmp_path / "state"}}}
 remediation:
   hold_seconds: {HOLD}
   slurm: {{drain_on: {"[critical]" if drain else "[]"}, node_name: "{node}",
-          scontrol: {scontrol}, timeout: 10, max_drains: 1}}
+          scontrol: {scontrol}, timeout: 10, max_drains: 1, spread_seconds: {spread}}}
 {extra}
 """
     path = tmp_path / "config.yaml"
@@ -181,12 +183,17 @@ def test_fleet_guard_reads_slurm(slurm: SlurmCluster, tmp_path: Path) -> None:
         ["scontrol", "update", f"nodename={slurm.node}", "state=drain",
          "reason=gpuwatchd: GpuLost gpu 0: reboot"]
     )  # fmt: skip
-    cfg = make_cfg(tmp_path, node="gpu-node-that-is-not-drained")
+    node = "gpu-node-that-is-not-drained"
+    cfg = make_cfg(tmp_path, node=node, spread=30)
     store = EventStore.from_config(cfg, time.time)
     sink = RemediationSink(cfg, FakeClock(T0), "x", store, env=slurm.env)
     try:
         now = time.time()
-        sink.update([finding(since=now - HOLD)])
+        offset = spread_offset(node, 30)
+        # Held for the hold time, but not yet for this node's share of the spread.
+        sink.update([finding(since=now - HOLD - offset + 1)])
+        assert sink.step(now) == []
+        sink.update([finding(since=now - HOLD - offset)])
         [d] = sink.step(now)
         assert d.action == "slurm_drain"
         rows = store.recent(10, kind="remediation")
@@ -226,7 +233,8 @@ sources:
   udev: {{enabled: false}}
 remediation:
   hold_seconds: 2
-  slurm: {{drain_on: [critical], node_name: "{slurm.node}", scontrol: {scontrol}}}
+  slurm: {{drain_on: [critical], node_name: "{slurm.node}", scontrol: {scontrol},
+          spread_seconds: 0}}
 """
     capture = FIXTURES / "nvml" / "h200x2-probe.json"
     d = start_daemon(cfg, "--nvml-replay", str(capture), env={"SLURM_CONF": str(slurm.conf)})
@@ -269,3 +277,11 @@ def test_clear_needs_a_target_and_resume_alone_works(
         assert row["attrs"]["result"] == "resumed"
     finally:
         store.close()
+
+
+def test_spread_offset_is_fixed_per_node_and_within_the_spread() -> None:
+    offsets = {spread_offset(f"gpu-node-{i:03d}", 30.0) for i in range(64)}
+    assert all(0 <= o < 30.0 for o in offsets)
+    assert len(offsets) == 64  # distinct: the guard is consulted one node after another
+    assert spread_offset("gpu-node-001", 30.0) == spread_offset("gpu-node-001", 30.0)
+    assert spread_offset("gpu-node-001", 0.0) == 0.0

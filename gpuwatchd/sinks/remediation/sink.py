@@ -10,6 +10,7 @@ still-open critical condition must hold for the hold time again.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
 import threading
@@ -32,7 +33,7 @@ from gpuwatchd.sinks.remediation.policy import (
 from gpuwatchd.sinks.remediation.slurm import SlurmNodes
 from gpuwatchd.sinks.store import EventStore
 
-__all__ = ["METRICS", "RESULTS", "RemediationSink", "engaged_actions", "record"]
+__all__ = ["METRICS", "RESULTS", "RemediationSink", "engaged_actions", "record", "spread_offset"]
 
 log = logging.getLogger("gpuwatchd.remediation")
 
@@ -116,6 +117,7 @@ class RemediationSink:
         self._counts = {(a, r): 0 for a in ACTIONS for r in RESULTS}
         self._retry_at: dict[str, float] = {}
         self._engaged, self._resumed_at = engaged_actions(store)
+        self._spread = spread_offset(self.slurm.node, cfg.remediation.slurm.spread_seconds)
 
     @property
     def active(self) -> bool:
@@ -168,6 +170,9 @@ class RemediationSink:
         tried = []
         for d in due(self.cfg, findings, now, self._engaged):
             if now < self._retry_at.get(d.action, 0.0):
+                continue
+            held = now - d.finding.since - self.cfg.remediation.hold_seconds
+            if d.action == "slurm_drain" and held < self._spread:
                 continue
             tried.append(d)
             self._take(d, now)
@@ -244,6 +249,12 @@ class RemediationSink:
             "engaged": sorted(self._engaged),
             "hold_seconds": self.cfg.remediation.hold_seconds,
         }
+
+
+def spread_offset(node: str, spread: float) -> float:
+    """This node's fixed share of `spread` seconds (the same across restarts)."""
+    digest = hashlib.sha256(node.encode()).digest()
+    return spread * int.from_bytes(digest[:4], "big") / 2**32
 
 
 def _since_at_least(f: Finding, t: float) -> Finding:
