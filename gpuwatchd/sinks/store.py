@@ -229,9 +229,16 @@ class EventStore:
         for rec in rows:
             try:
                 upsert_event(self._db, rec)
-            except (OverflowError, ValueError, TypeError, sqlite3.InterfaceError) as exc:
+            except sqlite3.IntegrityError as exc:
+                if "constraint failed" not in str(exc) and "mismatch" not in str(exc):
+                    raise  # not about this row: the whole batch is held and retried
+                bad.append(rec)  # SQLite rolled back this statement only
+                log.error("event not storable, skipped: %s: %s", exc, str(rec[0].message)[:200])
+            except (sqlite3.OperationalError, sqlite3.DatabaseError):
+                raise  # the disk or the file, not this row: held and retried
+            except Exception as exc:  # a number beyond 64 bits, a value of the wrong type
                 bad.append(rec)  # this record alone; the others of the batch are stored
-                log.error("event not storable, skipped: %s: %s", exc, rec[0].message[:200])
+                log.error("event not storable, skipped: %s: %s", exc, str(rec[0].message)[:200])
         self.errors["reject"] += len(bad)
         for source, cursor in cursors.items():
             self._db.execute(

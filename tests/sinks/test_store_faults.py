@@ -188,3 +188,14 @@ def test_a_full_disk_then_freed(tmp_path: Path, clock: Clock) -> None:
         store.close()
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_row_that_breaks_a_constraint_is_rejected_not_retried_forever(
+    tmp_path: Path, clock: Clock
+) -> None:
+    store = make(tmp_path, clock)
+    broken = Event("xid", "kmsg", T, 79, "0000:00:06.0", None, Severity.CRITICAL)  # type: ignore[arg-type]
+    store.write([Record(ev(48), "a"), Record(broken, "b"), Record(ev(95), "c")])
+    assert sorted(r["code"] for r in store.recent()) == [48, 95]
+    assert store.errors["reject"] == 1 and len(store.held) == 0 and store.problem == ""
+    store.close()
