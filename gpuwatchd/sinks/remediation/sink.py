@@ -185,10 +185,12 @@ class RemediationSink:
             if d.action == "slurm_drain" and not self._guard_allows(d, now, reason):
                 return
             self._act(d, reason)
-        except (GpuwatchdError, OSError) as exc:
+        except Exception as exc:  # a bug or a surprise must not retry every second either
+            if not isinstance(exc, (GpuwatchdError, OSError)):
+                log.exception("remediation %s", d.action)
+            self._retry_at[d.action] = now + RETRY_SECONDS
             self._result(d.action, "failed", f"{d.action} failed: {exc}", now, reason)
             log.error("remediation %s failed: %s (retry in %.0fs)", d.action, exc, RETRY_SECONDS)
-            self._retry_at[d.action] = now + RETRY_SECONDS
             return
         self._engaged.add(d.action)
         self._result(d.action, "done", f"{d.action}: {reason}", now, reason)
