@@ -59,12 +59,14 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "gpuwatchd_alertmanager_queue_length",
         "gauge",
-        "Alerts some configured Alertmanager has not yet acknowledged in their latest state.",
+        "Alerts some configured Alertmanager has not yet acknowledged in their latest state"
+        " (those waiting for room in a full outbox included).",
     ),
     MetricSpec(
         "gpuwatchd_alertmanager_dropped_alerts_total",
         "counter",
-        "Alerts given up on: queue_full (over alertmanager.max_alerts), invalid labels,"
+        "Alerts given up on: queue_full (ended while waiting for room in a full outbox of"
+        " alertmanager.max_alerts), invalid labels,"
         " rejected by Alertmanager (HTTP 4xx).",
         ("reason",),
     ),
@@ -202,11 +204,16 @@ class AlertSink:
         for a in result.resolved:
             log.info("alert resolved: %s", _name(a))
         with self._lock:
-            # Counted once per alert (not per attempt); it is sent once room frees.
+            # An alert waiting outside the full outbox is sent once room frees; it is
+            # dropped (and counted once) only if it ends before it ever got in.
+            admitted = {a.fingerprint for a in result.fired}
+            gone = self._refused - result.refused - admitted
+            self._dropped["queue_full"] += len(gone)
             new = result.refused - self._refused_seen
-            self._refused_seen |= new
+            self._refused_seen = (self._refused_seen | new) - admitted - gone
             self._refused = set(result.refused)
-            self._dropped["queue_full"] += len(new)
+        if gone:
+            log.error("alert queue full: %d alert(s) ended before they could be sent", len(gone))
         if new:
             log.error(
                 "alert queue full (%d): %d alert(s) wait outside it (the most severe are kept)",
@@ -405,7 +412,8 @@ class AlertSink:
         out.append(
             Sample.of(
                 "gpuwatchd_alertmanager_queue_length",
-                self._outbox.undelivered([r.url for r in self._receivers]),
+                self._outbox.undelivered([r.url for r in self._receivers])
+                + (len(self._refused) if self._receivers else 0),
             )
         )
         with self._lock:
