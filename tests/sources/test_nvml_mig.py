@@ -117,3 +117,51 @@ def test_a_mig_device_uuid_finds_its_parent_gpu() -> None:
     assert inventory.find("MIG-77aa") is parent
     assert inventory.find("GPU-2bcc") is not None and inventory.find("MIG-none") is None
     assert inventory.find("") is None
+
+
+MIG_INSTANCES = MIG.with_name("h100-mig-instances-record.json")
+
+
+def test_mig_capture_with_instances_replays_per_instance_series() -> None:
+    # recorded on an H100 test machine with a 3g.40gb and two 1g.10gb instances
+    # (`nvidia-smi mig -i 0 -cgi 9,19,19 -C`) while one process held 256 MiB on the 3g.40gb
+    source = NvmlSource(ReplayClient.load(MIG_INSTANCES), call_timeout=2.0)
+    try:
+        for _ in range(3):
+            samples = [s for s in source.poll(0.0) if isinstance(s, Sample)]
+    finally:
+        source.close()
+
+    def get(name: str, **labels: str) -> float | None:
+        for s in samples:
+            if s.name == name and all(s.label(k) == v for k, v in labels.items()):
+                return s.value
+        return None
+
+    assert get("gpuwatchd_gpu_mig_devices") == 3
+    profiles = {
+        (s.label("gpu_instance"), s.label("compute_instance")): s.label("profile")
+        for s in samples
+        if s.name == "gpuwatchd_mig_device_info"
+    }
+    assert profiles == {("2", "0"): "3g.40gb", ("7", "0"): "1g.10gb", ("8", "0"): "1g.10gb"}
+    info = [s for s in samples if s.name == "gpuwatchd_mig_device_info"]
+    assert {s.label("uuid") for s in info} == {"GPU-25f978ca-273b-e097-8313-a182db86ba4c"}
+    assert get("gpuwatchd_mig_memory_used_bytes", gpu_instance="2") == 582_877_184
+    assert get("gpuwatchd_mig_multiprocessors", gpu_instance="7") == 16
+    assert get("gpuwatchd_mig_compute_processes", gpu_instance="2") == 1
+    assert get("gpuwatchd_mig_compute_processes", gpu_instance="8") == 0
+    # the four free slots answer NOT_FOUND: an answer, not an NVML error
+    assert get("gpuwatchd_nvml_errors_total", reason="not_found") is None
+
+
+def test_real_xid_from_a_mig_instance_names_the_parent_gpu_and_pid() -> None:
+    # On this driver an MMU fault inside a MIG instance is logged without GPU-I/GPU-CI:
+    # the instance comes from the pid (NVML lists it under its MIG device), not the line.
+    path = Path(__file__).resolve().parents[1] / "fixtures" / "kmsg" / "kmsg-h100-mig-xid31.txt"
+    records = [parse_line(line) for line in path.read_text().splitlines()]
+    xids = [r for r in records if r is not None and r.kind == XID]
+    assert len(xids) == 1
+    rec = xids[0]
+    assert (rec.code, rec.pci_bus_id, rec.pid, rec.process) == (31, "0000:00:06.0", 486, "python3")
+    assert rec.extra("gpu_instance") == "" and rec.extra("compute_instance") == ""
