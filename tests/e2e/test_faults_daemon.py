@@ -58,7 +58,10 @@ def test_sighup_storm_then_sigterm(tmp_path: Path, alertmanager: AlertmanagerSer
     drill.feed(79, 0)
     drill.wait_for(lambda: drill.stored() == drill.expected_store(), why="stored")
     for _ in range(50):
+        # Spaced out: the kernel merges a signal sent while one is still pending, so
+        # a burst would reach the daemon as one; these each reach its handler.
         d.proc.send_signal(signal.SIGHUP)
+        time.sleep(0.02)
     drill.feed(48, 1)
     start = time.monotonic()
     d.proc.send_signal(signal.SIGTERM)
@@ -68,9 +71,10 @@ def test_sighup_storm_then_sigterm(tmp_path: Path, alertmanager: AlertmanagerSer
     reloads = d.output().count("SIGHUP: reloading")
     drill.stop()
     # Pending reloads collapse into one, and a stop wins over any still pending.
-    assert reloads <= 2, reloads
+    assert reloads < 25, reloads
     figures["stop_seconds"] = stop_seconds
-    assert stop_seconds < 10, stop_seconds
+    figures["reloads"] = reloads
+    assert stop_seconds < 5, stop_seconds
     drill.start()
     try:
         drill.assert_nothing_lost(alertmanager)
