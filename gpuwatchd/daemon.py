@@ -1,8 +1,9 @@
 """Lifecycle: build the pipeline, serve HTTP, handle signals, talk to systemd.
 
 Signal handlers only enqueue the signal number; the main loop waits on
-that queue with a timeout and does all the work (reload, stop, watchdog,
-status) in one place.
+that queue with a timeout and does all the lifecycle work (reload, stop,
+watchdog, status) in one place. Health work (Xid stage, rules, store
+writes, the 1 s tick) runs on the pipeline's consumer thread, not here.
 """
 
 from __future__ import annotations
