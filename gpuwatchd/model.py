@@ -300,17 +300,20 @@ class WorkloadProcess:
     used_memory_bytes: int | None = None
     rank: str = ""
     local_rank: str = ""
+    gpu_instance: str = ""  # MIG: the process runs on this GPU/compute instance (uuid is its)
+    compute_instance: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class Workload:
-    """One job on this node: a Kubernetes pod, a Slurm job, or a bare process.
+    """One job on this node: a Kubernetes pod, a Slurm job, a torch job, or a bare process.
 
-    `kind` is "k8s", "slurm" or "process"; `id` is namespace/pod (or the
-    pod UID when the kubelet cannot be asked), the Slurm job id, or the pid.
+    `kind` is "k8s", "slurm", "torch" or "process"; `id` is namespace/pod (or
+    the pod UID when the kubelet cannot be asked), the Slurm job id, the torch
+    job id (`torch_job_id`: "torchelastic:RUN" or "torch:ADDR:PORT"), or the pid.
     """
 
-    kind: Literal["k8s", "slurm", "process"]
+    kind: Literal["k8s", "slurm", "torch", "process"]
     id: str
     namespace: str = ""
     pod: str = ""
@@ -348,4 +351,7 @@ class Workload:
         proc = self.process(pid) if pid is not None else None
         if proc is not None:
             out.update(rank=proc.rank, local_rank=proc.local_rank)
+            if proc.gpu_instance:
+                out.update(gpu_instance=proc.gpu_instance, compute_instance=proc.compute_instance)
+                out["mig_uuid"] = proc.uuid
         return tuple(sorted((k, v) for k, v in out.items() if v))

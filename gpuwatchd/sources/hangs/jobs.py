@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from gpuwatchd.model import Workload
+from gpuwatchd.sources.workloads.environ import torch_job_id
 
 __all__ = [
     "DEFAULT_RAS_ADDR",
@@ -148,11 +149,10 @@ def job_key(pid: int, env: Mapping[str, str]) -> str:
     if env.get("SLURM_JOB_ID"):
         step = env.get("SLURM_STEP_ID", "")
         return f"slurm:{env['SLURM_JOB_ID']}" + (f".{step}" if step else "")
-    if env.get("TORCHELASTIC_RUN_ID") and env["TORCHELASTIC_RUN_ID"] != "none":
-        return f"torchelastic:{env['TORCHELASTIC_RUN_ID']}"
-    if env.get("MASTER_PORT"):
-        return f"torch:{env.get('MASTER_ADDR') or 'localhost'}:{env['MASTER_PORT']}"
-    return f"pid:{pid}"
+    torch = torch_job_id(
+        env.get("TORCHELASTIC_RUN_ID", ""), env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
+    )
+    return torch or f"pid:{pid}"
 
 
 def _expected_local(envs: Iterable[Mapping[str, str]]) -> tuple[int | None, int | None]:
@@ -223,16 +223,17 @@ def jobs_from_gpu_processes(
 
 
 def jobs_from_workloads(workloads: Iterable[Workload], procfs: str = "/proc") -> list[JobView]:
-    """Jobs from the workloads source (pods, Slurm jobs, bare processes).
+    """Jobs from the workloads source (pods, Slurm jobs, torch jobs, bare processes).
 
-    A pod or Slurm job is one job. Bare processes are grouped by their
-    launcher's variables, as `jobs_from_gpu_processes` does, so the ranks
-    of one torchrun land in one job.
+    A pod or Slurm job is one job. Torch jobs and bare processes are grouped
+    by their launcher's variables, as `jobs_from_gpu_processes` does (the
+    environ this needs holds more than the workloads source keeps); the job
+    key is the workload id, both come from `torch_job_id`.
     """
     out: list[JobView] = []
     bare: dict[str, list[int]] = {}
     for w in workloads:
-        if w.kind == "process":
+        if w.kind in ("process", "torch"):  # regrouped below, named by the same torch_job_id
             for p in w.processes:
                 bare.setdefault(p.gpu, []).append(p.pid)
             continue

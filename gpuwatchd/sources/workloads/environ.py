@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["TORCH_ENV", "parse_environ", "read_torch_env"]
+__all__ = ["TORCH_ENV", "parse_environ", "read_torch_env", "torch_job_id"]
 
 # Environment name -> attribute name.
 TORCH_ENV: dict[str, str] = {
@@ -49,3 +49,17 @@ def read_torch_env(procfs: str, pid: int) -> dict[str, str]:
     except OSError:
         return {}
     return parse_environ(data)
+
+
+def torch_job_id(run_id: str = "", master_addr: str = "", master_port: str = "") -> str:
+    """The job a torch.distributed process belongs to, from its launcher's variables.
+
+    "torchelastic:RUN" when TORCHELASTIC_RUN_ID names a run (torchrun's default
+    "none" does not), else "torch:ADDR:PORT" of the rendezvous store, else "".
+    The workloads source and the hang detector both name jobs this way.
+    """
+    if run_id and run_id != "none":
+        return f"torchelastic:{run_id}"
+    if master_port:
+        return f"torch:{master_addr or 'localhost'}:{master_port}"
+    return ""

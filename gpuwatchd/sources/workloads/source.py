@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from gpuwatchd.errors import SourceError
 from gpuwatchd.model import Event, MetricSpec, Sample, Workload, WorkloadProcess
 from gpuwatchd.sources.workloads.cgroup import Attribution, attribute
-from gpuwatchd.sources.workloads.environ import read_torch_env
+from gpuwatchd.sources.workloads.environ import read_torch_env, torch_job_id
 from gpuwatchd.sources.workloads.podresources import PodDevice, PodResourcesClient
 from gpuwatchd.sources.workloads.slurm import SlurmJobs
 
@@ -65,13 +65,13 @@ GpuStatus = Callable[[], Mapping[str, Mapping[str, Any]]]
 
 
 class _GpuProcesses(NamedTuple):
-    """One GPU's processes as NVML listed them: (pid, used bytes, MIG device UUID or "")."""
+    """One GPU's processes as NVML listed them: pid, used bytes, MIG device UUID, GI, CI."""
 
     gpu: str
     uuid: str
     bus: str
     migs: tuple[str, ...]
-    procs: list[tuple[int, int | None, str]]
+    procs: list[tuple[int, int | None, str, str, str]]
 
 
 class _Proc:
@@ -154,11 +154,11 @@ class WorkloadSource:
             for device in (uuid, *migs):  # a pod may hold the GPU or one of its MIG devices
                 for pod_dev in devices.get(device, ()):
                     self._group(groups, _k8s_fields(pod_dev), gpu_uuid=device)
-            for pid, used, mig in procs:
+            for pid, used, mig, gi, ci in procs:
                 seen.add(pid)
                 info = self._proc(pid, now)
                 device = mig or uuid
-                fields = self._fields_of(info.attribution, devices.get(device, []), pid, now)
+                fields = self._fields_of(info, devices.get(device, []), pid, now)
                 wp = WorkloadProcess(
                     pid=pid,
                     gpu=gpu,
@@ -168,6 +168,8 @@ class WorkloadSource:
                     used_memory_bytes=used,
                     rank=info.env.get("rank", ""),
                     local_rank=info.env.get("local_rank", ""),
+                    gpu_instance=gi,
+                    compute_instance=ci,
                 )
                 group = self._group(groups, fields, gpu_uuid=device)
                 group["processes"].append(wp)
@@ -188,7 +190,8 @@ class WorkloadSource:
                 if isinstance(pid, int) and pid > 0:
                     used = p.get("used_memory")
                     mig = str(p.get("mig_uuid") or "")
-                    procs.append((pid, used if isinstance(used, int) else None, mig))
+                    gi, ci = (_instance(p.get(k)) if mig else "" for k in _INSTANCE_KEYS)
+                    procs.append((pid, used if isinstance(used, int) else None, mig, gi, ci))
             last = gpu.get("last")
             found = last.get("mig_devices") if isinstance(last, Mapping) else None
             migs = tuple(
@@ -223,8 +226,9 @@ class WorkloadSource:
         return info
 
     def _fields_of(
-        self, a: Attribution, assigned: list[PodDevice], pid: int, now: float
+        self, info: _Proc, assigned: list[PodDevice], pid: int, now: float
     ) -> dict[str, str]:
+        a = info.attribution
         if a.status == "kubernetes":
             pods = {(d.namespace, d.pod) for d in assigned}
             if len(pods) == 1:
@@ -241,7 +245,15 @@ class WorkloadSource:
             if job is not None:
                 fields.update(slurm_user=job.user, slurm_job_name=job.name)
             return fields
-        return {"kind": "process", "id": str(pid)}
+        env = info.env  # neither pod nor Slurm job: the ranks of one torch job are one workload
+        torch_job = torch_job_id(
+            env.get("torchelastic_run_id", ""),
+            env.get("master_addr", ""),
+            env.get("master_port", ""),
+        )
+        return (
+            {"kind": "torch", "id": torch_job} if torch_job else {"kind": "process", "id": str(pid)}
+        )
 
     @staticmethod
     def _group(
@@ -318,6 +330,13 @@ class WorkloadSource:
         """Drop the kubelet channel."""
         if self.kubelet is not None:
             self.kubelet.close()
+
+
+_INSTANCE_KEYS = ("gpu_instance", "compute_instance")
+
+
+def _instance(value: object) -> str:
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else ""
 
 
 def _first(item: tuple[float, Workload]) -> float:
