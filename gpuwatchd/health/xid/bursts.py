@@ -5,7 +5,11 @@ of one fault by one process within the burst window: two pids hitting the
 same Xid on the same GPU are two faults. A multi-line report (Xid 13 prints
 GPC/TPC/SM lines, an ESR line, then a line with pid and channel, within a
 few ms; only some lines name the process) becomes one event that has the
-pid and every parsed field.
+pid and every parsed field. A report is bounded: the SM lines of one
+GPC/TPC/SM, one ESR line and one line naming the process, at most
+MAX_REPORT_LINES lines and MAX_MESSAGE_CHARS of text; any other line starts
+the next report, so a flood of reports is counted report by report and
+never grows one event.
 """
 
 from __future__ import annotations
@@ -15,10 +19,23 @@ from dataclasses import dataclass, field, replace
 
 from gpuwatchd.model import Event
 
-__all__ = ["Burst", "Bursts", "JOIN_WINDOW", "MULTILINE_XIDS", "join_lines"]
+__all__ = [
+    "Burst",
+    "Bursts",
+    "JOIN_WINDOW",
+    "MAX_MESSAGE_CHARS",
+    "MAX_REPORT_LINES",
+    "MULTILINE_XIDS",
+    "join_lines",
+    "report_part",
+]
 
 JOIN_WINDOW = 0.25  # seconds from a report's first line to its last
 MULTILINE_XIDS = frozenset({13})  # codes the driver reports over several lines
+# Xid 13 prints a warp and a global exception line per SM, an ESR line and a pid line;
+# a few spare for driver versions that add one.
+MAX_REPORT_LINES = 6
+MAX_MESSAGE_CHARS = 8192  # the kernel's record cap (PRINTK_MESSAGE_MAX)
 # What the line that names the process brings to the joined event.
 _PROCESS_KEYS = frozenset(
     {
@@ -54,6 +71,40 @@ class Burst:
     count: int = 1
     event: Event | None = None  # the report being joined, while more lines may come
     lines: set[str] = field(default_factory=set)
+    parts: set[str] = field(default_factory=set)  # report_part()s of the report's lines
+    where: str = ""  # the report's GPC/TPC/SM
+
+    def open_report(self, event: Event) -> None:
+        """Start joining a report at `event` (its first line)."""
+        self.start, self.event, self.lines = event.time, event, {event.message}
+        self.parts, self.where = {report_part(event)}, _where(event)
+
+    def continues(self, event: Event) -> bool:
+        """Whether `event` is a further line of the open report (see the module docstring)."""
+        part, pid = report_part(event), event.attr("pid")
+        if self.event is None or "pid" in self.parts or len(self.lines) >= MAX_REPORT_LINES:
+            return False  # none open, or its last line (the process's) came, or full
+        if not 0 <= event.time - self.start <= JOIN_WINDOW or event.message in self.lines:
+            return False  # too late, or the same line again: a repeat
+        if part == "pid":
+            return not self.pid or self.pid == pid  # another pid: another process's report
+        if part == "sm":  # an SM line after the ESR line, or of another SM: the next report
+            return "esr" not in self.parts and self.where in ("", _where(event))
+        return part not in self.parts or part == "other"
+
+
+def report_part(event: Event) -> str:
+    """Which line of a multi-line report `event` is: "pid", "sm", "esr" or "other"."""
+    if event.attr("pid"):
+        return "pid"
+    if event.attr("sm"):
+        return "sm"
+    return "esr" if "ESR " in event.message else "other"
+
+
+def _where(event: Event) -> str:
+    sm = event.attr("sm")
+    return f"{event.attr('gpc')}/{event.attr('tpc')}/{sm}" if sm else ""
 
 
 def join_lines(first: Event, line: Event) -> Event:
@@ -72,7 +123,10 @@ def join_lines(first: Event, line: Event) -> Event:
     if line.message and line.message not in details:
         details.append(line.message)
     attrs["lines"] = str(int(attrs.get("lines") or 1) + int(extra.get("lines") or 1))
-    return replace(first, message=" | ".join(details), attrs=tuple(sorted(attrs.items())))
+    message = " | ".join(details)
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[: MAX_MESSAGE_CHARS - 1] + "\u2026"
+    return replace(first, message=message, attrs=tuple(sorted(attrs.items())))
 
 
 class Bursts:
@@ -88,18 +142,16 @@ class Bursts:
         pid = event.attr("pid")
         for burst in sorted(self._by_pid.values(), key=lambda b: -b.start):
             first = burst.event
-            if first is None or not 0 <= event.time - burst.start <= JOIN_WINDOW:
+            if first is None or not burst.continues(event):
                 continue
-            if pid and burst.pid:
-                continue  # a pid line after a pid line: another report (or process)
-            if not pid and event.message in burst.lines:
-                continue  # the same line again: a repeat, not a continuation
-            if pid:  # the line that names the process completes a pid-less report
+            if pid and not burst.pid:  # the line that names the process completes the report
                 del self._by_pid[burst.pid]
                 burst.pid = pid
                 self._by_pid[pid] = burst
             burst.last = max(burst.last, event.time)
             burst.lines.add(event.message)
+            burst.parts.add(report_part(event))
+            burst.where = burst.where or _where(event)
             burst.event = join_lines(first, event)
             return burst, burst.event
         return None
@@ -118,10 +170,10 @@ class Bursts:
         if burst is not None and 0 <= event.time - burst.last <= window:
             burst.count += 1
             burst.last = max(burst.last, event.time)
-            burst.event = None  # a repeat closes the report before it
+            burst.open_report(event)  # a repeat's further lines join it, uncounted
             return "repeat", burst
         burst = Burst(event.attr("burst_id") or new_id(), event.time, event.time, pid)
-        burst.event, burst.lines = event, {event.message}
+        burst.open_report(event)
         for old in [k for k, b in self._by_pid.items() if event.time - b.last > window]:
             del self._by_pid[old]
         self._by_pid[pid] = burst
