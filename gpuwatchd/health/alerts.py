@@ -29,6 +29,7 @@ PORT_LABELS = ("device", "port")
 # in the description already).
 WORKLOAD_ANNOTATIONS = (
     "workload",
+    "workload_id",
     "container",
     "pod_uid",
     "slurm_user",
@@ -38,6 +39,10 @@ WORKLOAD_ANNOTATIONS = (
     "rank",
     "local_rank",
     "world_size",
+    "torchelastic_run_id",
+    "gpu_instance",
+    "compute_instance",
+    "mig_uuid",
 )
 WORKLOAD_ATTRS = frozenset((*WORKLOAD_ALERT_LABELS, *WORKLOAD_ANNOTATIONS))
 _XID_LABELS = (*GPU_LABELS, "xid", *WORKLOAD_ALERT_LABELS)

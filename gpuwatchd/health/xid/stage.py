@@ -33,7 +33,7 @@ from gpuwatchd.health.xid.tracker import (
     TrackerSettings,
     XidTracker,
 )
-from gpuwatchd.health.xid.workload import attach_workload
+from gpuwatchd.health.xid.workload import attach_mig, attach_workload
 from gpuwatchd.model import Clear, Event, MetricSpec, Sample, SourceSnapshot, XidFields
 from gpuwatchd.pci import normalize_bus_id
 from gpuwatchd.sources.workloads.source import workloads_from_status
@@ -171,6 +171,10 @@ class XidStage:
         if source is not None and source.source == "kmsg":
             cursor = str(source.status.get("cursor") or "")
         xids = [e for e in events if e.kind in KINDS]
+        nvml = snap.sources.get("nvml")
+        gpus = nvml.status.get("gpus") if nvml is not None else None
+        if xids and isinstance(gpus, Mapping):
+            xids = [attach_mig(e, gpus) for e in xids]
         workloads = snap.sources.get("workloads")
         if xids and workloads is not None:
             known = workloads_from_status(workloads.status)

@@ -1,18 +1,22 @@
-"""Which workload an Xid hit: the pid's, else the only one on that GPU.
+"""Which workload an Xid hit: the pid's, else the only one on that GPU; and its MIG device.
 
 Pure matching over the workloads source's last poll (and the processes
 that exited shortly before). The report's own cgroup attribution, read
-when the line arrived, breaks ties when the pid is gone.
+when the line arrived, breaks ties when the pid is gone. With MIG on, the
+driver may log an Xid without `GPU-I:`/`GPU-CI:` (seen on an H100 for an
+MMU fault, Xid 31); the pid then places it on the MIG device NVML lists
+that process under.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from gpuwatchd.model import Event, Workload
+from gpuwatchd.pci import normalize_bus_id
 
-__all__ = ["attach_workload", "match_workload"]
+__all__ = ["attach_mig", "attach_workload", "match_workload"]
 
 
 def _pid(ev: Event) -> int | None:
@@ -59,5 +63,40 @@ def attach_workload(ev: Event, workloads: Sequence[Workload]) -> Event:
         return ev
     attrs = dict(ev.attrs)
     for k, v in w.attrs(_pid(ev)):
+        attrs.setdefault(k, v)
+    return replace(ev, attrs=tuple(sorted(attrs.items())))
+
+
+def _mig_of(pid: int, bus: str, gpus: Mapping[str, object]) -> dict[str, str]:
+    """gpu_instance, compute_instance, mig_uuid of `pid` on GPU `bus` as NVML lists it."""
+    for key, gpu in gpus.items():
+        if not isinstance(gpu, Mapping) or normalize_bus_id(str(key)) != bus:
+            continue
+        procs = gpu.get("processes")
+        for p in procs if isinstance(procs, list) else ():
+            if not isinstance(p, Mapping) or p.get("pid") != pid or not p.get("mig_uuid"):
+                continue
+            gi, ci = p.get("gpu_instance"), p.get("compute_instance")
+            if isinstance(gi, int) and isinstance(ci, int):
+                return {
+                    "gpu_instance": str(gi),
+                    "compute_instance": str(ci),
+                    "mig_uuid": str(p["mig_uuid"]),
+                }
+    return {}
+
+
+def attach_mig(ev: Event, gpus: Mapping[str, object]) -> Event:
+    """The event with the MIG device NVML lists its pid on (`gpus`: the NVML status's)."""
+    pid = _pid(ev)
+    bus = normalize_bus_id(ev.pci_bus_id) if ev.pci_bus_id else ""
+    if pid is None or not bus:
+        return ev
+    found = _mig_of(pid, bus, gpus)
+    said = ev.attr("gpu_instance")
+    if not found or (said and said != found["gpu_instance"]):
+        return ev  # what the report itself names wins
+    attrs = dict(ev.attrs)
+    for k, v in found.items():
         attrs.setdefault(k, v)
     return replace(ev, attrs=tuple(sorted(attrs.items())))
