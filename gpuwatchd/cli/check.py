@@ -334,7 +334,7 @@ def render_text(v: Verdict, cfg: Config) -> str:
 
 
 def _workload_line(w: Mapping[str, object]) -> str:
-    """pod ml/train-0, Slurm job 12 (bert, alice) or pid 4242, with its GPUs' processes."""
+    """pod ml/train-0, Slurm job 12 (bert, alice), torch job ... or pid 4242, with processes."""
     if w.get("pod"):
         who = f"pod {w.get('namespace')}/{w.get('pod')}"
     elif w.get("kind") == "k8s":
@@ -342,6 +342,8 @@ def _workload_line(w: Mapping[str, object]) -> str:
     elif w.get("slurm_job"):
         extra = ", ".join(str(w[k]) for k in ("slurm_job_name", "slurm_user") if w.get(k))
         who = f"Slurm job {w['slurm_job']}" + (f" ({extra})" if extra else "")
+    elif w.get("kind") == "torch":
+        who = f"torch job {w.get('id')}"
     else:
         who = f"pid {w.get('id')}"
     procs = w.get("processes")

@@ -272,7 +272,8 @@ def test_json_names_the_workloads_on_unhealthy_gpus(write_config, tmp_path, caps
         assert run(["check", "--json", "--config", str(cfg)]) == 2
         data = json.loads(capsys.readouterr().out)
         assert run(["check", "--config", str(cfg)]) == 2
-        assert f"On these GPUs: pid {proc.pid} [pids {proc.pid}]" in capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert f"On these GPUs: torch job torchelastic:epilog-test [pids {proc.pid}]" in out
     finally:
         proc.kill()
         proc.wait(5)
@@ -280,7 +281,7 @@ def test_json_names_the_workloads_on_unhealthy_gpus(write_config, tmp_path, caps
         proc.stdin.close()
         proc.stdout.close()
     [held] = data["workloads"]
-    assert held["kind"] == "process" and held["id"] == str(proc.pid)
+    assert held["kind"] == "torch" and held["id"] == "torchelastic:epilog-test"
     [p] = held["processes"]
     assert (p["pid"], p["gpu"], p["rank"]) == (proc.pid, "0", "0")
     assert held["run_id"] == "epilog-test"

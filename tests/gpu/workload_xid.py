@@ -227,6 +227,10 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> int:
         "workload_on_both": all(
             by_pid.get(f.get("pid"), {}).get("attrs", {}).get("workload") for f in faults
         ),
+        "one_job_for_both_ranks": {
+            by_pid.get(f.get("pid"), {}).get("attrs", {}).get("workload_id") for f in faults
+        }
+        == {"torchelastic:gpuwatchd-workload-xid"},
         "ranks_match": all(
             str(by_pid.get(f.get("pid"), {}).get("attrs", {}).get("rank")) == str(f["rank"])
             for f in faults
