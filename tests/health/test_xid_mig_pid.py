@@ -24,6 +24,8 @@ from gpuwatchd.health import rules
 from gpuwatchd.health.engine import xid_condition
 from gpuwatchd.health.history import History, View
 from gpuwatchd.health.xid.stage import XidStage
+from gpuwatchd.health.xid.workload import attach_mig
+from gpuwatchd.model import Event
 from gpuwatchd.sinks.alertmanager.sink import AlertSink
 from gpuwatchd.sinks.store import EventStore
 from gpuwatchd.sources import SourceContext
@@ -171,3 +173,21 @@ def test_mig_instance_from_the_workload_process(tmp_path: Path) -> None:
         assert attrs["rank"] == "0"
     finally:
         node.stop()
+
+
+def test_what_the_line_says_wins_and_other_gpus_do_not_match() -> None:
+    gpus = {
+        "00000000:00:06.0": {
+            "processes": [{"pid": 7, "gpu_instance": 2, "compute_instance": 0, "mig_uuid": "MIG-a"}]
+        }
+    }
+
+    def xid31(bus: str, **attrs: str) -> Event:
+        return Event("xid", "kmsg", T0, 31, bus, "fault", attrs=tuple(sorted(attrs.items())))
+
+    placed = attach_mig(xid31("0000:00:06.0", pid="7"), gpus)
+    assert (placed.attr("gpu_instance"), placed.attr("mig_uuid")) == ("2", "MIG-a")
+    said = xid31("0000:00:06.0", pid="7", gpu_instance="1", compute_instance="0")
+    assert attach_mig(said, gpus) is said
+    assert attach_mig(xid31("0000:00:07.0", pid="7"), gpus).attr("gpu_instance") == ""
+    assert attach_mig(xid31("0000:00:06.0", pid="8"), gpus).attr("gpu_instance") == ""

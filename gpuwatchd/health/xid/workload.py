@@ -67,6 +67,9 @@ def attach_workload(ev: Event, workloads: Sequence[Workload]) -> Event:
     return replace(ev, attrs=tuple(sorted(attrs.items())))
 
 
+_INSTANCE_KEYS = ("gpu_instance", "compute_instance")
+
+
 def _mig_of(pid: int, bus: str, gpus: Mapping[str, object]) -> dict[str, str]:
     """gpu_instance, compute_instance, mig_uuid of `pid` on GPU `bus` as NVML lists it."""
     for key, gpu in gpus.items():
@@ -93,9 +96,8 @@ def attach_mig(ev: Event, gpus: Mapping[str, object]) -> Event:
     if pid is None or not bus:
         return ev
     found = _mig_of(pid, bus, gpus)
-    said = ev.attr("gpu_instance")
-    if not found or (said and said != found["gpu_instance"]):
-        return ev  # what the report itself names wins
+    if not found or any(ev.attr(k) not in ("", found[k]) for k in _INSTANCE_KEYS):
+        return ev  # the report names another instance: what it says wins
     attrs = dict(ev.attrs)
     for k, v in found.items():
         attrs.setdefault(k, v)
