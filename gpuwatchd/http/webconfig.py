@@ -47,18 +47,20 @@ App = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 PUBLIC_PATHS = frozenset({"/healthz"})
 IO_TIMEOUT = 10.0
 
+# Names in ssl, oldest first, looked up only when TLS is on: plain HTTP never loads
+# ssl (libssl and libcrypto, about 5 MiB of the daemon's memory).
 TLS_VERSIONS = {
-    "TLS10": ssl.TLSVersion.TLSv1,
-    "TLS11": ssl.TLSVersion.TLSv1_1,
-    "TLS12": ssl.TLSVersion.TLSv1_2,
-    "TLS13": ssl.TLSVersion.TLSv1_3,
+    "TLS10": "TLSv1",
+    "TLS11": "TLSv1_1",
+    "TLS12": "TLSv1_2",
+    "TLS13": "TLSv1_3",
 }
 # exporter-toolkit's values; the two that ask for a certificate without verifying
 # it have no equivalent in Python's ssl module.
 CLIENT_AUTH = {
-    "NoClientCert": ssl.CERT_NONE,
-    "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
-    "RequireAndVerifyClientCert": ssl.CERT_REQUIRED,
+    "NoClientCert": "CERT_NONE",
+    "VerifyClientCertIfGiven": "CERT_OPTIONAL",
+    "RequireAndVerifyClientCert": "CERT_REQUIRED",
 }
 UNSUPPORTED_CLIENT_AUTH = ("RequestClientCert", "RequireAnyClientCert")
 # Go (IANA) cipher suite names -> OpenSSL names; TLS 1.3 suites are not configurable.
@@ -203,9 +205,9 @@ def _tls(path: str, base: str, raw: object) -> TlsSettings | None:
     if auth not in CLIENT_AUTH:
         raise ConfigError(path, key + "client_auth_type", f"unknown value {auth!r}")
     ca = _str(path, key + "client_ca_file", t.get("client_ca_file", ""))
-    if CLIENT_AUTH[auth] != ssl.CERT_NONE and not ca:
+    if CLIENT_AUTH[auth] != "CERT_NONE" and not ca:
         raise ConfigError(path, key + "client_ca_file", f"required with {auth}")
-    if ca and CLIENT_AUTH[auth] == ssl.CERT_NONE:
+    if ca and CLIENT_AUTH[auth] == "CERT_NONE":
         raise ConfigError(path, key + "client_auth_type", "client_ca_file is set: choose a mode")
     sans = _strs(path, key + "client_allowed_sans", t.get("client_allowed_sans", []))
     if sans and not ca:
@@ -216,7 +218,8 @@ def _tls(path: str, base: str, raw: object) -> TlsSettings | None:
         if v not in TLS_VERSIONS:
             raise ConfigError(path, key + k, f"must be one of {', '.join(TLS_VERSIONS)}")
         versions.append(v)
-    if TLS_VERSIONS[versions[0]] > TLS_VERSIONS[versions[1]]:
+    order = list(TLS_VERSIONS)
+    if order.index(versions[0]) > order.index(versions[1]):
         raise ConfigError(path, key + "min_version", "is above max_version")
     suites = _strs(path, key + "cipher_suites", t.get("cipher_suites", []))
     for i, s in enumerate(suites):
@@ -274,8 +277,8 @@ def _http(path: str, raw: object) -> tuple[tuple[str, str], ...]:
 def ssl_context(tls: TlsSettings, path: str = "") -> ssl.SSLContext:
     """A server-side SSLContext for `tls`; problems raise ConfigError."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = TLS_VERSIONS[tls.min_version]
-    ctx.maximum_version = TLS_VERSIONS[tls.max_version]
+    ctx.minimum_version = getattr(ssl.TLSVersion, TLS_VERSIONS[tls.min_version])
+    ctx.maximum_version = getattr(ssl.TLSVersion, TLS_VERSIONS[tls.max_version])
     key = "tls_server_config."
     try:
         ctx.load_cert_chain(tls.cert_file, tls.key_file)
@@ -283,7 +286,7 @@ def ssl_context(tls: TlsSettings, path: str = "") -> ssl.SSLContext:
         raise ConfigError(
             path, key + "cert_file", f"cannot load certificate and key: {exc}"
         ) from None
-    ctx.verify_mode = CLIENT_AUTH[tls.client_auth_type]
+    ctx.verify_mode = getattr(ssl, CLIENT_AUTH[tls.client_auth_type])
     if tls.client_ca_file:
         try:
             ctx.load_verify_locations(cafile=tls.client_ca_file)

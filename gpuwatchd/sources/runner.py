@@ -113,6 +113,12 @@ class Runner:
         self._stop.set()
         for slot in self._slots.values():
             slot.wake.set()
+            interrupt = getattr(slot.source, "interrupt", None)  # a source blocked in poll()
+            if interrupt is not None:
+                try:
+                    interrupt()
+                except Exception:
+                    log.exception("interrupting source %s", slot.source.name)
         for slot in self._slots.values():
             if slot.thread is not None:
                 slot.thread.join(timeout)

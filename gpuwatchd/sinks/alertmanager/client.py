@@ -35,20 +35,43 @@ class PostResult:
         return self.status is not None and 200 <= self.status < 300
 
 
+def _tls(cfg: AlertmanagerConfig) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=cfg.tls_ca_file or None)
+    if cfg.tls_cert_file:
+        ctx.load_cert_chain(cfg.tls_cert_file, cfg.tls_key_file or None)
+    if cfg.tls_insecure_skip_verify:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+def _plain_opener() -> urllib.request.OpenerDirector:
+    # build_opener() would add an HTTPSHandler, whose default context loads ssl
+    # (about 5 MiB) even when every Alertmanager is plain HTTP.
+    opener = urllib.request.OpenerDirector()
+    for handler in (
+        urllib.request.ProxyHandler({}),
+        urllib.request.UnknownHandler(),
+        urllib.request.HTTPHandler(),
+        urllib.request.HTTPDefaultErrorHandler(),
+        urllib.request.HTTPRedirectHandler(),
+        urllib.request.HTTPErrorProcessor(),
+    ):
+        opener.add_handler(handler)
+    return opener
+
+
 class AlertmanagerClient:
     """POSTs alert batches to `<url>/api/v2/alerts` with the configured TLS and auth."""
 
     def __init__(self, cfg: AlertmanagerConfig) -> None:
         self.cfg = cfg
-        ctx = ssl.create_default_context(cafile=cfg.tls_ca_file or None)
-        if cfg.tls_cert_file:
-            ctx.load_cert_chain(cfg.tls_cert_file, cfg.tls_key_file or None)
-        if cfg.tls_insecure_skip_verify:
-            ctx.check_hostname = False
-            ctx.verify_mode = ssl.CERT_NONE
-        self._opener = urllib.request.build_opener(
-            urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=ctx)
-        )
+        if any(u.lower().startswith("https:") for u in cfg.urls):
+            self._opener = urllib.request.build_opener(
+                urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=_tls(cfg))
+            )
+        else:
+            self._opener = _plain_opener()
 
     def post(self, url: str, alerts: Sequence[dict[str, object]], timeout: float) -> PostResult:
         """One POST; never raises for network or HTTP errors."""

@@ -128,6 +128,9 @@ class KmsgReader:
             raise ReaderError("open", f"cannot open {path}: {exc.strerror or exc}") from None
         self._poll = select.poll()
         self._poll.register(self._fd, select.POLLIN | select.POLLPRI)
+        # interrupt() writes here so a long wait in poll() ends at once on stop
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._poll.register(self._wake_r, select.POLLIN)
 
     def read(self, timeout: float) -> list[Line]:
         lines = self._drain()
@@ -137,7 +140,19 @@ class KmsgReader:
             ready = self._poll.poll(max(0, int(timeout * 1000)))
         except InterruptedError:
             ready = []
+        if any(fd == self._wake_r for fd, _ in ready):
+            try:
+                os.read(self._wake_r, 64)
+            except OSError:
+                pass
         return self._drain() if ready else []
+
+    def interrupt(self) -> None:
+        """End a read() waiting in poll() now (from another thread)."""
+        try:
+            os.write(self._wake_w, b"\0")
+        except OSError:
+            pass  # pipe full: a wake-up is already pending
 
     def _drain(self) -> list[Line]:
         lines: list[Line] = []
@@ -194,10 +209,11 @@ class KmsgReader:
         return lost
 
     def close(self) -> None:
-        try:
-            os.close(self._fd)
-        except OSError:
-            pass
+        for fd in (self._fd, self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 # --- journald -------------------------------------------------------------------

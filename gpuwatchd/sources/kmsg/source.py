@@ -98,6 +98,10 @@ METRICS = (
 )
 
 WAIT = 0.5  # longest a poll waits for input: detection latency stays under a second
+# A reader that blocks on its descriptor (/dev/kmsg) returns as soon as a record
+# arrives, so its wait bounds only the idle wake-ups (and publishes); the runner's
+# stop() interrupts it. Well under the watchdog's 30 s staleness limit.
+BLOCKING_WAIT = 10.0
 ATTRIBUTE_MAX_AGE = 120.0  # older records: the pid may belong to someone else by now
 MAX_SHAPES = 1000
 
@@ -148,7 +152,7 @@ class KmsgSource:
         cfg: Config,
         ctx: SourceContext,
         opener: Callable[[str | None], LineReader] | None = None,
-        wait: float = WAIT,
+        wait: float | None = None,
         sleep: Callable[[float], None] = time.sleep,
         clock: Clock | None = None,
     ) -> None:
@@ -158,7 +162,9 @@ class KmsgSource:
         self.backend = cfg.sources.kmsg.backend
         self.boot_id = read_boot_id(cfg.paths.boot_id)
         self._opener = opener or (lambda cur: open_reader(self.backend, cfg, self.boot_id, cur))
-        self._wait = wait
+        self._wait = WAIT if wait is None else wait
+        # None: a reader that blocks on its descriptor waits BLOCKING_WAIT
+        self._blocking_wait = BLOCKING_WAIT if wait is None else wait
         self._sleep = sleep
         self._reader: LineReader | None = None
         self._cursor = ctx.load_cursor(self.name) or ""
@@ -185,7 +191,8 @@ class KmsgSource:
             self._sleep(min(self._wait, max(0.0, self._retry_at - self.clock.monotonic())))
             return self._samples()
         try:
-            lines = reader.read(self._wait)
+            blocking = getattr(reader, "interrupt", None) is not None
+            lines = reader.read(self._blocking_wait if blocking else self._wait)
         except ReaderError as exc:
             self._fail(exc)
             return self._samples()
@@ -371,6 +378,12 @@ class KmsgSource:
 
     def _retry_in(self) -> float:
         return max(0.0, round(self._retry_at - self.clock.monotonic(), 1))
+
+    def interrupt(self) -> None:
+        """End a wait for kernel log records now (the runner stops)."""
+        interrupt = getattr(self._reader, "interrupt", None)
+        if interrupt is not None:
+            interrupt()
 
     def close(self) -> None:
         if self._reader is not None:

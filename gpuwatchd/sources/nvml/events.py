@@ -23,6 +23,10 @@ __all__ = ["XidListener"]
 
 log = logging.getLogger("gpuwatchd.nvml")
 
+# An event ends the wait at once; the timeout only bounds how long the thread
+# sleeps in the driver, so it is long: each timeout is a wake-up and an exception.
+WAIT_SECONDS = 5.0
+
 
 class XidListener:
     """Waits on an XidEventSet; `drain()` returns the events as model Events."""
@@ -39,7 +43,7 @@ class XidListener:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                ev = self._events.wait(0.5)
+                ev = self._events.wait(WAIT_SECONDS)
             except NvmlError as exc:
                 # GPU lost or NVML gone: the source's poll reports that; back off here.
                 self.errors += 1

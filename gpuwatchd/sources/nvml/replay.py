@@ -343,6 +343,9 @@ class ReplayXidEvents:
 
     def wait(self, timeout: float) -> XidEvent | None:
         """The next due scripted Xid, or None after `timeout` seconds."""
+        if not any(step.xid is not None for step in self._client.steps):
+            self._closed.wait(timeout)  # no script delivers an Xid: nothing to look for
+            return None
         waited = 0.0
         while True:
             self._queue.extend(self._client.pending_xids(self._indexes))

@@ -1,0 +1,107 @@
+"""What keeps the idle daemon small and quiet: ssl loaded only for TLS, a kernel log
+reader that blocks until a record comes or the runner stops it."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpuwatchd.clock import FakeClock
+from gpuwatchd.sources import SourceContext
+from gpuwatchd.sources.kmsg.readers import KmsgReader, Line
+from gpuwatchd.sources.kmsg.source import BLOCKING_WAIT, KmsgSource
+from tests.sources.test_kmsg import kmsg_config, raw
+
+ROOT = Path(__file__).resolve().parent.parent
+BOOT = "6b1c1a36-8d7a-4b1e-9a55-0c2f7a1d0001"
+
+
+@pytest.fixture
+def seqpacket() -> Iterator[tuple[socket.socket, socket.socket]]:
+    """A socket pair that, like /dev/kmsg, hands out one record per read."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    a.setblocking(False)
+    yield a, b
+    b.close()
+
+
+def _in_thread(fn: object) -> tuple[threading.Thread, list[object]]:
+    out: list[object] = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)  # type: ignore[operator]
+    t.start()
+    return t, out
+
+
+def test_interrupt_ends_a_long_read_and_records_still_wake_it(
+    seqpacket: tuple[socket.socket, socket.socket],
+) -> None:
+    ours, kernel = seqpacket
+    reader = KmsgReader("/dev/kmsg", BOOT, fd=ours.detach())
+    t0 = time.monotonic()
+    t, out = _in_thread(lambda: reader.read(30.0))
+    time.sleep(0.05)
+    reader.interrupt()
+    t.join(5.0)
+    assert not t.is_alive() and out == [[]]
+    assert time.monotonic() - t0 < 5.0
+    kernel.send(raw(1, "usb 1-1: new device").encode())
+    t, out = _in_thread(lambda: reader.read(30.0))
+    t.join(5.0)
+    assert not t.is_alive() and len(out[0]) == 1  # type: ignore[arg-type]
+    reader.close()
+
+
+def test_source_waits_long_on_a_blocking_reader_until_interrupted(
+    tmp_path: Path, seqpacket: tuple[socket.socket, socket.socket]
+) -> None:
+    ours, kernel = seqpacket
+    reader = KmsgReader("/dev/kmsg", BOOT, fd=ours.detach())
+    waits: list[float] = []
+    real_read = reader.read
+
+    def read(timeout: float) -> list[Line]:
+        waits.append(timeout)
+        return real_read(timeout)
+
+    reader.read = read  # type: ignore[method-assign]
+    cfg = kmsg_config(tmp_path, tmp_path / "kmsg")
+    src = KmsgSource(cfg, SourceContext(clock=FakeClock()), opener=lambda cur: reader)
+    t, _ = _in_thread(lambda: src.poll(0.0))
+    time.sleep(0.05)
+    src.interrupt()
+    t.join(5.0)
+    assert not t.is_alive()
+    assert waits == [BLOCKING_WAIT]
+    src.close()
+
+
+_NO_SSL = """
+import sys
+from gpuwatchd.cli.run import defer_ssl
+defer_ssl()
+import prometheus_client, gpuwatchd.daemon
+from gpuwatchd.config import AlertmanagerConfig
+from gpuwatchd.sinks.alertmanager.client import AlertmanagerClient
+AlertmanagerClient(AlertmanagerConfig(urls=["http://127.0.0.1:9093"]))
+assert "_ssl" not in sys.modules, "plain HTTP loaded ssl"
+AlertmanagerClient(AlertmanagerConfig(urls=["https://127.0.0.1:9093"]))
+import ssl, http.client
+assert "_ssl" in sys.modules and isinstance(ssl.TLSVersion.TLSv1_2, ssl.TLSVersion)
+assert http.client.ssl.CERT_NONE == 0 and hasattr(http.client, "HTTPSConnection")
+print("ok")
+"""
+
+
+def test_ssl_loads_only_when_tls_is_used() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_SSL], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
