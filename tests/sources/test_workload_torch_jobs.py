@@ -84,13 +84,15 @@ def test_the_ranks_of_one_torch_job_are_one_workload(
     by_id = {w.id: w for w in src.workloads()}
     assert sorted(by_id) == sorted(["torch:127.0.0.1:29633", "torchelastic:5c1f", str(bare)])
     job = by_id["torch:127.0.0.1:29633"]
-    assert job.kind == "torch" and job.world_size == "2"
+    assert job.kind == "torch" and job.world_size == "2" and job.run_id == ""
     assert [(p.pid, p.gpu, p.rank, p.local_rank) for p in job.processes] == [
         (rank0, "0", "0", "0"),
         (rank1, "1", "1", "1"),
     ]
     assert job.gpus == (GPU0, GPU1)
-    assert by_id["torchelastic:5c1f"].kind == "torch"
+    assert (
+        by_id["torchelastic:5c1f"].kind == "torch" and by_id["torchelastic:5c1f"].run_id == "5c1f"
+    )
     assert by_id[str(bare)].kind == "process"
     # one info series per GPU and workload labels (the bare process adds no second one)
     info = sorted(

@@ -173,8 +173,9 @@ class WorkloadSource:
                 )
                 group = self._group(groups, fields, gpu_uuid=device)
                 group["processes"].append(wp)
-                for key, env in (("world_size", "world_size"), ("run_id", "torchelastic_run_id")):
-                    group[key] = group.get(key) or info.env.get(env, "")
+                run_id = info.env.get("torchelastic_run_id", "")  # torchrun's default: no run
+                group["run_id"] = group.get("run_id") or ("" if run_id == "none" else run_id)
+                group["world_size"] = group.get("world_size") or info.env.get("world_size", "")
         workloads = tuple(_build(g) for g in groups.values())
         self._forget(seen, workloads, now)
         self._workloads = workloads
