@@ -65,9 +65,12 @@ def import_seconds(code: str, runs: int = 5) -> float:
 IMPORT_STEPS: tuple[tuple[str, str], ...] = (
     ("Python alone", "pass"),
     ("+ pynvml (the floor's import)", "import pynvml"),
-    ("+ HTTP server (wsgiref, http.server; pulls in ssl)", "import wsgiref.simple_server"),
+    (
+        "+ HTTP server and prometheus_client (ssl deferred, as `gpuwatchd run` does)",
+        "from gpuwatchd.cli.run import defer_ssl; defer_ssl(); "
+        "import wsgiref.simple_server, prometheus_client",
+    ),
     ("+ sqlite3", "import sqlite3"),
-    ("+ prometheus_client", "import prometheus_client"),
     ("+ gpuwatchd (run command, daemon, pipeline)", "import gpuwatchd.cli.run, gpuwatchd.daemon"),
     ("+ every registered source", "import gpuwatchd.sources as s; s.registry()"),
 )
