@@ -105,3 +105,23 @@ def test_ssl_loads_only_when_tls_is_used() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+_NO_YAML = """
+import sys
+from gpuwatchd.clock import FakeClock
+from gpuwatchd.config import Config
+from gpuwatchd.health.hangs.monitor import HangMonitor
+monitor = HangMonitor(Config(), FakeClock())
+assert "yaml" not in sys.modules, "the hang monitor parsed its catalog at start"
+assert monitor.catalog and "yaml" in sys.modules
+print("ok")
+"""
+
+
+def test_hang_signatures_are_parsed_at_first_use_without_a_site_file() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_YAML], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"

@@ -35,7 +35,7 @@ from gpuwatchd.health.hangs.record import (
     HangRecord,
     open_hangs,
 )
-from gpuwatchd.health.hangs.signatures import Signature, load_catalog
+from gpuwatchd.health.hangs.signatures import Signature, builtin_catalog, load_catalog
 from gpuwatchd.health.hangs.summary import summarize
 from gpuwatchd.model import (
     Action,
@@ -136,20 +136,30 @@ class HangMonitor:
         self._seen_stamp: float | None = None
         self._thread: threading.Thread | None = None
         self.dropped = 0
+        self._site_catalog: tuple[Signature, ...] | None = None
         self.reconfigure(cfg)
+
+    @property
+    def catalog(self) -> tuple[Signature, ...]:
+        """The signatures in use: the site file's with ours, or ours alone."""
+        return self._site_catalog if self._site_catalog is not None else builtin_catalog()
 
     def reconfigure(self, cfg: Config) -> None:
         """New thresholds and opt-ins; open hangs are kept."""
         first = not hasattr(self, "detector")
+        # Without a site file the shipped catalog is parsed at the first hang: PyYAML
+        # and the parsed catalog cost about 2 MiB that a healthy node never needs.
+        catalog: tuple[Signature, ...] | None = None
         try:
-            catalog = load_catalog(cfg.hangs.signatures_file)
+            if cfg.hangs.signatures_file:
+                catalog = load_catalog(cfg.hangs.signatures_file)
         except ConfigError:
             if first:
                 raise  # at start: exit 78 naming the file
             log.exception("hang signatures not reloaded; the previous ones stay")
-            catalog = self.catalog
+            catalog = self._site_catalog
         self.cfg = cfg
-        self.catalog: tuple[Signature, ...] = catalog
+        self._site_catalog = catalog
         if first:
             self.detector = HangDetector(thresholds_from_config(cfg))
         else:  # the detector's memory (onsets, ranks seen) survives a reload

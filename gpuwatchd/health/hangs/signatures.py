@@ -15,8 +15,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 
-import yaml
-
 from gpuwatchd.errors import ConfigError
 
 __all__ = [
@@ -107,6 +105,8 @@ def parse_catalog(doc: object, where: str = "hang signatures") -> tuple[Signatur
 @functools.cache
 def builtin_catalog() -> tuple[Signature, ...]:
     """The shipped catalog, parsed once."""
+    import yaml  # here: a node that never hangs needs no YAML parser
+
     text = (resources.files("gpuwatchd") / "data" / "hang-signatures.yaml").read_text("utf-8")
     return parse_catalog(yaml.safe_load(text), "gpuwatchd/data/hang-signatures.yaml")
 
@@ -116,6 +116,8 @@ def load_catalog(site_file: str = "") -> tuple[Signature, ...]:
     base = builtin_catalog()
     if not site_file:
         return base
+    import yaml
+
     try:
         with open(site_file, encoding="utf-8") as f:
             site = parse_catalog(yaml.safe_load(f), site_file)
