@@ -46,6 +46,7 @@ def test_daemon_serves_https_with_basic_auth(tmp_path: Path, start_daemon: Any) 
     assert resp.status == 200 and "gpuwatchd_gpu_info" in body
     with pytest.raises(urllib.error.HTTPError) as denied:
         urllib.request.urlopen(url, context=ctx, timeout=10)
+    denied.value.close()
     assert denied.value.code == 401
     with pytest.raises(OSError):  # plain HTTP on the TLS port is refused (reset or error)
         urllib.request.urlopen(f"http://127.0.0.1:{d.port}/metrics", timeout=10)
