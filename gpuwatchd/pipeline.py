@@ -22,6 +22,7 @@ from typing import Any
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config
 from gpuwatchd.errors import GpuwatchdError, StoreError
+from gpuwatchd.forensics import NodeForensics
 from gpuwatchd.health import engine as engine_mod
 from gpuwatchd.health import fabric as _fabric  # noqa: F401 (registers its rule)
 from gpuwatchd.health import storage as _storage  # noqa: F401 (registers its rule)
@@ -204,7 +205,7 @@ class Pipeline(Consumers):
         self.engine.add_listener(self.remediation.update)
         # Job hangs: their own detector and forensics thread; their alerts go through a
         # sink of their own (its own outbox), beside the engine's.
-        self.hang_monitor = HangMonitor(cfg, clock, self.store)
+        self.hang_monitor = HangMonitor(cfg, clock, self.store, io=NodeForensics())
         self.hangs = self.hang_monitor
         self.hang_sink = AlertSink(
             cfg,

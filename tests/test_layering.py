@@ -28,6 +28,7 @@ LAYER_OF_TOP = {
     "sinks": "sinks",
     "http": "http",
     "pipeline": "daemon",
+    "forensics": "daemon",
     "daemon": "daemon",
     "cli": "cli",
     "__main__": "cli",
@@ -171,6 +172,19 @@ def layer_violations(module: str, source: str) -> list[str]:
         if target is not None and LAYERS.index(layer_of(target)) > own:
             bad.append(f"{module}:{line}: {layer_of(module)} imports {layer_of(target)} ({name})")
     return bad
+
+
+def test_health_imports_nothing_from_sources() -> None:
+    # Decisions are made on values; reading the node is a source's job (issue 9).
+    files = [f for f in package_files() if module_name(f).startswith("gpuwatchd.health")]
+    assert files
+    bad = [
+        f"{module_name(f)}:{line}: {name}"
+        for f in files
+        for line, name in imports_of(f.read_text(), module_name(f))
+        if name == "gpuwatchd.sources" or name.startswith("gpuwatchd.sources.")
+    ]
+    assert not bad, "\n".join(bad)
 
 
 def test_layer_matrix() -> None:

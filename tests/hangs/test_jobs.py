@@ -10,6 +10,7 @@ from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import Config
 from gpuwatchd.config.hangs import HangsConfig
 from gpuwatchd.config.schema import PathsConfig
+from gpuwatchd.forensics import NodeForensics
 from gpuwatchd.health.hangs.monitor import HangMonitor
 from gpuwatchd.model import Sample, SourceSnapshot, Workload, WorkloadProcess
 from gpuwatchd.sources.hangs.jobs import (
@@ -90,7 +91,7 @@ def test_monitor_reads_nvml_samples_and_processes_from_the_snapshot(tmp_path: Pa
     cfg = dataclasses.replace(
         Config(), paths=PathsConfig(procfs=str(tmp_path)), hangs=HangsConfig(ras=False)
     )
-    monitor = HangMonitor(cfg, FakeClock(), None)
+    monitor = HangMonitor(cfg, FakeClock(), None, io=NodeForensics())
     labels = {"gpu": "0", "uuid": "GPU-a", "pci_bus_id": "0000:01:00.0"}
     for i in range(80):
         samples = (

@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from gpuwatchd.jobview import JobView
 from gpuwatchd.model import Sample
-from gpuwatchd.sources.hangs.jobs import JobView
 
 __all__ = [
     "CONDITIONS",

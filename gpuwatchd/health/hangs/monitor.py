@@ -37,6 +37,7 @@ from gpuwatchd.health.hangs.record import (
 )
 from gpuwatchd.health.hangs.signatures import Signature, builtin_catalog, load_catalog
 from gpuwatchd.health.hangs.summary import summarize
+from gpuwatchd.jobview import JobView, RasAnswer, RasError, StackCapture
 from gpuwatchd.model import (
     Action,
     Event,
@@ -45,10 +46,7 @@ from gpuwatchd.model import (
     Sample,
     Severity,
     SourceSnapshot,
-    Workload,
 )
-from gpuwatchd.sources.hangs import ras, stacks
-from gpuwatchd.sources.hangs.jobs import JobView, jobs_from_gpu_processes, jobs_from_workloads
 from gpuwatchd.state import NodeSnapshot
 
 __all__ = [
@@ -78,8 +76,22 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
 )
 Listener = Callable[[Sequence[Finding], float], None]
-StackFn = Callable[[int], stacks.StackCapture]
-RasFn = Callable[[JobView], ras.RasAnswer]
+StackFn = Callable[[int], StackCapture]
+RasFn = Callable[[JobView], RasAnswer]
+
+
+class NodeIO(Protocol):
+    """What the monitor reads from the node; the daemon passes gpuwatchd.forensics.NodeForensics.
+
+    The health layer decides; this object does the I/O (/proc, py-spy, NCCL RAS), so
+    health never imports a source.
+    """
+
+    def jobs(self, snap: NodeSnapshot, procfs: str) -> list[JobView]: ...
+
+    def capture(self, pid: int, timeout: float) -> StackCapture: ...
+
+    def ras(self, job: JobView, netns: bool, timeout: float) -> RasAnswer: ...
 
 
 class EventWriter(Protocol):
@@ -99,17 +111,6 @@ def thresholds_from_config(cfg: Config) -> HangThresholds:
     )
 
 
-def _ras_for(cfg: Config) -> RasFn:
-    h = cfg.hangs
-
-    def query(job: JobView) -> ras.RasAnswer:
-        if h.ras_netns and job.ranks:
-            return ras.query_in_netns(job.ranks[0].pid, job.ras_addr, timeout=h.ras_timeout_seconds)
-        return ras.query(job.ras_addr, timeout=h.ras_timeout_seconds)
-
-    return query
-
-
 class HangMonitor:
     """Detector, forensics worker and the JobHangSuspected findings."""
 
@@ -121,9 +122,11 @@ class HangMonitor:
         *,
         capture: StackFn | None = None,
         ras_query: RasFn | None = None,
+        io: NodeIO | None = None,
         max_queue: int = 16,
     ) -> None:
         self._clock = clock
+        self._io = io
         self._store = store
         self._capture = capture
         self._ras_query = ras_query
@@ -164,18 +167,25 @@ class HangMonitor:
             self.detector = HangDetector(thresholds_from_config(cfg))
         else:  # the detector's memory (onsets, ranks seen) survives a reload
             self.detector.thresholds = thresholds_from_config(cfg)
-        if self._capture is None or getattr(self._capture, "_default", False):
+        io = self._io
+        if io is not None and (self._capture is None or getattr(self._capture, "_default", False)):
             t = cfg.hangs.stacks_timeout_seconds
 
-            def capture(pid: int) -> stacks.StackCapture:
-                return stacks.capture(pid, timeout=t)
+            def capture(pid: int) -> StackCapture:
+                return io.capture(pid, t)
 
             capture._default = True  # type: ignore[attr-defined]
             self._capture = capture
-        if self._ras_query is None or getattr(self._ras_query, "_default", False):
-            q = _ras_for(cfg)
-            q._default = True  # type: ignore[attr-defined]
-            self._ras_query = q
+        if io is not None and (
+            self._ras_query is None or getattr(self._ras_query, "_default", False)
+        ):
+            h = cfg.hangs
+
+            def query(job: JobView) -> RasAnswer:
+                return io.ras(job, h.ras_netns, h.ras_timeout_seconds)
+
+            query._default = True  # type: ignore[attr-defined]
+            self._ras_query = query
 
     def add_listener(self, listener: Listener) -> None:
         """Call `listener(findings, now)` whenever the open hangs change."""
@@ -200,26 +210,9 @@ class HangMonitor:
 
     def jobs_of(self, snap: NodeSnapshot) -> list[JobView]:
         """Jobs from the workloads source when it runs, else from NVML's processes."""
-        procfs = self.cfg.paths.procfs
-        wl = snap.sources.get("workloads")
-        if wl is not None and wl.ok:
-            from gpuwatchd.sources.workloads.source import workloads_from_status
-
-            current: list[Workload] = workloads_from_status(
-                {"workloads": wl.status.get("workloads")}
-            )
-            return jobs_from_workloads(current, procfs)
-        nvml = snap.sources["nvml"]
-        pids: dict[str, list[int]] = {}
-        gpus = nvml.status.get("gpus")
-        for info in gpus.values() if isinstance(gpus, Mapping) else ():
-            if not isinstance(info, Mapping):
-                continue
-            for proc in info.get("processes") or ():
-                pid = proc.get("pid") if isinstance(proc, Mapping) else None
-                if isinstance(pid, int):
-                    pids.setdefault(str(info.get("gpu")), []).append(pid)
-        return jobs_from_gpu_processes(pids, procfs)
+        if self._io is None:
+            return []
+        return self._io.jobs(snap, self.cfg.paths.procfs)
 
     def observe(self, jobs: Sequence[JobView], gpus: Iterable[Any], now: float) -> None:
         """Feed one poll (also from tests and benchmarks)."""
@@ -326,12 +319,12 @@ class HangMonitor:
                 caps[r.pid] = self._capture(r.pid)
                 if not caps[r.pid].ok:
                     log.warning("hang %d: no stack of pid %d: %s", rid, r.pid, caps[r.pid].error)
-        answer: ras.RasAnswer | None = None
+        answer: RasAnswer | None = None
         ras_error = ""
         if h.ras and self._ras_query is not None:
             try:
                 answer = self._ras_query(job)
-            except ras.RasError as e:
+            except RasError as e:
                 ras_error = str(e)
         report = answer.report if answer is not None else None
         summary = summarize(job, verdict, caps, report, self.catalog)

@@ -15,9 +15,8 @@ from typing import Any
 
 from gpuwatchd.health.hangs.detector import JobVerdict
 from gpuwatchd.health.hangs.summary import HangSummary
+from gpuwatchd.jobview import JobView, StackCapture
 from gpuwatchd.model import Action, Event, Finding, Severity
-from gpuwatchd.sources.hangs import stacks
-from gpuwatchd.sources.hangs.jobs import JobView
 
 __all__ = [
     "ALERTNAME",
@@ -43,7 +42,7 @@ class HangRecord:
     job: JobView
     verdict: JobVerdict
     summary: HangSummary | None = None
-    stacks: dict[int, stacks.StackCapture] = field(default_factory=dict)
+    stacks: dict[int, StackCapture] = field(default_factory=dict)
     ras_text: str = ""
     ras_error: str = ""
     ras_at: float = 0.0

@@ -14,9 +14,7 @@ from dataclasses import dataclass, field
 
 from gpuwatchd.health.hangs.detector import JobVerdict
 from gpuwatchd.health.hangs.signatures import Signature, match
-from gpuwatchd.sources.hangs.jobs import JobView
-from gpuwatchd.sources.hangs.ras import RasReport
-from gpuwatchd.sources.hangs.stacks import StackCapture
+from gpuwatchd.jobview import JobView, RasReport, StackCapture
 
 __all__ = ["HangSummary", "RankSummary", "summarize", "where_stuck"]
 

@@ -34,9 +34,16 @@ from gpuwatchd.health.xid.tracker import (
     XidTracker,
 )
 from gpuwatchd.health.xid.workload import attach_mig, attach_workload
-from gpuwatchd.model import Clear, Event, MetricSpec, Sample, SourceSnapshot, XidFields
+from gpuwatchd.model import (
+    Clear,
+    Event,
+    MetricSpec,
+    Sample,
+    SourceSnapshot,
+    XidFields,
+    workloads_from_status,
+)
 from gpuwatchd.pci import normalize_bus_id
-from gpuwatchd.sources.workloads.source import workloads_from_status
 
 if TYPE_CHECKING:
     from gpuwatchd.config import Config

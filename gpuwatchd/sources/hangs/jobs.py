@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 
+from gpuwatchd.jobview import DEFAULT_RAS_ADDR, JobView, RankView, gpu_order
 from gpuwatchd.model import Workload
 from gpuwatchd.sources.workloads.environ import torch_job_id
 
@@ -27,7 +27,6 @@ __all__ = [
     "read_environ",
 ]
 
-DEFAULT_RAS_ADDR = "localhost:28028"
 _ENV_KEYS = (
     "RANK",
     "LOCAL_RANK",
@@ -51,46 +50,6 @@ _ENV_KEYS = (
 )
 _LOCAL_HOSTS = ("", "localhost", "127.0.0.1", "::1")
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-@dataclass(frozen=True, slots=True)
-class RankView:
-    """One process of a job on this node."""
-
-    pid: int
-    gpus: tuple[str, ...]
-    rank: int | None = None
-    local_rank: int | None = None
-    world_size: int | None = None
-    cpu_seconds: float | None = None  # user+system of all threads; None = unreadable
-    ras_addr: str = DEFAULT_RAS_ADDR
-    command: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class JobView:
-    """A job's processes on this node and what they expect.
-
-    `expected_local` is how many ranks should run here (LOCAL_WORLD_SIZE,
-    or WORLD_SIZE for a single-node job); None = unknown. `labels` carries
-    job / namespace / pod / slurm_job for alerts (never metrics).
-    """
-
-    job: str
-    ranks: tuple[RankView, ...]
-    expected_local: int | None = None
-    world_size: int | None = None
-    labels: tuple[tuple[str, str], ...] = ()
-    ras_addr: str = DEFAULT_RAS_ADDR
-
-    @property
-    def gpus(self) -> tuple[str, ...]:
-        """Every GPU any rank of the job uses, sorted."""
-        return tuple(sorted({g for r in self.ranks for g in r.gpus}, key=_gpu_order))
-
-
-def _gpu_order(gpu: str) -> tuple[int, str]:
-    return (int(gpu), "") if gpu.isdigit() else (1 << 30, gpu)
 
 
 def _int(text: str | None) -> int | None:
@@ -193,7 +152,7 @@ def jobs_from_gpu_processes(
         rank = _int(env.get("RANK") or env.get("SLURM_PROCID") or env.get("OMPI_COMM_WORLD_RANK"))
         view = RankView(
             pid=pid,
-            gpus=tuple(sorted(set(gpus), key=_gpu_order)),
+            gpus=tuple(sorted(set(gpus), key=gpu_order)),
             rank=rank,
             local_rank=_int(env.get("LOCAL_RANK") or env.get("SLURM_LOCALID")),
             world_size=_int(env.get("WORLD_SIZE")),
@@ -249,7 +208,7 @@ def jobs_from_workloads(workloads: Iterable[Workload], procfs: str = "/proc") ->
             ranks.append(
                 RankView(
                     pid=pid,
-                    gpus=tuple(sorted(set(gpus), key=_gpu_order)),
+                    gpus=tuple(sorted(set(gpus), key=gpu_order)),
                     rank=rank,
                     local_rank=_int(proc.local_rank if proc else env.get("LOCAL_RANK")),
                     world_size=_int(w.world_size or env.get("WORLD_SIZE")),

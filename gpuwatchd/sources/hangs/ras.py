@@ -23,7 +23,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+
+from gpuwatchd.jobview import RasAnswer, RasCommunicator, RasError, RasRank, RasReport
 
 __all__ = [
     "PROTOCOL",
@@ -40,66 +41,6 @@ __all__ = [
 
 PROTOCOL = 2
 MAX_ANSWER_BYTES = 8 << 20
-
-
-class RasError(Exception):
-    """The RAS service could not be reached or answered something unexpected."""
-
-
-@dataclass(frozen=True, slots=True)
-class RasRank:
-    """One rank of a communicator as RAS reports it."""
-
-    rank: int
-    host: str = ""
-    pid: int | None = None
-    cuda_dev: int | None = None
-    nvml_dev: int | None = None
-    init_state: int = 0
-    async_error: int = 0
-    finalize_called: bool = False
-    destroy_flag: bool = False
-    abort_flag: bool = False
-    collective_counts: Mapping[str, int] = field(default_factory=dict)
-    extra: Mapping[str, object] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class RasCommunicator:
-    """One communicator: its ranks, and those RAS could not reach."""
-
-    hash: str
-    size: int
-    ranks: tuple[RasRank, ...]
-    missing_ranks: tuple[Mapping[str, object], ...] = ()
-    missing_ranks_count: int = 0
-    extra: Mapping[str, object] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class RasReport:
-    """A parsed JSON `STATUS` answer."""
-
-    nccl_version: str
-    communicators: tuple[RasCommunicator, ...]
-    timeouts_count: int = 0
-    collection_time_seconds: float | None = None
-    extra: Mapping[str, object] = field(default_factory=dict)
-
-    def missing(self) -> list[tuple[str, Mapping[str, object]]]:
-        """(communicator hash, missing rank entry) for every rank RAS could not reach."""
-        return [(c.hash, m) for c in self.communicators for m in c.missing_ranks]
-
-
-@dataclass(frozen=True, slots=True)
-class RasAnswer:
-    """What one query brought back: the raw text and, for JSON, the parsed report."""
-
-    addr: str
-    server_protocol: int
-    text: str
-    report: RasReport | None
-    seconds: float
 
 
 def parse_addr(addr: str, default_port: int = 28028) -> tuple[str, int]:

@@ -15,7 +15,8 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+
+from gpuwatchd.jobview import Frame, StackCapture, ThreadStack
 
 __all__ = [
     "Frame",
@@ -32,48 +33,6 @@ _THREAD = re.compile(
 _FRAME = re.compile(r"^\s+(?P<func>.+?)(?: \((?P<where>[^()]*)\))?\s*$")
 _PROCESS = re.compile(r"^Process (?P<pid>\d+): (?P<cmd>.*)$")
 _PYTHON = re.compile(r"^Python v(?P<version>\S+)")
-
-
-@dataclass(frozen=True, slots=True)
-class Frame:
-    """One frame: function and `file:line` (or the library, for native frames)."""
-
-    function: str
-    location: str = ""
-
-    def text(self) -> str:
-        """`function (location)`, as py-spy prints it; what signatures match."""
-        return f"{self.function} ({self.location})" if self.location else self.function
-
-
-@dataclass(frozen=True, slots=True)
-class ThreadStack:
-    """One thread: innermost frame first."""
-
-    thread_id: str
-    name: str
-    state: str
-    frames: tuple[Frame, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class StackCapture:
-    """One process's stacks, or why there are none."""
-
-    pid: int
-    ok: bool
-    threads: tuple[ThreadStack, ...] = ()
-    error: str = ""
-    python: str = ""
-    seconds: float = 0.0
-    raw: str = ""
-
-    def main_thread(self) -> ThreadStack | None:
-        """The thread py-spy calls MainThread, else the first one."""
-        for t in self.threads:
-            if t.name == "MainThread":
-                return t
-        return self.threads[0] if self.threads else None
 
 
 def parse_dump(text: str) -> tuple[str, tuple[ThreadStack, ...]]:

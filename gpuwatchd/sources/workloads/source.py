@@ -17,7 +17,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gpuwatchd.errors import SourceError
-from gpuwatchd.model import Event, MetricSpec, Sample, Workload, WorkloadProcess
+from gpuwatchd.model import (
+    Event,
+    MetricSpec,
+    Sample,
+    Workload,
+    WorkloadProcess,
+    workloads_from_status,
+)
 from gpuwatchd.sources.workloads.cgroup import Attribution, attribute
 from gpuwatchd.sources.workloads.environ import read_torch_env, torch_job_id
 from gpuwatchd.sources.workloads.podresources import PodDevice, PodResourcesClient
@@ -377,26 +384,6 @@ def workload_json(w: Workload) -> dict[str, object]:
     out["processes"] = [
         {k: v for k, v in dataclasses.asdict(p).items() if v not in ("", None)} for p in w.processes
     ]
-    return out
-
-
-def workloads_from_status(status: Mapping[str, object]) -> list[Workload]:
-    """Workloads (current, then recently exited) back from `status()`'s JSON form."""
-    out = []
-    for key in ("workloads", "exited"):
-        items = status.get(key)
-        for item in items if isinstance(items, list) else ():
-            if not isinstance(item, Mapping):
-                continue
-            try:
-                procs = tuple(
-                    WorkloadProcess(**p) for p in item.get("processes") or () if isinstance(p, dict)
-                )
-                fields = {k: v for k, v in item.items() if k not in ("processes", "gpus")}
-                gpus = tuple(item.get("gpus") or ())
-                out.append(Workload(**fields, processes=procs, gpus=gpus))
-            except TypeError:  # not this version's shape: no attribution rather than a crash
-                continue
     return out
 
 

@@ -1,0 +1,51 @@
+"""The node I/O behind the hang monitor: job views from /proc, py-spy stacks, NCCL RAS.
+
+The monitor (health/hangs) decides on values; this daemon-layer adapter hands it
+the sources' readers, so the health layer never imports a source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from gpuwatchd.jobview import JobView, RasAnswer, StackCapture
+from gpuwatchd.model import workloads_from_status
+from gpuwatchd.sources.hangs import ras, stacks
+from gpuwatchd.sources.hangs.jobs import jobs_from_gpu_processes, jobs_from_workloads
+from gpuwatchd.state import NodeSnapshot
+
+__all__ = ["NodeForensics"]
+
+
+class NodeForensics:
+    """`health.hangs.monitor.NodeIO` over the real node."""
+
+    def jobs(self, snap: NodeSnapshot, procfs: str) -> list[JobView]:
+        """Jobs from the workloads source when it runs, else from NVML's processes."""
+        wl = snap.sources.get("workloads")
+        if wl is not None and wl.ok:
+            current = workloads_from_status({"workloads": wl.status.get("workloads")})
+            return jobs_from_workloads(current, procfs)
+        nvml = snap.sources.get("nvml")
+        if nvml is None:
+            return []
+        pids: dict[str, list[int]] = {}
+        gpus = nvml.status.get("gpus")
+        for info in gpus.values() if isinstance(gpus, Mapping) else ():
+            if not isinstance(info, Mapping):
+                continue
+            for proc in info.get("processes") or ():
+                pid = proc.get("pid") if isinstance(proc, Mapping) else None
+                if isinstance(pid, int):
+                    pids.setdefault(str(info.get("gpu")), []).append(pid)
+        return jobs_from_gpu_processes(pids, procfs)
+
+    def capture(self, pid: int, timeout: float) -> StackCapture:
+        """One py-spy dump of `pid`, bounded by `timeout`."""
+        return stacks.capture(pid, timeout=timeout)
+
+    def ras(self, job: JobView, netns: bool, timeout: float) -> RasAnswer:
+        """Ask the job's NCCL RAS service, from its network namespace when `netns`."""
+        if netns and job.ranks:
+            return ras.query_in_netns(job.ranks[0].pid, job.ras_addr, timeout=timeout)
+        return ras.query(job.ras_addr, timeout=timeout)
