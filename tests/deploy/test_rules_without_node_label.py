@@ -15,8 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import FIXTURES, DaemonProcess
-from tests.e2e.test_dashboards import CAPTURE, RULES, kernel_log, result, rule_entries
+from tests.e2e.test_dashboards import RULES, result, rule_entries, start_replay_daemon
 from tests.servers import PrometheusServer
 
 TARGETS = ("127.0.0.1", "localhost")
@@ -26,25 +25,7 @@ pytestmark = pytest.mark.slow  # a daemon and a Prometheus per worker: about 12 
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrometheusServer]:
     tmp = tmp_path_factory.mktemp("rules-no-node")
-    (tmp / "kern.log").write_text(kernel_log())
-    (tmp / "shm").mkdir()
-    daemon_config = f"""
-paths:
-  sysfs: {FIXTURES / "sys"}
-  dev_shm: {tmp / "shm"}
-sources:
-  nvml: {{interval: 1}}
-  kmsg: {{backend: file, file: {tmp / "kern.log"}}}
-  shm: {{interval: 1}}
-  infiniband: {{interval: 1}}
-"""
-    daemon = DaemonProcess(tmp, daemon_config, ["--nvml-replay", str(CAPTURE)], {})
-    try:
-        daemon.notify.wait_for("READY=1", timeout=60)
-    except AssertionError:
-        out = daemon.output()
-        daemon.stop()
-        raise AssertionError(f"daemon not ready:\n{out}") from None
+    daemon = start_replay_daemon(tmp)
     targets = ", ".join(f'"{host}:{daemon.port}"' for host in TARGETS)
     prom_config = f"""
 global:

@@ -21,6 +21,7 @@ import importlib.util
 import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -116,9 +117,8 @@ def kernel_log() -> str:
     return "\n".join(lines) + "\n"
 
 
-@pytest.fixture(scope="module")
-def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrometheusServer]:
-    tmp = tmp_path_factory.mktemp("dash-e2e")
+def start_replay_daemon(tmp: Path) -> DaemonProcess:
+    """A daemon replaying the H200 capture, with a kernel log holding real Xid and SXid lines."""
     (tmp / "kern.log").write_text(kernel_log())
     (tmp / "shm").mkdir()
     daemon_config = f"""
@@ -135,8 +135,16 @@ sources:
     try:
         daemon.notify.wait_for("READY=1", timeout=60)
     except AssertionError:
+        out = daemon.output()
         daemon.stop()
-        raise AssertionError(f"daemon not ready:\n{daemon.output()}") from None
+        raise AssertionError(f"daemon not ready:\n{out}") from None
+    return daemon
+
+
+@pytest.fixture(scope="module")
+def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrometheusServer]:
+    tmp = tmp_path_factory.mktemp("dash-e2e")
+    daemon = start_replay_daemon(tmp)
     rule_files = f"rule_files: [{RULES}]\n" if RULES.exists() else ""
     prom_config = f"""
 global:
