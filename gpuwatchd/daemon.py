@@ -16,21 +16,20 @@ import signal
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
-from wsgiref.simple_server import WSGIServer
-
-from prometheus_client import CollectorRegistry, ProcessCollector
-from prometheus_client.exposition import _SilentHandler
 
 from gpuwatchd import __version__, config, logs
 from gpuwatchd.clock import Clock, SystemClock
 from gpuwatchd.config import Config
 from gpuwatchd.errors import ConfigError, StoreError
 from gpuwatchd.http import webconfig
+from gpuwatchd.http.app import Route, json_route, make_app
 from gpuwatchd.http.endpoints import healthz_route, status_document, summary_line
-from gpuwatchd.http.server import Route, json_route, make_app, serve
+from gpuwatchd.http.server import WebServer, serve
 from gpuwatchd.pipeline import Pipeline, SourceSet, node_name, source_names
 from gpuwatchd.sinks.durability import StateDirLock
-from gpuwatchd.sinks.prometheus import SnapshotCollector, write_textfile
+from gpuwatchd.sinks.exposition import Registry, write_textfile
+from gpuwatchd.sinks.process import ProcessCollector
+from gpuwatchd.sinks.prometheus import SnapshotCollector
 from gpuwatchd.sources.nvml.rollup import nvlink_rollup
 from gpuwatchd.state import State
 from gpuwatchd.systemd import Notifier
@@ -201,10 +200,10 @@ class Daemon:
         self.signals: queue.SimpleQueue[int] = queue.SimpleQueue()
         self.state = State()
         self.wiring: Wiring | None = None
-        self.httpd: WSGIServer | None = None
-        self.registry = CollectorRegistry(auto_describe=False)
+        self.httpd: WebServer | None = None
+        self.registry = Registry()
         # process_* (CPU, RSS, open fds) so the daemon's own cost is watched too.
-        ProcessCollector(registry=self.registry)
+        self.registry.register(ProcessCollector())
         self._collector: SnapshotCollector | None = None
         self.web: webconfig.WebConfig | None = None
         self.pipeline: Pipeline | None = None
@@ -278,10 +277,10 @@ class Daemon:
         self.registry.register(self._collector)
         return self.wiring
 
-    def _serve(self, cfg: Config) -> WSGIServer:
+    def _serve(self, cfg: Config) -> WebServer:
         host, port = split_listen(cfg.http.listen)
         app = make_app(self.registry, _LiveRoutes(self), lambda: self.state.snapshot().generation)
-        httpd, _thread = serve(app, host, port, self.web, handler_class=_SilentHandler)
+        httpd, _thread = serve(app, host, port, self.web)
         return httpd
 
     def _install_signals(self) -> None:

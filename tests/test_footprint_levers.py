@@ -86,7 +86,7 @@ _NO_SSL = """
 import sys
 from gpuwatchd.cli.run import defer_ssl
 defer_ssl()
-import prometheus_client, gpuwatchd.daemon
+import gpuwatchd.daemon
 from gpuwatchd.config import AlertmanagerConfig
 from gpuwatchd.sinks.alertmanager.client import AlertmanagerClient
 AlertmanagerClient(AlertmanagerConfig(urls=["http://127.0.0.1:9093"]))
@@ -105,6 +105,51 @@ def test_ssl_loads_only_when_tls_is_used() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+# The daemon, serving a scrape with the default sources on a replayed GPU, must not
+# have loaded a client library or the stdlib HTTP/email stack (several MiB).
+_LEAN = """
+import os, signal, socket, sys, threading, time
+from gpuwatchd.cli.run import defer_ssl
+defer_ssl()
+from gpuwatchd.daemon import Daemon, Overrides
+daemon = Daemon(None, Overrides(listen="127.0.0.1:0", nvml_replay=sys.argv[1], state_dir=sys.argv[2]))
+verdict = []
+
+def probe():
+    deadline = time.monotonic() + 30
+    while daemon.httpd is None or not daemon.pipeline or not daemon.pipeline.wait_idle(0.1):
+        if time.monotonic() > deadline:
+            verdict.append("daemon did not start")
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        time.sleep(0.05)
+    with socket.create_connection(daemon.httpd.server_address[:2], timeout=10) as s:
+        s.sendall(b"GET /metrics HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")
+        reply = b"".join(iter(lambda: s.recv(65536), b""))
+    heavy = ("prometheus_client", "http.server", "http.client", "email", "wsgiref",
+             "urllib.request", "_ssl")
+    verdict.append(repr([m for m in heavy if m in sys.modules]))
+    verdict.append(str(b"gpuwatchd_gpu_temperature_celsius" in reply))
+    os.kill(os.getpid(), signal.SIGTERM)
+
+threading.Thread(target=probe, daemon=True).start()
+rc = daemon.run()
+print(rc, *verdict)
+"""
+
+
+def test_daemon_serves_without_http_or_client_libraries(tmp_path: Path) -> None:
+    capture = ROOT / "tests" / "fixtures" / "nvml" / "h100-idle-record.json"
+    out = subprocess.run(
+        [sys.executable, "-c", _LEAN, str(capture), str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert out.stdout.split() == ["0", "[]", "True"], out.stdout + out.stderr
 
 
 _NO_YAML = """

@@ -28,11 +28,7 @@ def register(sub: Any) -> None:
 class _DeferredSsl(types.ModuleType):
     """Stands in for ssl in sys.modules; its first attribute read loads the real one."""
 
-    placeholders = False  # while True, a read answers None and loads nothing
-
     def __getattr__(self, attr: str) -> Any:
-        if self.placeholders and not attr.startswith("__"):
-            return None
         with _LOADING:
             if sys.modules.get("ssl") is self:
                 del sys.modules["ssl"]
@@ -46,25 +42,17 @@ _LOADING = threading.Lock()
 
 
 def defer_ssl() -> None:
-    """Load ssl at its first use instead of when http.client or urllib imports it.
+    """Load ssl at its first use instead of when a module merely imports it.
 
-    The HTTP server and prometheus_client import http.client, which imports
-    ssl (libssl and libcrypto: about 5 MiB resident) though a daemon without
-    TLS never uses it; `import ssl` alone reads nothing from the module.
+    ssl brings libssl and libcrypto (about 5 MiB resident), and the web config
+    and the Alertmanager client import it though a daemon without TLS never
+    uses it; `import ssl` alone reads nothing from the module.
     """
     if "ssl" in sys.modules:
         return
     stub = _DeferredSsl("ssl")
     stub.__spec__ = importlib.machinery.ModuleSpec("ssl", None)
     sys.modules["ssl"] = stub
-    # prometheus_client reads ssl names when imported, only for the annotations and
-    # defaults of its own TLS helpers (push gateway, its HTTPS server), which the
-    # daemon never calls (TLS is http/webconfig.py's): those reads get None.
-    stub.placeholders = True
-    try:
-        import prometheus_client.exposition  # noqa: F401
-    finally:
-        stub.placeholders = False
 
 
 def _run(args: argparse.Namespace) -> int:

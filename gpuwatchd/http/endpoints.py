@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from gpuwatchd.health.rollup import finding_json
-from gpuwatchd.http.server import Route
+from gpuwatchd.http.app import Route
 from gpuwatchd.sinks.store import EventStore
 from gpuwatchd.state import NodeSnapshot
 

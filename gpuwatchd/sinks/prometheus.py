@@ -13,19 +13,13 @@ from __future__ import annotations
 import logging
 import os
 import platform
-import tempfile
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
-
 from gpuwatchd import __version__
 from gpuwatchd.model import MetricSpec, Sample
+from gpuwatchd.sinks.exposition import Family
 from gpuwatchd.state import NodeSnapshot, State
-
-Family = CounterMetricFamily | GaugeMetricFamily
 
 __all__ = [
     "DAEMON_METRICS",
@@ -33,7 +27,6 @@ __all__ = [
     "DroppedSampleError",
     "STRICT_ENV",
     "SnapshotCollector",
-    "write_textfile",
 ]
 
 log = logging.getLogger("gpuwatchd.prometheus")
@@ -91,7 +84,7 @@ class DroppedSampleError(RuntimeError):
     """A sample the exposition cannot carry, raised in strict mode."""
 
 
-class SnapshotCollector(Collector):
+class SnapshotCollector:
     """Yields metric families from the current snapshot; never blocks."""
 
     def __init__(
@@ -110,11 +103,8 @@ class SnapshotCollector(Collector):
         self._logged: set[tuple[str, str]] = set()
         self._counted_generation = -1
 
-    def describe(self) -> Iterator[Metric]:
-        for spec in self._specs.values():
-            yield _family(spec)
-
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterator[Family]:
+        """The snapshot's families, then the drop counter."""
         snap = self._state.snapshot()
         # Renders of one snapshot (scrape, textfile) count its drops once.
         counting = snap.generation != self._counted_generation
@@ -141,11 +131,11 @@ class SnapshotCollector(Collector):
                     self._drop("duplicate_series", s, 1, counting)
                 else:
                     seen.add(values)
-                    fam.add_metric(list(values), s.value)
+                    fam.add(values, s.value)
             families.append(fam)
         dropped = _family(self._specs["gpuwatchd_exporter_dropped_samples_total"])
         for reason in DROP_REASONS:
-            dropped.add_metric([reason], self._dropped[reason])
+            dropped.add((reason,), self._dropped[reason])
         families.append(dropped)
         yield from families
 
@@ -163,8 +153,9 @@ class SnapshotCollector(Collector):
 
 def _family(spec: MetricSpec) -> Family:
     if spec.type == "counter":
-        return CounterMetricFamily(spec.name.removesuffix("_total"), spec.help, labels=spec.labels)
-    return GaugeMetricFamily(spec.name, spec.help, labels=spec.labels)
+        name = spec.name.removesuffix("_total") + "_total"
+        return Family(name, "counter", spec.help, spec.labels)
+    return Family(spec.name, "gauge", spec.help, spec.labels)
 
 
 def _label_values(spec: MetricSpec, sample: Sample) -> tuple[str, ...] | None:
@@ -195,20 +186,3 @@ def _self_samples(snap: NodeSnapshot) -> Iterator[Sample]:
                 yield Sample.of(
                     "gpuwatchd_collector_errors_total", count, collector=name, reason=reason
                 )
-
-
-def write_textfile(registry: CollectorRegistry, path: str) -> None:
-    """Write the exposition atomically (tmp file + rename) for node_exporter's textfile."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".gpuwatchd-", suffix=".prom.tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(generate_latest(registry))
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise

@@ -56,10 +56,10 @@ def test_hang_show_lists_and_details_a_recorded_hang(
 
 def test_events_id_and_hangs_id_over_http(tmp_path: Path) -> None:
     """/events/ID serves a job hang's forensics as JSON; /hangs/ID the monitor's record."""
-    from prometheus_client import CollectorRegistry
-
+    from gpuwatchd.http.app import make_app
     from gpuwatchd.http.endpoints import events_route
-    from gpuwatchd.http.server import make_app, serve
+    from gpuwatchd.http.server import serve
+    from gpuwatchd.sinks.exposition import Registry
     from tests.conftest import free_port, http_get
 
     cfg = dataclasses.replace(
@@ -75,7 +75,7 @@ def test_events_id_and_hangs_id_over_http(tmp_path: Path) -> None:
         monitor.observe(jobs, gpus, 1_800_000_000.0 + t)
         monitor.run_pending()
     (row,) = store.recent(10, kind="job_hang")
-    app = make_app(CollectorRegistry(), {"/events": events_route(store), "/hangs": monitor.route})
+    app = make_app(Registry(), {"/events": events_route(store), "/hangs": monitor.route})
     port = free_port()
     httpd, _ = serve(app, "127.0.0.1", port)
     try:

@@ -87,7 +87,7 @@ def server(tmp_path: Path) -> Iterator[Any]:
             path.write_text(yaml_text)
             web = webconfig.load(str(path))
         app = App()
-        httpd, _thread = serve(app, "127.0.0.1", 0, web, poll_interval=0.02)
+        httpd, _thread = serve(app, "127.0.0.1", 0, web)
         started.append(httpd)
         scheme = "https" if web is not None and web.context is not None else "http"
         return f"{scheme}://127.0.0.1:{httpd.server_address[1]}", app

@@ -6,16 +6,15 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
 
-from gpuwatchd.http.server import make_app
+from gpuwatchd.http.app import make_app
 from gpuwatchd.model import MetricSpec, Sample, SourceSnapshot
+from gpuwatchd.sinks.exposition import Registry, render, write_textfile
 from gpuwatchd.sinks.prometheus import (
     DROP_REASONS,
     STRICT_ENV,
     DroppedSampleError,
     SnapshotCollector,
-    write_textfile,
 )
 from gpuwatchd.state import State
 
@@ -25,8 +24,8 @@ SPECS = (
 )
 
 
-def _registry(state: State, strict: bool | None = None) -> CollectorRegistry:
-    reg = CollectorRegistry(auto_describe=False)
+def _registry(state: State, strict: bool | None = None) -> Registry:
+    reg = Registry()
     reg.register(SnapshotCollector(state, SPECS, strict=strict))
     return reg
 
@@ -57,7 +56,7 @@ def test_exposition_from_snapshot() -> None:
             Sample.of("gpuwatchd_gpu_energy_joules_total", 2172.869, gpu=0),
         ],
     )
-    text = generate_latest(_registry(state)).decode()
+    text = render(_registry(state)).decode()
     assert (
         'gpuwatchd_gpu_power_watts{gpu="0",pci_bus_id="0000:00:06.0",uuid="GPU-a"} 121.753' in text
     )
@@ -83,8 +82,8 @@ def test_malformed_and_unknown_samples_are_dropped_not_fatal(
     )
     registry = _registry(state, strict=False)
     with caplog.at_level(logging.ERROR, "gpuwatchd.prometheus"):
-        text = generate_latest(registry).decode()
-        again = generate_latest(registry).decode()
+        text = render(registry).decode()
+        again = render(registry).decode()
     assert "gpuwatchd_not_declared" not in text
     assert "gpuwatchd_gpu_power_watts{" not in text
     assert text.count('gpuwatchd_gpu_energy_joules_total{gpu="1"}') == 1
@@ -96,7 +95,7 @@ def test_malformed_and_unknown_samples_are_dropped_not_fatal(
     assert again == text
     assert len(caplog.records) == 3
     _publish(state, [Sample.of("gpuwatchd_not_declared", 2)])
-    text = generate_latest(registry).decode()
+    text = render(registry).decode()
     assert 'gpuwatchd_exporter_dropped_samples_total{reason="no_spec"} 2.0' in text
     assert len(caplog.records) == 3
 
@@ -104,7 +103,7 @@ def test_malformed_and_unknown_samples_are_dropped_not_fatal(
 def test_dropped_samples_counter_exported_at_zero() -> None:
     state = State()
     _publish(state, [Sample.of("gpuwatchd_gpu_energy_joules_total", 5, gpu=1)])
-    text = generate_latest(_registry(state, strict=True)).decode()
+    text = render(_registry(state, strict=True)).decode()
     for reason in DROP_REASONS:
         assert f'gpuwatchd_exporter_dropped_samples_total{{reason="{reason}"}} 0.0' in text
 
@@ -120,7 +119,7 @@ def test_strict_mode_raises_on_a_sample_it_would_drop(bad: Sample) -> None:
     state = State()
     _publish(state, [bad])
     with pytest.raises(DroppedSampleError, match=bad.name):
-        generate_latest(_registry(state, strict=True))
+        render(_registry(state, strict=True))
 
 
 def test_strict_mode_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -128,9 +127,9 @@ def test_strict_mode_follows_the_environment(monkeypatch: pytest.MonkeyPatch) ->
     _publish(state, [Sample.of("gpuwatchd_not_declared", 1)])
     monkeypatch.setenv(STRICT_ENV, "1")
     with pytest.raises(DroppedSampleError):
-        generate_latest(_registry(state))
+        render(_registry(state))
     monkeypatch.setenv(STRICT_ENV, "0")
-    assert b"gpuwatchd_not_declared" not in generate_latest(_registry(state))
+    assert b"gpuwatchd_not_declared" not in render(_registry(state))
 
 
 def test_wsgi_routes() -> None:
@@ -162,7 +161,7 @@ def test_textfile_written_atomically(tmp_path: Path) -> None:
 def test_promtool_accepts_exposition() -> None:
     state = State()
     _publish(state, [Sample.of("gpuwatchd_gpu_energy_joules_total", 1, gpu=0)])
-    text = generate_latest(_registry(state))
+    text = render(_registry(state))
     res = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True)
     assert res.returncode == 0 and not res.stdout.strip() and not res.stderr.strip(), res
 
@@ -176,7 +175,7 @@ def test_exposition_rendered_once_per_snapshot() -> None:
             calls.append(1)
             return super().collect()
 
-    reg = CollectorRegistry(auto_describe=False)
+    reg = Registry()
     reg.register(Counting(state, SPECS))
     app = make_app(reg, {}, lambda: state.snapshot().generation)
 

@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config
@@ -30,8 +31,10 @@ from gpuwatchd.errors import ConfigError
 from gpuwatchd.health.alerts import ALERTS, GPU_LABELS, WORKLOAD_ANNOTATIONS, summary
 from gpuwatchd.logs import escape_control
 from gpuwatchd.model import Finding, MetricSpec, Sample, Severity
-from gpuwatchd.sinks.alertmanager.client import AlertmanagerClient
 from gpuwatchd.sinks.alertmanager.outbox import RESOLVED_RETENTION, Outbox, StoredAlert
+
+if TYPE_CHECKING:
+    from gpuwatchd.sinks.alertmanager.client import AlertmanagerClient
 
 __all__ = [
     "AlertSink",
@@ -168,7 +171,11 @@ class AlertSink:
         self.generator_url = f"{base}/alerts"
         poll = cfg.sources.nvml.interval
         self._ttl = 4 * max(poll, self._am.resend_interval)
-        self._client = AlertmanagerClient(self._am)
+        self._client: AlertmanagerClient | None = None
+        if self._am.urls:  # without one the daemon never loads urllib.request
+            from gpuwatchd.sinks.alertmanager.client import AlertmanagerClient
+
+            self._client = AlertmanagerClient(self._am)
         self._deadline: float | None = None  # monotonic; bounds HTTP during flush/stop
 
     # --- input ---------------------------------------------------------------
@@ -369,6 +376,7 @@ class AlertSink:
         timeout = self._am.timeout
         if self._deadline is not None:
             timeout = max(0.1, min(timeout, self._deadline - time.monotonic()))
+        assert self._client is not None  # a receiver exists only for a configured URL
         result = self._client.post(r.url, payload, timeout)
         if result.status is None and r.failures == 0:
             log.warning("Alertmanager %s unreachable: %s (will retry)", r.url, result.error)

@@ -1,0 +1,109 @@
+"""The daemon's WSGI app: /metrics plus plain-function JSON routes.
+
+The exposition is rendered at most once per snapshot generation; routes are
+plain functions `query -> (status, content type, body)`, so a handler never
+sees WSGI.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+from urllib.parse import parse_qs
+
+from gpuwatchd.sinks.exposition import CONTENT_TYPE, Registry, render
+
+__all__ = ["App", "REASONS", "Route", "StartResponse", "json_route", "make_app"]
+
+log = logging.getLogger("gpuwatchd.http")
+
+StartResponse = Callable[..., Any]
+App = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
+Route = Callable[[Mapping[str, list[str]]], tuple[int, str, bytes]]
+
+REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    408: "Request Timeout",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
+
+
+def make_app(
+    registry: Registry,
+    routes: Mapping[str, Route],
+    generation: Callable[[], int] | None = None,
+) -> Callable[[dict[str, Any], StartResponse], Sequence[bytes]]:
+    """A WSGI app: /metrics plus the given JSON routes; anything else is 404.
+
+    With `generation` (the snapshot's counter), the exposition is rendered once
+    per snapshot and reused by every scrape until the next publish.
+    """
+    cache: list[tuple[int, bytes]] = []
+    cache_lock = threading.Lock()
+
+    def exposition() -> bytes:
+        if generation is None:
+            return render(registry)
+        gen = generation()
+        with cache_lock:
+            if cache and cache[0][0] == gen:
+                return cache[0][1]
+        body = render(registry)
+        with cache_lock:
+            cache[:] = [(gen, body)]
+        return body
+
+    def app(environ: dict[str, Any], start_response: StartResponse) -> Sequence[bytes]:
+        path = environ.get("PATH_INFO", "/") or "/"
+        method = environ.get("REQUEST_METHOD", "GET")
+        if method not in ("GET", "HEAD"):
+            return _reply(start_response, 405, "text/plain", b"method not allowed\n")
+        query = parse_qs(environ.get("QUERY_STRING", ""))
+        base, _, item = path.rpartition("/")
+        if path not in routes and base in routes and item:
+            path, query = base, {**query, "id": [item]}  # /events/42 is /events?id=42
+        if path == "/metrics":
+            body = exposition()
+            status, ctype = 200, CONTENT_TYPE
+        elif path in routes:
+            try:
+                status, ctype, body = routes[path](query)
+            except Exception:
+                log.exception("handler for %s", path)
+                status, ctype, body = 500, "text/plain", b"internal error\n"
+        elif path == "/":
+            links = "".join(f'<li><a href="{p}">{p}</a></li>' for p in ["/metrics", *routes])
+            body = f"<html><body><h1>gpuwatchd</h1><ul>{links}</ul></body></html>".encode()
+            status, ctype = 200, "text/html; charset=utf-8"
+        else:
+            status, ctype, body = 404, "text/plain", b"not found\n"
+        return _reply(start_response, status, ctype, b"" if method == "HEAD" else body)
+
+    return app
+
+
+def _reply(start: StartResponse, status: int, ctype: str, body: bytes) -> list[bytes]:
+    start(
+        f"{status} {REASONS.get(status, 'Unknown')}",
+        [("Content-Type", ctype), ("Content-Length", str(len(body)))],
+    )
+    return [body]
+
+
+def json_route(producer: Callable[[Mapping[str, list[str]]], object]) -> Route:
+    """Wrap a function returning JSON-able data as a 200 application/json route."""
+
+    def route(query: Mapping[str, list[str]]) -> tuple[int, str, bytes]:
+        data = producer(query)
+        return 200, "application/json", json.dumps(data, indent=1, default=str).encode() + b"\n"
+
+    return route

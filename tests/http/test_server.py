@@ -1,0 +1,191 @@
+"""The HTTP server on a real loopback socket: parsing, limits, slow and excess clients."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from gpuwatchd.http import server as http_server
+from gpuwatchd.http.app import make_app
+from gpuwatchd.http.server import WebServer, serve
+from gpuwatchd.http.webconfig import WebConfig, WebConfigWatcher
+from gpuwatchd.sinks.exposition import Family, Registry
+
+
+class _Gauge:
+    def collect(self) -> list[Family]:
+        fam = Family("gpuwatchd_test_value", "gauge", "A test gauge.", ("gpu",))
+        fam.add(("0",), 42)
+        return [fam]
+
+
+def _boom(query: Any) -> tuple[int, str, bytes]:
+    raise RuntimeError("handler bug")
+
+
+@pytest.fixture
+def running() -> Iterator[Any]:
+    started: list[WebServer] = []
+
+    def start(**kw: Any) -> WebServer:
+        reg = Registry()
+        reg.register(_Gauge())
+        routes = {
+            "/echo": lambda q: (200, "application/json", repr(sorted(q.items())).encode()),
+            "/boom": _boom,
+        }
+        httpd, _ = serve(make_app(reg, routes), "127.0.0.1", 0, **kw)
+        started.append(httpd)
+        return httpd
+
+    yield start
+    for httpd in started:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def _exchange(httpd: WebServer, raw: bytes, timeout: float = 10.0) -> bytes:
+    with socket.create_connection(httpd.server_address[:2], timeout=timeout) as s:
+        s.sendall(raw)
+        return b"".join(iter(lambda: s.recv(65536), b""))
+
+
+def _split(reply: bytes) -> tuple[str, dict[str, str], bytes]:
+    head, _, body = reply.partition(b"\r\n\r\n")
+    status, *lines = head.decode("latin-1").split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines)}
+    return status, headers, body
+
+
+def test_get_metrics(running: Any) -> None:
+    status, headers, body = _split(
+        _exchange(running(), b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+    )
+    assert status == "HTTP/1.1 200 OK"
+    assert headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    assert int(headers["content-length"]) == len(body) and headers["connection"] == "close"
+    assert b'gpuwatchd_test_value{gpu="0"} 42.0\n' in body
+
+
+def test_head_has_no_body_and_bare_lf_requests_work(running: Any) -> None:
+    status, _, body = _split(_exchange(running(), b"HEAD /metrics HTTP/1.0\n\n"))
+    assert status == "HTTP/1.1 200 OK" and body == b""
+
+
+def test_query_and_percent_encoded_path(running: Any) -> None:
+    reply = _exchange(running(), b"GET /ec%68o?gpu=3&gpu=4&x=%2F HTTP/1.1\r\n\r\n")
+    status, _, body = _split(reply)
+    assert status.endswith("200 OK")
+    assert body == b"[('gpu', ['3', '4']), ('x', ['/'])]"
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"GARBAGE\r\n\r\n",
+        b"GET /metrics\r\n\r\n",
+        b"GET /metrics HTTP/2.0\r\n\r\n",
+        b"GET /metrics HTTP/1.1\r\nno colon here\r\n\r\n",
+        b"GET /metrics HTTP/1.1\r\n folded: header\r\n\r\n",
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n",  # TLS to a plain port
+    ],
+)
+def test_malformed_requests_get_400(running: Any, raw: bytes) -> None:
+    status, _, _ = _split(_exchange(running(), raw))
+    assert status == "HTTP/1.1 400 Bad Request"
+
+
+def test_oversized_head_gets_431(running: Any) -> None:
+    raw = b"GET /metrics HTTP/1.1\r\nX-Pad: " + b"a" * (http_server.MAX_HEAD_BYTES + 10)
+    status, _, _ = _split(_exchange(running(), raw + b"\r\n\r\n"))
+    assert status.startswith("HTTP/1.1 431")
+    many = b"".join(b"X-%d: 1\r\n" % i for i in range(150))
+    status, _, _ = _split(_exchange(running(), b"GET / HTTP/1.1\r\n" + many + b"\r\n"))
+    assert status.startswith("HTTP/1.1 431")
+
+
+def test_handler_exception_is_a_500_and_the_server_goes_on(running: Any) -> None:
+    httpd = running()
+    assert _split(_exchange(httpd, b"GET /boom HTTP/1.1\r\n\r\n"))[0].endswith(
+        "500 Internal Server Error"
+    )
+    assert _split(_exchange(httpd, b"GET /metrics HTTP/1.1\r\n\r\n"))[0].endswith("200 OK")
+
+
+def test_slow_client_times_out_without_blocking_others(
+    running: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(http_server, "IO_TIMEOUT", 0.5)
+    httpd = running()
+    slow = socket.create_connection(httpd.server_address[:2], timeout=10)
+    try:
+        slow.sendall(b"GET /metrics HTTP/1.1\r\n")  # and then nothing: a slowloris
+        t0 = time.monotonic()
+        assert _split(_exchange(httpd, b"GET /metrics HTTP/1.1\r\n\r\n"))[0].endswith("200 OK")
+        assert time.monotonic() - t0 < 0.4  # served while the slow one still waits
+        for _ in range(3):  # a byte at a time does not extend the deadline
+            time.sleep(0.1)
+            slow.sendall(b"X")
+        reply = b"".join(iter(lambda: slow.recv(65536), b""))
+        assert _split(reply)[0] == "HTTP/1.1 408 Request Timeout"
+    finally:
+        slow.close()
+
+
+def test_connections_over_the_cap_get_503(running: Any) -> None:
+    httpd = running(max_connections=1)
+    held = socket.create_connection(httpd.server_address[:2], timeout=10)
+    try:
+        held.sendall(b"GET /metrics HTTP/1.1\r\n")  # occupies the one slot
+        time.sleep(0.1)
+        status, headers, _ = _split(_exchange(httpd, b"GET /metrics HTTP/1.1\r\n\r\n"))
+        assert status == "HTTP/1.1 503 Service Unavailable" and headers["retry-after"] == "1"
+    finally:
+        held.close()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # the slot comes back once the held one is gone
+        if _split(_exchange(httpd, b"GET /metrics HTTP/1.1\r\n\r\n"))[0].endswith("200 OK"):
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the connection slot was not released")
+
+
+def _ctx_switches(tid: int) -> int:
+    with open(f"/proc/self/task/{tid}/status") as f:
+        return sum(int(ln.split()[1]) for ln in f if "ctxt_switches" in ln)
+
+
+def test_idle_server_sleeps_and_shuts_down_promptly() -> None:
+    reg = Registry()
+    httpd, thread = serve(make_app(reg, {}), "127.0.0.1", 0)
+    try:
+        time.sleep(0.05)
+        tid = thread.native_id
+        assert tid is not None
+        before = _ctx_switches(tid)
+        time.sleep(1.0)
+        assert _ctx_switches(tid) - before <= 1  # no polling loop: it sleeps in poll(2)
+    finally:
+        t0 = time.monotonic()
+        httpd.shutdown()
+        httpd.server_close()
+    assert time.monotonic() - t0 < 1.0 and not thread.is_alive()
+
+
+def test_shutdown_before_serving_returns() -> None:
+    httpd = WebServer(make_app(Registry(), {}), "127.0.0.1", 0, WebConfigWatcher(WebConfig()))
+    done = threading.Event()
+
+    def stop() -> None:
+        httpd.shutdown()
+        done.set()
+
+    threading.Thread(target=stop, daemon=True).start()
+    assert done.wait(5)
+    httpd.server_close()
