@@ -66,12 +66,12 @@ IMPORT_STEPS: tuple[tuple[str, str], ...] = (
     ("Python alone", "pass"),
     ("+ pynvml (the floor's import)", "import pynvml"),
     (
-        "+ HTTP server and prometheus_client (ssl deferred, as `gpuwatchd run` does)",
+        "+ HTTP server and exposition writer (ssl deferred, as `gpuwatchd run` does)",
         "from gpuwatchd.cli.run import defer_ssl; defer_ssl(); "
-        "import wsgiref.simple_server, prometheus_client",
+        "import gpuwatchd.http.server, gpuwatchd.sinks.process",
     ),
     ("+ sqlite3", "import sqlite3"),
-    ("+ gpuwatchd (run command, daemon, pipeline)", "import gpuwatchd.cli.run, gpuwatchd.daemon"),
+    ("+ the rest of gpuwatchd (daemon, pipeline)", "import gpuwatchd.daemon"),
     ("+ every registered source", "import gpuwatchd.sources as s; s.registry()"),
 )
 _STEP = (

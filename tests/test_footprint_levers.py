@@ -107,8 +107,17 @@ def test_ssl_loads_only_when_tls_is_used() -> None:
     assert out.stdout.strip() == "ok"
 
 
+def test_digest_matches_hashlib() -> None:
+    import hashlib
+
+    from gpuwatchd.digest import sha256
+
+    for data in (b"", b"abc", bytes(range(256)) * 100):
+        assert sha256(data) == hashlib.sha256(data).digest()
+
+
 # The daemon, serving a scrape with the default sources on a replayed GPU, must not
-# have loaded a client library or the stdlib HTTP/email stack (several MiB).
+# have loaded a client library, the stdlib HTTP/email stack or OpenSSL (several MiB).
 _LEAN = """
 import os, signal, socket, sys, threading, time
 from gpuwatchd.cli.run import defer_ssl
@@ -129,7 +138,7 @@ def probe():
         s.sendall(b"GET /metrics HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")
         reply = b"".join(iter(lambda: s.recv(65536), b""))
     heavy = ("prometheus_client", "http.server", "http.client", "email", "wsgiref",
-             "urllib.request", "_ssl")
+             "urllib.request", "_ssl", "_hashlib")
     verdict.append(repr([m for m in heavy if m in sys.modules]))
     verdict.append(str(b"gpuwatchd_gpu_temperature_celsius" in reply))
     os.kill(os.getpid(), signal.SIGTERM)

@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
-import hmac
 import logging
 import os
-import secrets
 import ssl
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -348,7 +345,7 @@ class BasicAuth:
         self.app = app
         self.watcher = watcher
         self.realm = realm
-        self._key = secrets.token_bytes(32)
+        self._key = os.urandom(32)
         self._cache: dict[bytes, bool] = {}
         self._cache_lock = threading.Lock()
         self._dummy: bytes | None = None
@@ -377,6 +374,9 @@ class BasicAuth:
         if not sep:
             return False
         hashed = users.get(user)
+        import hashlib  # here: it loads libcrypto, and only basic auth needs it
+        import hmac
+
         digest = hmac.new(self._key, b"\0".join([user.encode(), password.encode(), hashed or b""]),
                           hashlib.sha256).digest()  # fmt: skip
         with self._cache_lock:
@@ -395,7 +395,7 @@ class BasicAuth:
         if self._dummy is None:
             import bcrypt
 
-            self._dummy = bcrypt.hashpw(secrets.token_bytes(16), bcrypt.gensalt(10))
+            self._dummy = bcrypt.hashpw(os.urandom(16), bcrypt.gensalt(10))
         return self._dummy
 
 

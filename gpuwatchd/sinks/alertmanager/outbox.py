@@ -11,7 +11,6 @@ gets everything it missed, however long the outage.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import sqlite3
@@ -20,6 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from gpuwatchd.digest import sha256
 from gpuwatchd.errors import StoreError
 
 __all__ = ["Outbox", "StoredAlert", "fingerprint"]
@@ -54,7 +54,7 @@ CREATE TABLE IF NOT EXISTS alert_delivery (
 def fingerprint(labels: Mapping[str, str]) -> str:
     """A stable id for a label set (what Alertmanager dedups on)."""
     text = json.dumps(sorted(labels.items()), separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return sha256(text.encode()).hex()[:16]
 
 
 @dataclass(frozen=True)
