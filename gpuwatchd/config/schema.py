@@ -106,6 +106,14 @@ class NvmlConfig:
         min=0,
         max=3600,
     )
+    static_interval: float = opt(
+        300.0,
+        "seconds between reads of what is static in steady state (application clocks, ECC"
+        " and MIG mode); read again at once after a reset, an Xid or a failed read; 0 = every"
+        " poll",
+        min=0,
+        max=3600,
+    )
     nvlink_detail: str = opt(
         "gpu",
         "NVLink series in /metrics: gpu = links up per link, errors summed per GPU plus the"

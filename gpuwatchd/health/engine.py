@@ -8,6 +8,11 @@ must last that long before it opens), track open/resolved transitions
 with their `since`, then publish: `state.set_findings`, the roll-up
 samples (health/rollup.py) via `state.publish_extra`, and the open
 findings to listeners (the Alertmanager sink) when they changed.
+
+A tick on a quiet node is skipped: with nothing open or pending, no new
+snapshot generation, no operator clear and before the earliest time a
+time-based finding can appear (health/quiet.py), every rule would give
+the same answer as at the last evaluation.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from gpuwatchd.health import rules
 from gpuwatchd.health.alerts import WORKLOAD_ATTRS
 from gpuwatchd.health.history import History, View, gpu_key, norm_bus_id
 from gpuwatchd.health.node_rules import NodeRules
+from gpuwatchd.health.quiet import MAX_QUIET_SECONDS, next_change
 from gpuwatchd.health.rollup import (
     METRICS,
     Rollup,
@@ -135,6 +141,8 @@ class HealthEngine:
         self._fetch_clears = clears
         self._last_inputs: dict[str, tuple[bool, tuple[Sample, ...]]] = {}
         self._last_eval = float("-inf")
+        self.evaluations = 0  # rule runs so far (a skipped quiet tick runs none)
+        self._quiet_generation: int | None = None  # the state's, after the last evaluation
         self._clears_seen: set[int] = set()
         # The GPU count seen at first start survives restarts through `on_baseline`.
         self.history.restore(baseline_gpus)
@@ -147,6 +155,7 @@ class HealthEngine:
         """Take a new config (SIGHUP); memory and open conditions are kept."""
         with self._lock:
             self.cfg = cfg
+            self._quiet_generation = None  # new thresholds: evaluate on the next tick
             self.history.window = cfg.health.rate_window_seconds
             self._for = {**HealthConfig().for_seconds, **cfg.health.for_seconds}
             # Rules of other modules that keep their own state between polls.
@@ -160,12 +169,14 @@ class HealthEngine:
     def add_listener(self, listener: Listener) -> None:
         """Call `listener(open_findings, now)` whenever the open set or its text changes."""
         self._listeners.append(listener)
+        self._quiet_generation = None
 
     def remove_listener(self, listener: Listener) -> None:
         """Stop calling `listener` (e.g. the old alert sink after a reload)."""
         if listener in self._listeners:
             self._listeners.remove(listener)
         self._last_sent = None  # the next listener gets the current set at once
+        self._quiet_generation = None
 
     def on_clear(self, hook: Callable[[Clear], None]) -> None:
         """Also tell `hook` about operator clears (e.g. the Xid tracker)."""
@@ -200,6 +211,7 @@ class HealthEngine:
             if snap is None:
                 snap = self._state.snapshot() if self._state is not None else NodeSnapshot()
             self._last_eval = now
+            self.evaluations += 1
             view = View(snap)
             self._last_view = view
             self.history.observe(view, now)
@@ -212,13 +224,17 @@ class HealthEngine:
                 waited = now - self._started >= self.cfg.health.startup_grace_seconds
                 self._ready = self._expected <= seen or waited
             self._publish(current, view, now)
+            if self._state is not None:
+                self._quiet_generation = self._state.snapshot().generation
             return list(current)
 
     def tick(self, now: float | None = None) -> list[Finding]:
         """The consumer's 1 s tick: pick up operator clears, then evaluate.
 
-        Hold times and for-durations expire even when no source publishes.
+        Hold times and for-durations expire even when no source publishes;
+        a quiet tick (see the module docstring) returns the open set unevaluated.
         """
+        applied = False
         if self._fetch_clears is not None:
             try:
                 rows = self._fetch_clears(self._started)
@@ -229,7 +245,23 @@ class HealthEngine:
                 if row.id not in self._clears_seen:
                     self._clears_seen.add(row.id)
                     self.apply_clear(row, evaluate=False)
-        return self.evaluate(now=now)
+                    applied = True
+        now = self._clock.time() if now is None else now
+        with self._lock:
+            if not applied and self._quiet(now):
+                return []
+            return self.evaluate(now=now)
+
+    def _quiet(self, now: float) -> bool:
+        """Whether every rule would answer as at the last evaluation (module docstring)."""
+        if self._state is None or not self._ready or self._open or self._pending:
+            return False
+        snap = self._state.snapshot()
+        if snap.generation != self._quiet_generation:
+            return False
+        if now - self._last_eval >= MAX_QUIET_SECONDS or now < self._last_eval:
+            return False
+        return now < next_change(snap, self.history, self.cfg)
 
     def _save_baseline(self) -> None:
         count = self.history.max_gpus
@@ -311,6 +343,7 @@ class HealthEngine:
     def apply_clear(self, clear: Clear, evaluate: bool = True) -> None:
         """Forget the memory behind sticky conditions of the target (or all GPUs)."""
         self._clears_seen.add(clear.id)
+        self._quiet_generation = None  # the memory changed: evaluate on the next tick
         if clear.code is not None:  # one Xid code only: the tracker's business
             for hook in self._clear_hooks:
                 hook(clear)

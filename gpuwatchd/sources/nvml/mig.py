@@ -34,9 +34,13 @@ def read_mig(
     put: Put,
     gpm_supported: bool,
     last: dict[str, object],
+    mode_get: Get | None = None,
 ) -> list[dict[str, object]]:
-    """MIG mode, MIG devices and their readings; returns their processes, tagged."""
-    mode = get("mig_mode")
+    """MIG mode, MIG devices and their readings; returns their processes, tagged.
+
+    The mode is asked through `mode_get` (the reader's static cache) when given.
+    """
+    mode = (mode_get or get)("mig_mode")
     if not (isinstance(mode, list) and len(mode) == 2):
         return []
     put("gpuwatchd_gpu_mig_mode", mode[0], which="current")

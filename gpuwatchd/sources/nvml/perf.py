@@ -64,8 +64,13 @@ def read_perf(
     max_clocks: Mapping[str, float],
     fv: Mapping[FieldKey, float],
     last: dict[str, object],
+    static: Get | None = None,
 ) -> None:
-    """Current and application clocks, P-state and clock-event seconds."""
+    """Current and application clocks, P-state and clock-event seconds.
+
+    Application clocks are asked through `static` (the reader's cache of
+    calls that do not change in steady state) when given.
+    """
     for domain, kind in CLOCK_DOMAINS.items():
         mhz = _num(get("clock_info", kind))
         if mhz is not None:
@@ -73,7 +78,7 @@ def read_perf(
         if domain in max_clocks:
             put("gpuwatchd_gpu_clock_max_hz", max_clocks[domain], clock=domain)
         if domain in ("graphics", "memory"):  # NVML has application clocks for these only
-            app = _num(get("applications_clock", kind))
+            app = _num((static or get)("applications_clock", kind))
             if app is not None:
                 put("gpuwatchd_gpu_clock_application_hz", app * _MHZ, clock=domain)
     pstate = get("performance_state")

@@ -26,8 +26,10 @@ from gpuwatchd.sources.nvml.client import (
 )
 from gpuwatchd.sources.nvml.fabric import read_fabric
 from gpuwatchd.sources.nvml.gpm import read_gpm
+from gpuwatchd.sources.nvml.memory import read_memory
 from gpuwatchd.sources.nvml.mig import read_mig
 from gpuwatchd.sources.nvml.perf import clock_event_fields, read_max_clocks, read_perf
+from gpuwatchd.sources.nvml.static import StaticReads
 
 __all__ = [
     "CLOCK_EVENT_REASONS",
@@ -64,20 +66,6 @@ RECOVERY_ACTIONS = {
     6: "bus_reset",
     7: "system_reboot",
 }
-ECC_ERRORS = {"corrected": 0, "uncorrected": 1}  # nvmlMemoryErrorType_t
-ECC_SCOPES = {"volatile": 0, "aggregate": 1}  # nvmlEccCounterType_t
-# nvmlMemoryLocation_t; most are pre-Hopper and simply unsupported on newer GPUs
-ECC_LOCATIONS = {
-    "l1_cache": 0,
-    "l2_cache": 1,
-    "dram": 2,
-    "register_file": 3,
-    "texture_memory": 4,
-    "texture_shm": 5,
-    "cbu": 6,
-    "sram": 7,
-}
-RETIREMENT_CAUSES = {"multiple_single_bit_ecc": 0, "double_bit_ecc": 1}
 NVLINK_ERRORS = {"replay": 0, "recovery": 1, "crc_flit": 2, "crc_data": 3, "ecc_data": 4}
 # Used when NVML_FI_DEV_NVLINK_LINK_COUNT is unavailable; links beyond the
 # real count answer NOT_SUPPORTED/INVALID_ARGUMENT once and are then skipped.
@@ -138,6 +126,7 @@ class Reading:
     lost: bool = False
     failure: str = ""  # the NVML code when the GPU could not be read at all
     seconds: float = 0.0
+    static_read: bool = False  # the static calls were asked of NVML, not the cache
 
 
 def _num(value: object) -> float | None:
@@ -159,6 +148,7 @@ class DeviceReader:
         self._dev: NvmlDevice | None = None
         # NVLink error counters from the last slow read: (link, counter name, value)
         self._nvlink_errors: list[tuple[int, str, float]] = []
+        self.static = StaticReads()
 
     @property
     def device(self) -> NvmlDevice | None:
@@ -185,6 +175,7 @@ class DeviceReader:
         if callable(release):
             release()
         self._dev = None
+        self.static.invalidate()
 
     def fields(self, keys: Iterable[FieldKey]) -> dict[FieldKey, float]:
         """Batch field values; unsupported ones are remembered and left out."""
@@ -212,6 +203,7 @@ class DeviceReader:
         if exc.code == "GPU_IS_LOST":
             raise exc
         self._errors[exc.code.lower()] += 1
+        self.static.failed(key, exc.code in UNSUPPORTED_CODES)
         if exc.code in UNSUPPORTED_CODES:
             self.unsupported[key] = exc.code
             log.debug("gpu %d: %s unavailable (%s), not asking again", self.index, key, exc.code)
@@ -226,13 +218,17 @@ class DeviceReader:
         open_device: Callable[[int], NvmlDevice],
         identity: Identity | None,
         slow: bool = True,
+        static: bool = True,
     ) -> Reading:
         """Discover (first time) and read the GPU; never raises NvmlError.
 
         `slow` also reads the NVLink error counters; otherwise their last
-        values are reported again.
+        values are reported again. `static` asks the static calls of NVML
+        (static.py); otherwise their cached answers are reported unless the
+        cache was dropped since.
         """
         t0 = time.monotonic()
+        fresh = self.static.begin(static)
         try:
             if self._dev is None:
                 self._dev = open_device(self.index)
@@ -250,7 +246,7 @@ class DeviceReader:
                 lost=exc.code == "GPU_IS_LOST",
                 failure=exc.code,
                 seconds=time.monotonic() - t0,
-            )
+            )  # the cache is dropped: the next poll re-reads
         return Reading(
             identity,
             tuple(samples),
@@ -259,6 +255,7 @@ class DeviceReader:
             self._take_errors(),
             tuple(sorted(self.unsupported.items())),
             seconds=time.monotonic() - t0,
+            static_read=fresh,
         )
 
     def _take_errors(self) -> dict[str, int]:
@@ -368,13 +365,13 @@ class DeviceReader:
                 put("gpuwatchd_gpu_clock_event_active", 1 if reasons & bit else 0, reason=label)
             last["clock_events"] = [r for b, r in CLOCK_EVENT_REASONS.items() if reasons & b]
 
-        self._read_memory(put, last)
+        read_memory(self.get, self._static_get, put, last)
         self._read_pcie(put, ident, fv)
-        read_perf(self.get, put, ident.max_clocks, fv, last)
+        read_perf(self.get, put, ident.max_clocks, fv, last, self._static_get)
         read_gpm(self.get, put, ident.gpm, last)
         if read_fabric(self.get, put, last) is False:  # no fabric here: do not ask again
             self.unsupported["gpu_fabric_info"] = "NO_FABRIC"
-        mig_procs = read_mig(self._mig_get, put, ident.gpm, last)
+        mig_procs = read_mig(self._mig_get, put, ident.gpm, last, self._static_mig_get)
 
         action = fv.get((FI_RECOVERY_ACTION, 0))
         if action is not None:
@@ -414,7 +411,14 @@ class DeviceReader:
             # in MIG mode the parent lists the same processes; the MIG device's entry names more
             in_mig = {p.get("pid") for p in mig_procs}
             procs = tuple(p for p in procs if p.get("pid") not in in_mig) + tuple(mig_procs)
+        self.static.end(fv, last)
         return out, {k: v for k, v in last.items() if v is not None}, procs
+
+    def _static_get(self, name: str, *args: int) -> object | None:
+        return self.static.get(self.get, name, *args)
+
+    def _static_mig_get(self, name: str, *args: int) -> object | None:
+        return self.static.get(self._mig_get, name, *args)
 
     def _mig_get(self, name: str, *args: int) -> object | None:
         """Like get(), but NOT_FOUND (an empty MIG slot) is an answer, not an error."""
@@ -427,47 +431,6 @@ class DeviceReader:
             if exc.code != "NOT_FOUND":
                 self._failed(key, exc)
             return None
-
-    def _read_memory(self, put: _Put, last: dict[str, object]) -> None:
-        mode = self.get("ecc_mode")
-        if isinstance(mode, list) and len(mode) == 2:
-            put("gpuwatchd_gpu_ecc_enabled", _num(mode[0]), which="current")
-            put("gpuwatchd_gpu_ecc_enabled", _num(mode[1]), which="pending")
-        for err, e in ECC_ERRORS.items():
-            for scope, c in ECC_SCOPES.items():
-                value = _num(self.get("total_ecc_errors", e, c))
-                put("gpuwatchd_gpu_ecc_errors_total", value, error=err, scope=scope)
-                if (err, scope) == ("uncorrected", "volatile"):
-                    last["ecc_uncorrected_volatile"] = value
-                for loc, where in ECC_LOCATIONS.items():
-                    value = _num(self.get("memory_error_counter", e, c, where))
-                    put(
-                        "gpuwatchd_gpu_ecc_location_errors_total",
-                        value,
-                        error=err,
-                        scope=scope,
-                        location=loc,
-                    )
-        for cause, kind in RETIREMENT_CAUSES.items():
-            pages = self.get("retired_pages", kind)
-            if isinstance(pages, list):
-                put("gpuwatchd_gpu_retired_pages_total", len(pages), cause=cause)
-        put("gpuwatchd_gpu_retired_pages_pending", _num(self.get("retired_pages_pending_status")))
-        rows = self.get("remapped_rows")
-        if isinstance(rows, list) and len(rows) == 4:
-            put("gpuwatchd_gpu_remapped_rows_total", _num(rows[0]), cause="correctable")
-            put("gpuwatchd_gpu_remapped_rows_total", _num(rows[1]), cause="uncorrectable")
-            put("gpuwatchd_gpu_row_remap_pending", _num(rows[2]))
-            put("gpuwatchd_gpu_row_remap_failure", _num(rows[3]))
-            last["row_remap_pending"] = _num(rows[2])
-        hist = self.get("row_remapper_histogram")
-        if isinstance(hist, dict):
-            for availability in ("max", "high", "partial", "low", "none"):
-                put(
-                    "gpuwatchd_gpu_row_remap_availability_banks",
-                    _num(hist.get(availability)),
-                    availability=availability,
-                )
 
     def _read_pcie(self, put: _Put, ident: Identity, fv: Mapping[FieldKey, float]) -> None:
         put("gpuwatchd_gpu_pcie_replays_total", _num(self.get("pcie_replay_counter")))

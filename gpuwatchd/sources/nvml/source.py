@@ -64,6 +64,7 @@ class _Gpu:
     reading: Reading | None = None
     fresh: bool = False  # `reading` came from this poll
     next_slow: float = float("-inf")  # monotonic time the slow readings are due
+    next_static: float = float("-inf")  # monotonic time the static calls are due (static.py)
 
     @property
     def key(self) -> str:
@@ -90,6 +91,7 @@ class NvmlSource:
         processes: bool = True,
         gpm: bool = True,
         nvlink_error_interval: float = 0.0,
+        static_interval: float = 0.0,
         clock: Clock | None = None,
         xid_events: bool = False,
         nudge: Callable[[], None] = lambda: None,
@@ -102,6 +104,7 @@ class NvmlSource:
         self._processes = processes
         self._gpm = gpm
         self._slow_every = nvlink_error_interval
+        self._static_every = static_interval
         self._clock = clock or SystemClock()
         self._deadline = DeadlineRunner()
         self._ready = False
@@ -139,6 +142,7 @@ class NvmlSource:
             processes=nc.processes,
             gpm=nc.gpm,
             nvlink_error_interval=nc.nvlink_error_interval,
+            static_interval=nc.static_interval,
             clock=ctx.clock,
             xid_events=nc.xid_events,
             nudge=lambda: ctx.nudge(cls.name),
@@ -206,6 +210,7 @@ class NvmlSource:
         out = []
         for ev in self._xid_listener.drain():
             gpu = self._gpu_map.get(ev.pci_bus_id, {})
+            self._refresh_static(gpu.get("gpu"))  # an Xid may come with a reset: re-read
             attrs = dict(ev.attrs)
             attrs.setdefault("gpu", gpu.get("gpu", ""))
             attrs["uuid"] = attrs.get("uuid") or gpu.get("uuid", "")
@@ -290,7 +295,8 @@ class NvmlSource:
             return
         mono = self._clock.monotonic()
         slow = mono >= gpu.next_slow
-        work = partial(gpu.reader.poll, self.client.device, gpu.identity, slow)
+        static = mono >= gpu.next_static
+        work = partial(gpu.reader.poll, self.client.device, gpu.identity, slow, static)
         try:
             reading = self._deadline.call(gpu.key, work, self._timeout)
         except CallTimeout:
@@ -317,10 +323,18 @@ class NvmlSource:
             self._set_state(gpu, "ok", "")
             if slow:
                 gpu.next_slow = mono + self._slow_every
+            if reading.static_read:
+                gpu.next_static = mono + self._static_every
+
+    def _refresh_static(self, index: str | None) -> None:
+        for gpu in self._gpus:
+            if str(gpu.index) == index:
+                gpu.next_static = float("-inf")
 
     def _set_state(self, gpu: _Gpu, state: str, why: str) -> None:
         if state == gpu.state:
             return
+        gpu.next_static = float("-inf")  # back from unresponsive or lost: re-read everything
         where = gpu.identity.pci_bus_id if gpu.identity else "?"
         if state == "ok":
             log.info("gpu %d (%s): NVML %s again", gpu.index, where, state)
