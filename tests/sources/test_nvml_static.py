@@ -21,16 +21,19 @@ from gpuwatchd.model import Sample
 from gpuwatchd.sources.nvml.replay import ReplayClient
 from gpuwatchd.sources.nvml.source import NvmlSource
 
-H100 = Path(__file__).resolve().parent.parent / "fixtures" / "nvml" / "h100-idle-record.json"
+NVML = Path(__file__).resolve().parent.parent / "fixtures" / "nvml"
+H100 = NVML / "h100-idle-record.json"
 STATIC = ("applications_clock(0)", "applications_clock(2)", "ecc_mode", "mig_mode")
 
 
 class Rig:
     """The NVML source over the H100 idle replay on a FakeClock."""
 
-    def __init__(self, script: Sequence[dict[str, Any]] = (), **kwargs: Any) -> None:
+    def __init__(
+        self, script: Sequence[dict[str, Any]] = (), capture: Path = H100, **kwargs: Any
+    ) -> None:
         self.clock = FakeClock()
-        self.client = ReplayClient.load(H100, script=script, clock=self.clock)
+        self.client = ReplayClient.load(capture, script=script, clock=self.clock)
         kwargs.setdefault("static_interval", 300.0)
         self.source = NvmlSource(self.client, clock=self.clock, call_timeout=2.0, **kwargs)
 
@@ -79,6 +82,26 @@ def test_static_calls_are_read_once_per_interval_and_reported_every_poll(
     } <= names
     cached.poll(advance=300.0)  # the interval has passed: asked again
     assert cached.asked() == dict.fromkeys(STATIC, 2)
+
+
+@pytest.mark.parametrize(
+    ("capture", "cached_polls"),
+    [
+        ("h100-mig-instances-record.json", 1),
+        ("h100-gpm-record.json", 1),
+        ("h200x2-record.json", 1),
+        ("h100-mig-record.json", 4),  # MIG on without a MIG device: asked every poll
+    ],
+)
+def test_every_capture_reads_the_same_with_the_cache(
+    rigs: list[Rig], capture: str, cached_polls: int
+) -> None:
+    cached = rig(rigs, capture=NVML / capture)
+    every = rig(rigs, capture=NVML / capture, static_interval=0.0)
+    for _ in range(4):
+        assert comparable(cached.poll()) == comparable(every.poll())
+    assert cached.client.count(0, "ecc_mode") == cached_polls
+    assert every.client.count(0, "ecc_mode") == 4
 
 
 def test_a_failed_static_read_is_asked_again_next_poll(rigs: list[Rig]) -> None:
