@@ -68,6 +68,8 @@ class View:
     def __init__(self, snapshot: NodeSnapshot) -> None:
         self.snapshot = snapshot
         self._by_name: dict[str, list[Sample]] = defaultdict(list)
+        # name -> (uuid, gpu) -> samples, built for a name at its first per-GPU lookup
+        self._by_gpu: dict[str, dict[tuple[str, str], list[Sample]]] = {}
         for s in snapshot.samples():
             self._by_name[s.name].append(s)
         # GPUs are what NVML lists now; other producers (health, kmsg) label
@@ -85,9 +87,15 @@ class View:
 
     def series(self, name: str, **match: str) -> list[Sample]:
         """Samples of `name` whose labels include every `match` pair."""
-        return [
-            s for s in self._by_name.get(name, ()) if all(s.label(k) == v for k, v in match.items())
-        ]
+        pool = self._by_name.get(name, [])
+        if len(pool) > 8 and "uuid" in match and "gpu" in match:  # per GPU: no scan of all GPUs
+            per_gpu = self._by_gpu.get(name)
+            if per_gpu is None:
+                per_gpu = self._by_gpu[name] = defaultdict(list)
+                for s in pool:
+                    per_gpu[(s.label("uuid"), s.label("gpu"))].append(s)
+            pool = per_gpu.get((match["uuid"], match["gpu"]), [])
+        return [s for s in pool if all(s.label(k) == v for k, v in match.items())]
 
     def names(self, prefix: str) -> list[str]:
         return [n for n in self._by_name if n.startswith(prefix)]
