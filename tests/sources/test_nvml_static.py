@@ -102,6 +102,8 @@ def test_every_capture_reads_the_same_with_the_cache(
         assert comparable(cached.poll()) == comparable(every.poll())
     assert cached.client.count(0, "ecc_mode") == cached_polls
     assert every.client.count(0, "ecc_mode") == 4
+    slots = every.client.count(0, "max_mig_device_count")  # asked while MIG is on
+    assert cached.client.count(0, "max_mig_device_count") == min(slots, cached_polls)
 
 
 def test_a_failed_static_read_is_asked_again_next_poll(rigs: list[Rig]) -> None:

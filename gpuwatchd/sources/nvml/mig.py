@@ -38,7 +38,8 @@ def read_mig(
 ) -> list[dict[str, object]]:
     """MIG mode, MIG devices and their readings; returns their processes, tagged.
 
-    The mode is asked through `mode_get` (the reader's static cache) when given.
+    The mode and the slot count are asked through `mode_get` (the reader's
+    static cache) when given.
     """
     mode = (mode_get or get)("mig_mode")
     if not (isinstance(mode, list) and len(mode) == 2):
@@ -48,8 +49,8 @@ def read_mig(
     last["mig_mode"] = bool(mode[0])
     if mode[0] != 1:
         return []
-    # asked each poll while MIG is on: the slot count is 0 until MIG is enabled
-    slots = get("max_mig_device_count")
+    # asked while MIG is on (0 slots until it is), like the mode through `mode_get`
+    slots = (mode_get or get)("max_mig_device_count")
     max_devices = slots if isinstance(slots, int) else 0
     processes: list[dict[str, object]] = []
     instances: set[int] = set()

@@ -1,8 +1,9 @@
 """Readings that do not change in steady state: read on a slow cadence, reused between.
 
-On an H100 the application clocks, the ECC mode and the MIG mode cost about
-3 ms of driver time per poll (a fifth of a steady poll) and change only
-when an operator or a reset changes them. A `StaticReads` keeps their last
+On an H100 the application clocks, the ECC mode and the MIG mode (with
+MIG on, also its slot count) cost about 3 ms of driver time per poll (a
+fifth of a steady poll) and change only when an operator or a reset
+changes them. A `StaticReads` keeps their last
 answers for one GPU; the reader asks through it, and it calls NVML only when
 the cache was dropped: on the source's `static_interval` (0: every poll),
 or at once, on the next poll, after anything that can change them:
@@ -33,7 +34,7 @@ __all__ = ["RESET_FIELDS", "STATIC_CALLS", "StaticReads"]
 Get = Callable[..., object | None]
 
 # DEVICE_CALLS names answered from the cache between refreshes
-STATIC_CALLS = frozenset({"applications_clock", "ecc_mode", "mig_mode"})
+STATIC_CALLS = frozenset({"applications_clock", "ecc_mode", "max_mig_device_count", "mig_mode"})
 # field values (read every poll) whose change means a reset is pending or happened
 RESET_FIELDS: tuple[FieldKey, ...] = (
     ("NVML_FI_DEV_RESET_STATUS", 0),
