@@ -3,14 +3,14 @@
 On an H100 the application clocks, the ECC mode and the MIG mode (with
 MIG on, also its slot count) cost about 3 ms of driver time per poll (a
 fifth of a steady poll) and change only when an operator or a reset
-changes them. A `StaticReads` keeps their last
-answers for one GPU; the reader asks through it, and it calls NVML only when
-the cache was dropped: on the source's `static_interval` (0: every poll),
-or at once, on the next poll, after anything that can change them:
+changes them. A `StaticReads` keeps their last answers for one GPU; the
+reader asks through it, and it calls NVML only when the cache was
+dropped: on the source's `static_interval` (0: every poll), or at once,
+on the next poll, after anything that can change them:
 
 - the handle was dropped (a failed poll, a driver reload: a new reader);
-- a call failed that did not fail on the last poll, or a call became
-  unsupported (e.g. utilization once MIG is on);
+- the set of failing calls changed (a call newly fails or answers again),
+  or a call became unsupported (e.g. utilization once MIG is on);
 - the GPU's reset status, recovery action or drain-and-reset field is set
   or changed (a reset is pending or just happened);
 - the MIG mode has a change pending (pending != current), or says MIG is
