@@ -32,10 +32,27 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
+_LOCAL_OUTPUTS = ("--json", "--out")  # a local copy of the figures, left out of the command
+
+
+def _shareable(args: list[str]) -> list[str]:
+    """The arguments without those naming a local output file."""
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in _LOCAL_OUTPUTS:
+            skip = True
+        elif not arg.startswith(tuple(f"{o}=" for o in _LOCAL_OUTPUTS)):
+            out.append(arg)
+    return out
+
+
 def update_section(name: str, body: str, doc: Path = DOC) -> None:
     """Replace (or add) the section `name` of the benchmarks document."""
     today = datetime.date.today().isoformat()
-    command = "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    command = "python " + " ".join([os.path.relpath(sys.argv[0]), *_shareable(sys.argv[1:])])
     block = (
         f"<!-- bench:{name} -->\n{body.rstrip()}\n\n"
         f"_Measured {today} on {machine()}; command: `{command}`._\n"
