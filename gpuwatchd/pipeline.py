@@ -31,8 +31,8 @@ from gpuwatchd.health.hangs.monitor import METRICS as HANG_METRICS
 from gpuwatchd.health.hangs.monitor import HangMonitor
 from gpuwatchd.health.xid.stage import METRICS as XID_METRICS
 from gpuwatchd.health.xid.stage import XidStage
-from gpuwatchd.http.endpoints import events_route
 from gpuwatchd.http.app import Route
+from gpuwatchd.http.endpoints import events_route
 from gpuwatchd.model import Clear, Event, GpuInventory, MetricSpec, Sample
 from gpuwatchd.sinks import store
 from gpuwatchd.sinks.alertmanager import sink as alertmanager

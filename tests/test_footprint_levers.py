@@ -123,7 +123,8 @@ import os, signal, socket, sys, threading, time
 from gpuwatchd.cli.run import defer_ssl
 defer_ssl()
 from gpuwatchd.daemon import Daemon, Overrides
-daemon = Daemon(None, Overrides(listen="127.0.0.1:0", nvml_replay=sys.argv[1], state_dir=sys.argv[2]))
+overrides = Overrides(listen="127.0.0.1:0", nvml_replay=sys.argv[1], state_dir=sys.argv[2])
+daemon = Daemon(None, overrides)
 verdict = []
 
 def probe():
