@@ -42,6 +42,7 @@ MAX_HEAD_BYTES = 16384  # request line and headers together
 _MAX_HEADERS = 100
 _MAX_REFUSALS = 8  # 503s being sent at once; beyond both caps a connection is just closed
 _REFUSAL_TIMEOUT = 1.0
+_LINGER_SECONDS = 1.0
 
 
 class _BadRequest(Exception):
@@ -152,6 +153,8 @@ class WebServer:
             if sock is not None:
                 try:
                     self._exchange(sock, peer)
+                    if sock is conn:
+                        _linger(conn)
                 finally:
                     if sock is not conn:
                         sock.close()
@@ -197,6 +200,19 @@ class WebServer:
             chunks = b"internal error\n"
         status, headers = sent[0] if sent else ("500 Internal Server Error", [])
         sock.sendall(_response(status, headers, chunks, environ["REQUEST_METHOD"] == "HEAD"))
+
+
+def _linger(conn: socket.socket) -> None:
+    """Half-close, then read what the client still sends, so closing does not reset
+    the connection (a reset can destroy the response before the client reads it)."""
+    conn.shutdown(socket.SHUT_WR)
+    conn.settimeout(_LINGER_SECONDS)
+    drained = 0
+    while drained < MAX_HEAD_BYTES:
+        chunk = conn.recv(4096)
+        if not chunk:
+            return
+        drained += len(chunk)
 
 
 def _read_head(sock: socket.socket) -> bytes:
