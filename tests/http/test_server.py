@@ -202,8 +202,7 @@ def test_request_body_is_drained_so_the_response_arrives(running: Any) -> None:
     body = b"x" * 5000  # a body nobody reads: closing over it would reset the connection
     raw = b"GET /metrics HTTP/1.1\r\nContent-Length: 5000\r\n\r\n"
     with socket.create_connection(httpd.server_address[:2], timeout=10) as s:
-        s.sendall(raw)
-        time.sleep(0.05)  # the server answers from the head alone
-        s.sendall(body)
+        s.sendall(raw + body)  # the server answers from the head alone
+        time.sleep(0.2)  # let the answer and the close happen before reading
         reply = b"".join(iter(lambda: s.recv(65536), b""))
     assert _split(reply)[0] == "HTTP/1.1 200 OK"
