@@ -86,7 +86,7 @@ def make_app(
             status, ctype = 200, "text/html; charset=utf-8"
         else:
             status, ctype, body = 404, "text/plain", b"not found\n"
-        return _reply(start_response, status, ctype, b"" if method == "HEAD" else body)
+        return _reply(start_response, status, ctype, body)  # the server sends no body for HEAD
 
     return app
 

@@ -73,8 +73,11 @@ def test_get_metrics(running: Any) -> None:
 
 
 def test_head_has_no_body_and_bare_lf_requests_work(running: Any) -> None:
-    status, _, body = _split(_exchange(running(), b"HEAD /metrics HTTP/1.0\n\n"))
+    httpd = running()
+    status, headers, body = _split(_exchange(httpd, b"HEAD /metrics HTTP/1.0\n\n"))
     assert status == "HTTP/1.1 200 OK" and body == b""
+    _, _, full = _split(_exchange(httpd, b"GET /metrics HTTP/1.0\n\n"))
+    assert int(headers["content-length"]) == len(full) > 0  # what GET would send
 
 
 def test_query_and_percent_encoded_path(running: Any) -> None:
