@@ -71,26 +71,34 @@ class WebServer:
         self._slots = threading.BoundedSemaphore(max_connections)
         self._refusals = threading.BoundedSemaphore(_MAX_REFUSALS)
         self._wake_r, self._wake_w = os.pipe()
+        self._lock = threading.Lock()
+        self._shut = False  # set by shutdown(); serve_forever() returns, or never starts
+        self._serving = False
         self._stopped = threading.Event()
-        self._stopped.set()
 
     def serve_forever(self) -> None:
         """Accept connections, each served on its own thread, until `shutdown()`."""
-        self._stopped.clear()
+        with self._lock:
+            if self._shut:
+                return
+            self._serving = True
         poller = select.poll()
         poller.register(self.socket, select.POLLIN)
         poller.register(self._wake_r, select.POLLIN)
+        warned = 0.0
         try:
             while True:
                 ready = {fd for fd, _ in poller.poll()}
-                if self._wake_r in ready:
+                if self._wake_r in ready or self._shut:
                     return
                 try:
                     conn, addr = self.socket.accept()
                 except (BlockingIOError, InterruptedError, ConnectionAbortedError):
                     continue
                 except OSError as exc:  # EMFILE and the like: back off, keep serving
-                    log.warning("accept failed: %s", exc)
+                    if time.monotonic() - warned > 60:  # at most a line a minute
+                        warned = time.monotonic()
+                        log.warning("accept failed: %s (retrying)", exc)
                     time.sleep(0.1)
                     continue
                 self._start(conn, addr)
@@ -99,8 +107,12 @@ class WebServer:
 
     def shutdown(self) -> None:
         """Stop `serve_forever()` and wait for it to return; connections in flight finish."""
+        with self._lock:
+            self._shut = True
+            serving = self._serving
         os.write(self._wake_w, b"x")
-        self._stopped.wait()
+        if serving:
+            self._stopped.wait()
 
     def server_close(self) -> None:
         """Close the listening socket and the wake-up pipe."""

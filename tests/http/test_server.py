@@ -198,6 +198,10 @@ def test_shutdown_before_serving_returns() -> None:
     threading.Thread(target=stop, daemon=True).start()
     assert done.wait(5)
     httpd.server_close()
+    late = threading.Thread(target=httpd.serve_forever, daemon=True)
+    late.start()  # a serving thread that starts after the close touches no closed fd
+    late.join(5)
+    assert not late.is_alive()
 
 
 def test_request_body_is_drained_so_the_response_arrives(running: Any) -> None:
