@@ -213,3 +213,54 @@ def test_request_body_is_drained_so_the_response_arrives(running: Any) -> None:
         time.sleep(0.2)  # let the answer and the close happen before reading
         reply = b"".join(iter(lambda: s.recv(65536), b""))
     assert _split(reply)[0] == "HTTP/1.1 200 OK"
+
+
+_FD_EXHAUSTION = """
+import os, resource, sys
+from gpuwatchd.http.app import make_app
+from gpuwatchd.http.server import serve
+from gpuwatchd.sinks.exposition import Registry
+httpd, _ = serve(make_app(Registry(), {}), "127.0.0.1", 0)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+fillers = []
+try:
+    while True:
+        fillers.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+print(httpd.server_address[1], flush=True)
+sys.stdin.readline()  # the test has connected: now give descriptors back
+for fd in fillers:
+    os.close(fd)
+sys.stdin.readline()
+"""
+
+
+def test_descriptor_exhaustion_does_not_stop_the_server() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    with subprocess.Popen(
+        [sys.executable, "-c", _FD_EXHAUSTION],
+        cwd=root,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        assert proc.stdout is not None and proc.stdin is not None
+        try:
+            port = int(proc.stdout.readline())
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                s.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")  # in the backlog: accept fails
+                time.sleep(0.3)
+                proc.stdin.write("\n")
+                proc.stdin.flush()
+                reply = b"".join(iter(lambda: s.recv(65536), b""))
+        finally:
+            proc.kill()
+            _, err = proc.communicate(timeout=5)
+    assert _split(reply)[0] == "HTTP/1.1 200 OK"
+    assert "accept failed" in err
