@@ -53,7 +53,7 @@ from gpuwatchd.sources.nvml.client import (  # noqa: E402
     call_key,
 )
 from gpuwatchd.sources.nvml.perf import clock_event_fields  # noqa: E402
-from gpuwatchd.sources.nvml.read import (  # noqa: E402  # noqa: E402
+from gpuwatchd.sources.nvml.read import (  # noqa: E402
     FI_DRAIN_AND_RESET,
     FI_MEMORY_TEMP,
     FI_RECOVERY_ACTION,
