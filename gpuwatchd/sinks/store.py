@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from gpuwatchd.errors import StoreError
 from gpuwatchd.model import Clear, Event, Sample, Severity
 from gpuwatchd.sinks.durability import HeldWrites, dir_identity, quarantine
+from gpuwatchd.sinks.read_cache import ReadCache
 from gpuwatchd.sinks.store_schema import (
     METRICS,
     MIGRATIONS,
@@ -86,6 +87,7 @@ class EventStore:
         self._retry_at = 0.0
         self._written: list[tuple[Event, str, int]] = []  # recent rows, to re-persist
         self._cursors: dict[str, str] = {}
+        self._reads = ReadCache(path)  # the consumer's per-second look for new clears
         try:
             self._db = self._open()
         except sqlite3.DatabaseError as exc:
@@ -337,6 +339,7 @@ class EventStore:
                 )
         except sqlite3.Error as exc:
             raise StoreError(f"writing to {self.path}: {exc}") from None
+        self._reads.invalidate()
         return Clear(
             id=int(cur.lastrowid or 0),
             time=t,
@@ -443,21 +446,21 @@ class EventStore:
         return out
 
     def clears_since(self, since: float) -> list[Clear]:
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT id, time, who, kind, pci_bus_id, code, reason, reset, boot_id"
-                " FROM clears WHERE time >= ? ORDER BY time, id",
-                (since,),
-            ).fetchall()
-        return [clear_of(r) for r in rows]
+        """Clears recorded at or after `since` (read again only once the files changed)."""
+        return self._reads.get(
+            ("since", since), lambda: self._clears("time >= ?", since, "time, id")
+        )
 
     def clears_after(self, clear_id: int) -> list[Clear]:
         """Clears added after row `clear_id` (by another process, e.g. `gpuwatchd clear`)."""
+        return self._reads.get(("after", clear_id), lambda: self._clears("id > ?", clear_id, "id"))
+
+    def _clears(self, where: str, arg: float, order: str) -> list[Clear]:
         with self._lock:
             rows = self._db.execute(
                 "SELECT id, time, who, kind, pci_bus_id, code, reason, reset, boot_id"
-                " FROM clears WHERE id > ? ORDER BY id",
-                (clear_id,),
+                f" FROM clears WHERE {where} ORDER BY {order}",
+                (arg,),
             ).fetchall()
         return [clear_of(r) for r in rows]
 
