@@ -101,8 +101,8 @@ class NvmlConfig:
     )
     nvlink_error_interval: float = opt(
         60.0,
-        "seconds between reads of the NVLink error counters (about 1 ms per link and counter"
-        " on an H200); 0 = every poll",
+        "seconds between reads of the NVLink and PCIe error counters (about 1 ms per link"
+        " and counter on an H200, 2.5 ms for the PCIe counters of an H100); 0 = every poll",
         min=0,
         max=3600,
     )
