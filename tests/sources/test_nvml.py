@@ -253,59 +253,51 @@ def test_scripted_changes_show_in_the_samples(rigs: list[Rig]) -> None:
     assert gpus["0000:00:07.0"]["last"]["nvlinks_down"] == [3]
 
 
-def test_nvlink_error_counters_are_read_at_their_own_pace(rigs: list[Rig]) -> None:
+def _paced(rigs: list[Rig], script: list[dict[str, Any]], read: Any) -> list[Any]:
+    """Polls at 0, 10, 60 and 70 s with a 60 s error-counter interval: `read(r, samples)`."""
     clock = FakeClock()
-    r = rig(
-        rigs,
-        clock=clock,
-        nvlink_error_interval=60.0,
-        script=[
-            {"device": 0, "call": "nvlink_error_counter(0,3)", "add_per_poll": 1},
-        ],
-    )
+    r = rig(rigs, clock=clock, nvlink_error_interval=60.0, script=script)
     seen = []
     for step in (0, 10, 50, 10):
         clock.advance(step)
-        samples = r.poll()
-        seen.append(
-            (
-                r.client.count(0, "nvlink_error_counter(0,3)"),
-                value(samples, "gpuwatchd_nvlink_errors_total", **GPU0, link="0", error="crc_data"),
-            )
-        )
+        seen.append(read(r, r.poll()))
+    assert r.client.count(0, "temperature(0)") == 4  # everything else: every poll
+    return seen
+
+
+def test_nvlink_error_counters_are_read_at_their_own_pace(rigs: list[Rig]) -> None:
+    script = [{"device": 0, "call": "nvlink_error_counter(0,3)", "add_per_poll": 1}]
+    seen = _paced(
+        rigs,
+        script,
+        lambda r, samples: (
+            r.client.count(0, "nvlink_error_counter(0,3)"),
+            value(samples, "gpuwatchd_nvlink_errors_total", **GPU0, link="0", error="crc_data"),
+        ),
+    )
     # read at 0 s and 60 s; the polls between report the last value read
     assert seen == [(1, 2), (1, 2), (2, 4), (2, 4)]
-    assert r.client.count(0, "temperature(0)") == 4
 
 
 def test_pcie_error_counters_share_the_nvlink_counters_pace(rigs: list[Rig]) -> None:
-    clock = FakeClock()
-    r = rig(
+    script = [
+        {"device": 0, "call": "pcie_replay_counter", "add_per_poll": 1},
+        {"device": 0, "call": "NVML_FI_DEV_PCIE_COUNT_BAD_TLP@0", "add_per_poll": 1},
+    ]
+    seen = _paced(
         rigs,
-        clock=clock,
-        nvlink_error_interval=60.0,
-        script=[
-            {"device": 0, "call": "pcie_replay_counter", "add_per_poll": 1},
-            {"device": 0, "call": "NVML_FI_DEV_PCIE_COUNT_BAD_TLP@0", "add_per_poll": 1},
-        ],
+        script,
+        lambda r, samples: (
+            r.client.count(0, "pcie_replay_counter"),
+            value(samples, "gpuwatchd_gpu_pcie_replays_total", **GPU0),
+            value(samples, "gpuwatchd_gpu_pcie_errors_total", **GPU0, error="bad_tlp"),
+        ),
     )
-    seen = []
-    for step in (0, 10, 50, 10):
-        clock.advance(step)
-        samples = r.poll()
-        seen.append(
-            (
-                r.client.count(0, "pcie_replay_counter"),
-                value(samples, "gpuwatchd_gpu_pcie_replays_total", **GPU0),
-                value(samples, "gpuwatchd_gpu_pcie_errors_total", **GPU0, error="bad_tlp"),
-            )
-        )
     # read at 0 s and 60 s; the polls between report the last values read, never none
     first, second = seen[0][1:], seen[2][1:]
     assert [s[0] for s in seen] == [1, 1, 2, 2]
     assert [s[1:] for s in seen] == [first, first, second, second]
     assert second[0] > first[0] and second[1] > first[1]
-    assert r.client.count(0, "temperature(0)") == 4
 
 
 def test_a_hung_gpu_costs_one_deadline_and_recovers(rigs: list[Rig]) -> None:
