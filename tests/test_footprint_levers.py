@@ -99,12 +99,17 @@ print("ok")
 """
 
 
-def test_ssl_loads_only_when_tls_is_used() -> None:
+def _python(code: str, *args: str) -> str:
+    """What a fresh interpreter running `code` prints; it must exit 0."""
     out = subprocess.run(
-        [sys.executable, "-c", _NO_SSL], cwd=ROOT, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, timeout=90
     )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "ok"
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout.strip()
+
+
+def test_ssl_loads_only_when_tls_is_used() -> None:
+    assert _python(_NO_SSL) == "ok"
 
 
 def test_digest_matches_hashlib() -> None:
@@ -152,14 +157,7 @@ print(rc, *verdict)
 
 def test_daemon_serves_without_http_or_client_libraries(tmp_path: Path) -> None:
     capture = ROOT / "tests" / "fixtures" / "nvml" / "h100-idle-record.json"
-    out = subprocess.run(
-        [sys.executable, "-c", _LEAN, str(capture), str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=90,
-    )
-    assert out.stdout.split() == ["0", "[]", "True"], out.stdout + out.stderr
+    assert _python(_LEAN, str(capture), str(tmp_path)).split() == ["0", "[]", "True"]
 
 
 _NO_YAML = """
@@ -175,8 +173,4 @@ print("ok")
 
 
 def test_hang_signatures_are_parsed_at_first_use_without_a_site_file() -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", _NO_YAML], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "ok"
+    assert _python(_NO_YAML) == "ok"

@@ -149,8 +149,9 @@ def collect(
     ]
     # The workloads source reads NVML's processes: it polls once NVML has.
     late = [s for s in built if s.name in AFTER_NVML]
-    threads = []
-    for source in [s for s in built if s.name not in AFTER_NVML]:
+    threads: list[tuple[threading.Thread, Polled]] = []
+
+    def start(source: Any) -> None:
         polled = out.polled[source.name] = Polled(source.name)
         t = threading.Thread(
             target=_poll,
@@ -160,18 +161,14 @@ def collect(
         )
         t.start()
         threads.append((t, polled))
+
+    for source in built:
+        if source.name not in AFTER_NVML:
+            start(source)
     for t, _ in threads if late else ():
         t.join(max(0.0, deadline - clock.monotonic()))
     for source in late:
-        polled = out.polled[source.name] = Polled(source.name)
-        t = threading.Thread(
-            target=_poll,
-            args=(runner, source, polled, deadline, clock),
-            name=f"check-{source.name}",
-            daemon=True,
-        )
-        t.start()
-        threads.append((t, polled))
+        start(source)
     for t, polled in threads:
         t.join(max(0.0, deadline - clock.monotonic()))
         if t.is_alive():

@@ -18,9 +18,8 @@ from gpuwatchd.sources.hangs.stacks import StackCapture, parse_dump
 from tests.hangs.replay import fixture, polls
 
 
-def test_hang_show_lists_and_details_a_recorded_hang(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def _record_peer_death_hang(tmp_path: Path) -> tuple[EventStore, HangMonitor]:
+    """A hang monitor on the recorded peer-death polls, its hang stored with stacks."""
     cfg = dataclasses.replace(
         Config(),
         daemon=DaemonConfig(state_dir=str(tmp_path)),
@@ -33,6 +32,13 @@ def test_hang_show_lists_and_details_a_recorded_hang(
     for t, jobs, gpus in polls("peerdeath-polls.jsonl"):
         monitor.observe(jobs, gpus, 1_800_000_000.0 + t)
         monitor.run_pending()
+    return store, monitor
+
+
+def test_hang_show_lists_and_details_a_recorded_hang(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store, monitor = _record_peer_death_hang(tmp_path)
     monitor.observe([], [], 1_800_000_200.0)  # the job ends: resolved
     store.close()
 
@@ -62,18 +68,7 @@ def test_events_id_and_hangs_id_over_http(tmp_path: Path) -> None:
     from gpuwatchd.sinks.exposition import Registry
     from tests.conftest import free_port, http_get
 
-    cfg = dataclasses.replace(
-        Config(),
-        daemon=DaemonConfig(state_dir=str(tmp_path)),
-        hangs=HangsConfig(stacks=True, ras=False),
-    )
-    store = EventStore.from_config(cfg)
-    text = fixture("pyspy-peerdeath.txt")
-    cap = StackCapture(1031, True, parse_dump(text)[1], raw=text)
-    monitor = HangMonitor(cfg, FakeClock(), store, capture=lambda pid: cap)
-    for t, jobs, gpus in polls("peerdeath-polls.jsonl"):
-        monitor.observe(jobs, gpus, 1_800_000_000.0 + t)
-        monitor.run_pending()
+    store, monitor = _record_peer_death_hang(tmp_path)
     (row,) = store.recent(10, kind="job_hang")
     app = make_app(Registry(), {"/events": events_route(store), "/hangs": monitor.route})
     port = free_port()

@@ -148,8 +148,9 @@ class DeviceReader:
         self._dev: NvmlDevice | None = None
         # NVLink error counters from the last slow read: (link, counter name, value)
         self._nvlink_errors: list[tuple[int, str, float]] = []
-        # PCIe replay and error counters from the last slow read: (family, value, error)
-        self._pcie_errors: list[tuple[str, float | None, str]] = []
+        # PCIe replays and error counters (by error label) from the last slow read
+        self._pcie_replays: float | None = None
+        self._pcie_errors: dict[str, float | None] = {}
         self.static = StaticReads()
 
     @property
@@ -445,18 +446,13 @@ class DeviceReader:
             put(family, _num(self.get(name)), which="current")
             put(family, ident.pcie_max.get(label), which="max")
         if slow:  # error counters, on the NVLink counters' cadence (about 2.5 ms per read)
-            self._pcie_errors = [
-                ("gpuwatchd_gpu_pcie_replays_total", _num(self.get("pcie_replay_counter")), ""),
-                *(
-                    ("gpuwatchd_gpu_pcie_errors_total", fv.get((name, 0)), label)
-                    for name, label in PCIE_ERROR_FIELDS.items()
-                ),
-            ]
-        for family, value, error in self._pcie_errors:
-            if error:
-                put(family, value, error=error)
-            else:
-                put(family, value)
+            self._pcie_replays = _num(self.get("pcie_replay_counter"))
+            self._pcie_errors = {
+                label: fv.get((name, 0)) for name, label in PCIE_ERROR_FIELDS.items()
+            }
+        put("gpuwatchd_gpu_pcie_replays_total", self._pcie_replays)
+        for label, count in self._pcie_errors.items():
+            put("gpuwatchd_gpu_pcie_errors_total", count, error=label)
 
 
 class _Put(Protocol):  # the shape of read()'s local `put`
