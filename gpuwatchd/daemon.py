@@ -292,8 +292,10 @@ class Daemon:
         assert self.wiring is not None
         # Signals end the wait at once; between them only the watchdog and the textfile
         # want a 1 s beat (http settings, the textfile among them, need a restart).
-        busy = watchdog or self.wiring.cfg.http.textfile
-        tick = min(watchdog or 1.0, 1.0) if busy else 10.0
+        if watchdog:
+            tick = min(watchdog, 1.0)
+        else:
+            tick = 1.0 if self.wiring.cfg.http.textfile else 10.0
         next_status = 0.0
         while True:
             try:
