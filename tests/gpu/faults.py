@@ -30,8 +30,8 @@ PTX = b"""
 """
 
 
-def illegal_write_ptx() -> dict[str, Any]:
-    """Fault CUDA device 0; returns the CUresults, its bus id, launch times and pid."""
+def illegal_write_ptx(ordinal: int = 0) -> dict[str, Any]:
+    """Fault CUDA device `ordinal`; returns the CUresults, its bus id, launch times and pid."""
     cuda = ctypes.CDLL("libcuda.so.1")
 
     def ok(name: str, *args: Any) -> None:
@@ -41,7 +41,7 @@ def illegal_write_ptx() -> dict[str, Any]:
 
     ok("cuInit", 0)
     dev, ctx, mod, fn = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-    ok("cuDeviceGet", ctypes.byref(dev), 0)
+    ok("cuDeviceGet", ctypes.byref(dev), ordinal)
     ok("cuCtxCreate_v2", ctypes.byref(ctx), 0, dev)
     ok("cuModuleLoadData", ctypes.byref(mod), ctypes.c_char_p(PTX))
     ok("cuModuleGetFunction", ctypes.byref(fn), mod, b"scribble")

@@ -1,0 +1,91 @@
+"""The scenario table of tests/gpu/nccl_scenarios.py and the schedule it follows.
+
+Each scenario runs on GPUs of its own; the harness starts the widest and
+longest first and fills free GPUs as jobs end (`--plan` prints the result
+on estimated durations).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+STARTUP = 25.0  # torch import, CUDA and NCCL start, warm-up (estimate)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    mode: str
+    kind: str  # hang | control
+    launch: str = "torchrun"  # torchrun | hand | hand_rank0
+    gpus: int = 2
+    action: str = ""  # kill1: SIGKILL rank 1; go: touch DIR/go (rank 1 faults)
+    seconds: float = 0.0  # the job's main phase (controls); 0 = --control-seconds
+    extra: float = 0.0  # known start-up or trailing work beyond the phase
+
+    def phase(self, control_s: float) -> float:
+        """The job's main phase: its own length, at most --control-seconds."""
+        return min(self.seconds or control_s, control_s)
+
+    def estimate(self, hang_s: float, control_s: float, settle: float) -> float:
+        if self.kind == "hang":
+            return STARTUP + (settle if self.action else 0) + hang_s + 10
+        return STARTUP + self.phase(control_s) + self.extra + 10
+
+
+SCENARIOS = [
+    Scenario("teardown_destroy", "teardown_destroy", "hang"),
+    Scenario("teardown_graph_attr", "teardown_graph_attr", "hang"),
+    Scenario("unbalanced", "unbalanced", "hang"),
+    Scenario("dead_peer", "dead_peer", "hang", launch="hand", action="kill1"),
+    Scenario("dead_peer_torchrun", "dead_peer", "hang", action="kill1"),
+    Scenario("rendezvous_missing", "rendezvous_missing", "hang", launch="hand_rank0", gpus=1),
+    Scenario("xid_kill", "xid_kill", "hang", launch="hand", action="go"),
+    Scenario("healthy_ddp", "healthy_ddp", "control"),
+    Scenario("healthy_fsdp", "healthy_fsdp", "control"),
+    Scenario("checkpoint", "checkpoint", "control", extra=20),
+    Scenario("eval_pause", "eval_pause", "control", seconds=60, extra=20),
+    Scenario("slow_loader", "slow_loader", "control", seconds=90),
+    Scenario("compile_start", "compile_start", "control", seconds=60, extra=60),
+    Scenario("ends_normally", "ends_normally", "control", seconds=20),
+]
+BY_NAME = {s.name: s for s in SCENARIOS}
+SUITES = {
+    "hangs": [s.name for s in SCENARIOS if s.kind == "hang"],
+    "controls": [s.name for s in SCENARIOS if s.kind == "control"],
+    "all": [s.name for s in SCENARIOS],
+    # two device calls of at most ~9 minutes on 4 GPUs (see --plan)
+    "a": [*[s.name for s in SCENARIOS if s.kind == "hang"], "eval_pause"],
+    "b": [s.name for s in SCENARIOS if s.kind == "control" and s.name != "eval_pause"],
+}
+
+
+def expand(names: list[str], args: argparse.Namespace) -> list[Scenario]:
+    """The named scenarios, widest and longest first (packs the GPUs best)."""
+    out: list[Scenario] = []
+    for n in names or ["all"]:
+        for m in SUITES.get(n, [n]):
+            if m not in BY_NAME:
+                raise SystemExit(f"unknown scenario {m!r}; known: {', '.join(BY_NAME)}")
+            if BY_NAME[m] not in out:
+                out.append(BY_NAME[m])
+    return sorted(
+        out,
+        key=lambda s: (-s.gpus, -s.estimate(args.hang_seconds, args.control_seconds, args.settle)),
+    )
+
+
+def plan(scens: list[Scenario], ngpus: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The greedy schedule the harness follows, on estimated durations."""
+    free_at = [0.0] * ngpus
+    rows = []
+    for s in scens:
+        order = sorted(range(ngpus), key=lambda g: free_at[g])[: s.gpus]
+        start = max(free_at[g] for g in order)
+        end = start + s.estimate(args.hang_seconds, args.control_seconds, args.settle)
+        for g in order:
+            free_at[g] = end
+        rows.append({"name": s.name, "gpus": sorted(order), "start": start, "end": end})
+    return rows

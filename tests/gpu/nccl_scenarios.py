@@ -1,0 +1,462 @@
+#!/usr/bin/env python3
+"""Real NCCL hang scenarios and quiet controls on a multi-GPU node, beside a running gpuwatchd.
+
+    python3 tests/gpu/nccl_scenarios.py --out DIR [--daemon-url URL] [NAME|SUITE ...]
+    python3 tests/gpu/nccl_scenarios.py --plan [NAME|SUITE ...]     schedule and total time
+    python3 tests/gpu/nccl_scenarios.py --dry-run --out DIR ...     fake ranks, no GPU
+
+Each scenario starts its job (tests/gpu/nccl_jobs.py) with `torchrun --standalone`
+or by hand, on GPUs of its own (several scenarios run at once), waits for the
+ranks' markers, then once a second reads every rank's /proc/PID/stat and
+/proc/PID/io, every 5 s the job's NCCL RAS answer, and on a hang (or a
+control's pause) triggers the PyTorch flight recorder 20 s in and takes two
+py-spy dumps 5 s apart. Meanwhile it polls the daemon's /hangs, /alerts and
+/metrics every 2 s and reads NVRM lines from /dev/kmsg. Per scenario it
+writes DIR/NAME/trace.json (timeline, RAS answers as received, dumps, the
+daemon's first record and alert, seconds from hang start); DIR/summary.json
+holds one row per scenario. Every child runs in its own session and is
+killed at the end; every wait has a deadline; --budget stops starting
+scenarios that would not finish in time and ends the rest at the budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.dirname(os.path.dirname(HERE)))
+
+from nccl_jobs import MULTICAST_OFF  # noqa: E402
+from nccl_observe import (  # noqa: E402
+    DaemonPoller,
+    KmsgReader,
+    NvmlSampler,
+    proc_sample,
+    pyspy,
+    ras_raw,
+    summary_row,
+    trigger_flight_recorder,
+)
+from nccl_plan import SCENARIOS, SUITES, Scenario, expand, plan  # noqa: E402
+
+JOBS = os.path.join(HERE, "nccl_jobs.py")
+
+
+class Run:
+    """One scenario: launch, wait for markers, act, observe, kill, write trace.json."""
+
+    def __init__(self, s: Scenario, gpus: list[int], args: argparse.Namespace, ctx: Any) -> None:
+        self.s, self.gpus, self.args, self.ctx = s, gpus, args, ctx
+        self.idx = SCENARIOS.index(s)
+        self.dir = os.path.join(args.out, s.name)
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.trace: dict[str, Any] = {
+            "scenario": asdict(s),
+            "gpus": gpus,
+            "samples": [],
+            "ras": [],
+            "pyspy": [],
+            "notes": [],
+        }
+        self.ras_busy = threading.Lock()
+
+    # --- launching ------------------------------------------------------------------
+
+    def env(self) -> dict[str, str]:
+        fr = os.path.join(self.dir, "fr")
+        os.makedirs(fr, exist_ok=True)
+        env = dict(os.environ)
+        env.update(MULTICAST_OFF)
+        env.update(
+            PYTHONUNBUFFERED="1",
+            OMP_NUM_THREADS="2",
+            CUDA_VISIBLE_DEVICES=",".join(map(str, self.gpus)),
+            NCCL_RAS_ADDR=f"127.0.0.1:{self.args.ras_port_base + self.idx}",
+            TORCH_NCCL_DEBUG_INFO_PIPE_FILE=os.path.join(fr, "pipe_"),
+            TORCH_NCCL_DEBUG_INFO_TEMP_FILE=os.path.join(fr, "dump_"),
+            TORCH_NCCL_TRACE_BUFFER_SIZE="2000",
+            TORCH_FR_BUFFER_SIZE="2000",
+            TORCH_NCCL_DUMP_ON_TIMEOUT="1",
+        )
+        return env
+
+    def job_args(self) -> list[str]:
+        s, a = self.s, self.args
+        out = [s.mode, "--dir", self.dir, "--seconds", str(s.phase(a.control_seconds))]
+        out += ["--warm", str(a.warm), "--scratch", a.scratch]
+        return out + (["--fake"] if a.dry_run else [])
+
+    def launch(self) -> None:
+        s, env = self.s, self.env()
+        if s.launch == "torchrun":
+            if self.args.dry_run:
+                cmd = [sys.executable, JOBS, "fake-torchrun", str(s.gpus), *self.job_args()]
+            else:
+                cmd = ["torchrun", "--standalone", f"--nproc-per-node={s.gpus}", JOBS]
+                cmd += self.job_args()
+            self._spawn(cmd, env, "launcher")
+        else:
+            world = 2 if s.launch == "hand_rank0" else s.gpus
+            env.update(
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(self.args.master_port_base + self.idx),
+                WORLD_SIZE=str(world),
+                LOCAL_WORLD_SIZE=str(world),
+            )
+            for r in range(1 if s.launch == "hand_rank0" else world):
+                env_r = dict(env, RANK=str(r), LOCAL_RANK=str(r))
+                self._spawn([sys.executable, JOBS, *self.job_args()], env_r, f"rank{r}")
+        self.trace["commands"] = [" ".join(p.args) for p in self.procs]  # type: ignore[arg-type]
+
+    def _spawn(self, cmd: list[str], env: dict[str, str], tag: str) -> None:
+        log = open(os.path.join(self.dir, f"{tag}.log"), "wb")
+        p = subprocess.Popen(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        log.close()
+        self.procs.append(p)
+
+    # --- markers --------------------------------------------------------------------
+
+    def markers(self, name: str) -> dict[int, dict[str, Any]]:
+        out = {}
+        for r in range(self.s.gpus):
+            try:
+                with open(os.path.join(self.dir, "markers", f"{name}.rank{r}.json")) as f:
+                    out[r] = json.load(f)
+            except (OSError, ValueError):
+                pass
+        return out
+
+    def launcher_gone(self) -> bool:
+        return all(p.poll() is not None for p in self.procs)
+
+    def ranks(self) -> dict[int, int]:
+        pids: dict[int, int] = {}
+        for name in ("start", "ready", "hang"):
+            for r, m in self.markers(name).items():
+                pids.setdefault(r, int(m["pid"]))
+        return pids
+
+    # --- the scenario ---------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        os.makedirs(self.dir, exist_ok=True)
+        t0 = time.time()
+        self.trace["t_launch"] = t0
+        try:
+            self.launch()
+            self.observe(t0)
+        except Exception as e:  # keep going with the other scenarios; say what broke
+            self.trace["notes"].append(f"harness error: {type(e).__name__}: {e}")
+        finally:
+            self.kill()
+        self.finish(t0)
+        return summary_row(self.trace)
+
+    def observe(self, t0: float) -> None:
+        s, a, stop = self.s, self.args, self.ctx.stop
+        want = "hang" if s.launch == "hand_rank0" else "ready"
+        need = 1 if s.launch == "hand_rank0" else s.gpus
+        hang_start: float | None = None
+        acted = 0.0
+        window_start: float | None = None  # a control's pause (checkpoint, evaluation)
+        ready_at: float | None = None
+        fr_done = spy_done = 0
+        next_ras = 0.0
+        end = t0 + a.startup_timeout + s.estimate(a.hang_seconds, a.control_seconds, a.settle)
+        while not stop.is_set():
+            now = time.time()
+            if ready_at is None:
+                if len(self.markers(want)) >= need:
+                    ready_at = now
+                    self.trace["t_ready"] = now
+                    self.trace["ranks"] = self.ranks()
+                    self.trace["job_key"] = self.job_key()
+                    if s.kind == "hang":
+                        end = now + (a.settle if s.action else 0) + a.hang_seconds + 60
+                elif now - t0 > a.startup_timeout or self.launcher_gone():
+                    self.trace["notes"].append(f"no {want} marker from {need} rank(s)")
+                    return
+            ranks = self.ranks()
+            self.sample(now, ranks)
+            if ready_at is not None:
+                if s.action and not acted and now - ready_at >= a.settle:
+                    acted = now
+                    hang_start = self.act(ranks)
+                    if hang_start is not None:
+                        end = min(end, hang_start + a.hang_seconds)
+                marked = s.kind == "hang" and s.action != "kill1" and (acted or not s.action)
+                if hang_start is None and marked:
+                    hangs = self.markers("hang")
+                    if hangs:
+                        hang_start = min(m["t"] for m in hangs.values())
+                        what = {m.get("what", "") for m in hangs.values()}
+                        self.trace["hang_what"] = sorted(what)
+                        end = min(end, hang_start + a.hang_seconds)
+                if window_start is None and s.mode in ("checkpoint", "eval_pause"):
+                    ph = [m for m in self.markers("phase").values() if m.get("phase") == s.mode]
+                    window_start = min((m["t"] for m in ph), default=None)
+                since = hang_start or window_start
+                if since is not None and fr_done == 0 and now - since >= 20:
+                    fr_done = 1
+                    self.trace["fr_triggers"] = trigger_flight_recorder(
+                        os.path.join(self.dir, "fr", "pipe_")
+                    )
+                if since is not None and spy_done < 2 and now - since >= 25 + 5 * spy_done:
+                    spy_done += 1
+                    pids = [p for p in ranks.values() if proc_sample(p).get("alive")]
+                    threading.Thread(target=self.spy, args=(pids, spy_done), daemon=True).start()
+                if now >= next_ras and now - ready_at >= 3:
+                    next_ras = now + 5
+                    threading.Thread(target=self.ras, daemon=True).start()
+            if hang_start is not None and self.ctx.daemon and not a.full_hangs:
+                # flagged: keep watching 20 s for the forensics, at least 40 s in all
+                det = self.ctx.daemon.detection(self.match, hang_start - 5, now)
+                if det.get("flagged"):
+                    end = min(end, max(hang_start + 40, det["first_seen"] + 20))
+            self.trace["hang_start"] = hang_start
+            self.trace["window_start"] = window_start
+            if now >= end:
+                if s.kind == "control":
+                    self.trace["notes"].append("control still running at its deadline")
+                return
+            if s.kind == "control" and self.launcher_gone():
+                return
+            stop.wait(max(0.0, 1.0 - (time.time() - now)))
+
+    def act(self, ranks: dict[int, int]) -> float | None:
+        if self.s.action == "kill1" and 1 in ranks:
+            os.kill(ranks[1], signal.SIGKILL)
+            t = time.time()
+            self.trace["hang_what"] = [f"SIGKILL rank 1 (pid {ranks[1]})"]
+            return t
+        if self.s.action == "kill1":
+            self.trace["notes"].append("no pid for rank 1: nothing killed")
+        if self.s.action == "go":
+            open(os.path.join(self.dir, "go"), "w").close()
+            self.trace["go_at"] = time.time()
+        return None
+
+    def job_key(self) -> str:
+        """The daemon's name for this job, from rank 0's environment."""
+        pid = self.ranks().get(0)
+        try:
+            from gpuwatchd.sources.hangs.jobs import job_key
+
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                pairs = [kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv]
+            return job_key(int(pid or 0), {k.decode(): v.decode() for k, v in pairs})
+        except Exception as e:
+            return f"unknown ({type(e).__name__})"
+
+    def match(self, doc: dict[str, Any]) -> bool:
+        """Whether a /hangs record (or an alert's labels) is about this scenario's job."""
+        key = self.trace.get("job_key", "")
+        if key and key in (doc.get("job"), (doc.get("labels") or {}).get("job")):
+            return True
+        pids = set(self.trace.get("ranks", {}).values())
+        return any(r.get("pid") in pids for r in doc.get("ranks") or [])
+
+    def sample(self, now: float, ranks: dict[int, int]) -> None:
+        row: dict[str, Any] = {"t": round(now, 3), "ranks": {}}
+        for r, pid in ranks.items():
+            row["ranks"][str(r)] = {"pid": pid, **proc_sample(pid)}
+        row["launchers"] = {str(p.pid): p.poll() for p in self.procs}
+        self.trace["samples"].append(row)
+
+    def ras(self) -> None:
+        if not self.ras_busy.acquire(blocking=False):
+            return  # never more than one query in flight per job
+        try:
+            addr = f"127.0.0.1:{self.args.ras_port_base + self.idx}"
+            self.trace["ras"].append(ras_raw(addr, "json"))
+            if len(self.trace["ras"]) % 4 == 1:
+                self.trace["ras"].append(ras_raw(addr, "text", verbose=True))
+        finally:
+            self.ras_busy.release()
+
+    def spy(self, pids: list[int], n: int) -> None:
+        self.trace["pyspy"].extend(pyspy(pids, self.dir, f"{n}", timeout=20.0))
+
+    # --- the end --------------------------------------------------------------------
+
+    def kill(self) -> None:
+        """SIGTERM each child's session, then SIGKILL; ranks by pid too, bounded."""
+        ranks = self.ranks()
+        starts = {pid: proc_sample(pid).get("starttime") for pid in ranks.values()}
+        for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+            for p in self.procs:
+                if p.poll() is None:
+                    try:
+                        os.killpg(p.pid, sig)
+                    except OSError:
+                        pass
+            for pid, start in starts.items():
+                if start is not None and proc_sample(pid).get("starttime") == start:
+                    try:
+                        os.kill(pid, sig)
+                    except OSError:
+                        pass
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline and not self.launcher_gone():
+                time.sleep(0.2)
+        self.trace["exit_codes"] = {str(p.pid): p.poll() for p in self.procs}
+        left = [
+            pid
+            for pid, st in starts.items()
+            if (now := proc_sample(pid)).get("alive") and now.get("starttime") == st
+        ]
+        if left or not self.launcher_gone():
+            self.trace["notes"].append(f"still alive after SIGKILL: {left}")
+
+    def finish(self, t0: float) -> None:
+        t_end = time.time()
+        self.trace["t_end"] = t_end
+        fr = os.path.join(self.dir, "fr")
+        self.trace["fr_files"] = {
+            n: os.path.getsize(os.path.join(fr, n))
+            for n in sorted(os.listdir(fr))
+            if not n.endswith(".pipe")
+        }
+        self.trace["markers"] = {
+            n: self.markers(n)
+            for n in ("start", "ready", "phase", "hang", "faulted", "returned", "done")
+        }
+        self.trace["kmsg"] = self.ctx.kmsg.between(t0, t_end + 2)
+        det = self.ctx.daemon.detection(self.match, t0, t_end + 2) if self.ctx.daemon else {}
+        start = self.trace.get("hang_start") or self.trace.get("window_start") or t0
+        for k in ("first_seen", "alert_first_seen"):
+            if k in det:
+                det[k.replace("first_seen", "after_s")] = round(det[k] - start, 1)
+        self.trace["daemon"] = det
+        with open(os.path.join(self.dir, "trace.json"), "w") as f:
+            json.dump(self.trace, f, indent=1, default=str)
+
+
+class Context:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.stop = threading.Event()
+        self.kmsg = KmsgReader()
+        self.nvml = NvmlSampler(args.out)
+        self.daemon = DaemonPoller(args.daemon_url, args.out) if args.daemon_url else None
+
+
+def execute(scens: list[Scenario], args: argparse.Namespace) -> list[dict[str, Any]]:
+    ctx = Context(args)
+    ctx.kmsg.start()
+    if not args.dry_run:
+        ctx.nvml.start()
+    if ctx.daemon:
+        ctx.daemon.start()
+    deadline = time.monotonic() + args.budget
+    free = list(range(args.gpus))
+    lock = threading.Lock()
+    rows: list[dict[str, Any]] = []
+    threads: list[threading.Thread] = []
+    pending = list(scens)
+
+    def worker(s: Scenario, gpus: list[int]) -> None:
+        row = Run(s, gpus, args, ctx).run()
+        print(json.dumps(row), flush=True)
+        with lock:
+            rows.append(row)
+            free.extend(gpus)
+
+    while pending or any(t.is_alive() for t in threads):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            ctx.stop.set()
+            break
+        with lock:
+            for s in list(pending):
+                est = s.estimate(args.hang_seconds, args.control_seconds, args.settle)
+                if est > left:
+                    pending.remove(s)
+                    rows.append({"scenario": s.name, "skipped": f"needs ~{est:.0f} s"})
+                elif len(free) >= s.gpus:
+                    gpus = sorted(free)[: s.gpus]
+                    for g in gpus:
+                        free.remove(g)
+                    pending.remove(s)
+                    print(f"{time.strftime('%H:%M:%S')} start {s.name} on GPUs {gpus}", flush=True)
+                    th = threading.Thread(target=worker, args=(s, gpus), name=s.name)
+                    th.start()
+                    threads.append(th)
+        time.sleep(0.5)
+    for th in threads:  # each run ends within its kill grace once stop is set
+        th.join(60)
+    ctx.stop.set()
+    ctx.kmsg.stop_event.set()
+    ctx.nvml.stop_event.set()
+    if ctx.daemon:
+        ctx.daemon.stop()
+    meta = {
+        "kmsg_error": ctx.kmsg.error,
+        "nvml_error": ctx.nvml.error,
+        "daemon_polls": ctx.daemon.polls if ctx.daemon else 0,
+        "daemon_errors": ctx.daemon.errors if ctx.daemon else 0,
+    }
+    rows.append({"meta": meta, "hung_threads": [t.name for t in threads if t.is_alive()]})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("names", nargs="*", help=f"scenarios or suites ({', '.join(SUITES)})")
+    ap.add_argument("--out", default="gpuscen-out")
+    ap.add_argument("--gpus", type=int, default=4, help="GPUs to spread the scenarios over")
+    ap.add_argument("--hang-seconds", type=float, default=90.0, help="watch a hang this long")
+    ap.add_argument("--control-seconds", type=float, default=180.0, help="main phase of controls")
+    ap.add_argument("--settle", type=float, default=10.0, help="training before kill or fault")
+    ap.add_argument("--warm", type=float, default=8.0, help="training before `ready`")
+    ap.add_argument("--startup-timeout", type=float, default=120.0)
+    ap.add_argument("--budget", type=float, default=540.0, help="seconds for the whole run")
+    ap.add_argument("--daemon-url", default="http://127.0.0.1:10370", help="'' = no daemon")
+    ap.add_argument("--ras-port-base", type=int, default=28100)
+    ap.add_argument("--master-port-base", type=int, default=29600)
+    ap.add_argument("--scratch", default="/tmp/gpuscen-ckpt", help="checkpoint files (deleted)")
+    ap.add_argument(
+        "--full-hangs", action="store_true", help="watch each hang --hang-seconds even once flagged"
+    )
+    ap.add_argument("--plan", action="store_true", help="print the schedule and exit")
+    ap.add_argument("--dry-run", action="store_true", help="fake ranks that sleep (no GPU)")
+    args = ap.parse_args(argv)
+    scens = expand(args.names, args)
+    rows = plan(scens, args.gpus, args)
+    total = max((r["end"] for r in rows), default=0.0)
+    if args.plan:
+        for r in rows:
+            print(f"{r['start']:6.0f} {r['end']:6.0f} s  GPUs {r['gpus']}  {r['name']}")
+        mins = f"{total / 60:.1f} min"
+        print(f"total ~{total:.0f} s ({mins}) on {args.gpus} GPUs; budget {args.budget:.0f} s")
+        return 0
+    os.environ.update(MULTICAST_OFF)
+    os.makedirs(args.out, exist_ok=True)
+    started = time.time()
+    result = execute(scens, args)
+    summary = {
+        "started": started,
+        "seconds": round(time.time() - started, 1),
+        "planned_seconds": round(total),
+        "args": vars(args),
+        "rows": result,
+    }
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1, default=str)
+    print(f"summary: {os.path.join(args.out, 'summary.json')} ({summary['seconds']} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
