@@ -269,17 +269,22 @@ class DaemonPoller(threading.Thread):
                         out.update(flagged=True, first_seen=t, job=d.get("job", ""), first=d)
                     out["last"] = d  # signature and facts fill in after forensics
                     job = str(d.get("job", ""))
+        severities: list[str] = []
         for t, items in alerts:
-            if t < since or t > until or out["alert"]:
+            if t < since or t > until:
                 continue
             for a in items:
                 labels = a.get("labels", {})
                 if labels.get("alertname") != "JobHangSuspected":
                     continue
                 if job and job in labels.values() or match({"labels": labels}):
-                    out.update(alert=True, alert_first_seen=t, alert_labels=labels)
-                    out["alert_status"] = a.get("status")
-                    break
+                    if not out["alert"]:
+                        out.update(alert=True, alert_first_seen=t, alert_labels=labels)
+                        out["alert_status"] = a.get("status")
+                    sev = str(labels.get("severity", ""))
+                    if sev not in severities:
+                        severities.append(sev)  # warning then critical: a straggler escalated
+        out["alert_severities"] = severities
         return out
 
 
@@ -370,6 +375,7 @@ def summary_row(t: dict[str, Any]) -> dict[str, Any]:
         "detected_after_s": det.get("after_s"),
         "alert_after_s": det.get("alert_after_s"),
         "severity": (det.get("alert_labels") or {}).get("severity", ""),
+        "severities": det.get("alert_severities", []),
         "conditions": first.get("conditions", []),
         "signals": first.get("signals", ""),
         "reason": first.get("reason", ""),

@@ -1,0 +1,236 @@
+#!/usr/bin/env bash
+# One multi-GPU device session in phases, one phase (or a comma list) per call:
+#   bash tests/gpu/multi_gpu_session.sh start|scenarios-a|scenarios-b|scenarios-NAME[+NAME]|finish OUTDIR
+#   bash tests/gpu/multi_gpu_session.sh start,scenarios-a OUTDIR       (several phases in one call)
+#
+# start        install the carried wheels (.whl/*.whl) into /tmp/site, start `gpuwatchd run`
+#              (default config, state /tmp/gw-state, 127.0.0.1:10370) under setsid so it
+#              outlives this call, record an idle NVML capture, nvidia-smi topology and NVLink.
+# scenarios-a  the hang scenarios and the evaluation pause (tests/gpu/nccl_scenarios.py a);
+#              an NVML capture during the first hangs.
+# scenarios-b  the other controls (healthy DDP/FSDP 3 min, checkpoint 3 min, slow loader,
+#              compile, normal end); an NVML capture and nvidia-smi NVLink reads under load.
+# finish       last reads of the daemon, SIGTERM to it, its log, state and footprint, then
+#              tests/gpu/footprint.py (daemon beside bare pynvml, 60 s, idle).
+#
+# Every phase writes OUTDIR/PHASE.tar.gz (everything), OUTDIR/PHASE-summary.json and
+# OUTDIR/PHASE.log. A `scenarios-*` phase on a fresh machine (daemon gone) installs the
+# wheels and starts the daemon first. NVLink multicast stays off in every process.
+# Env: PYTHON (python3), GW_CONFIG (a config file for the daemon; default: none = defaults),
+# BUDGET (harness seconds per scenarios phase, 500), HANG_SECONDS (90), CONTROL_SECONDS (180),
+# GW_ARGS (extra `gpuwatchd run` arguments), HARNESS_ARGS (extra harness arguments, e.g.
+# `--dry-run` to try the phases without a GPU, with GW_ARGS="--nvml-replay FILE").
+set -u
+phases=${1:?phase}
+outdir=${2:?outdir}
+mkdir -p "$outdir"
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$repo" || exit 1
+py=${PYTHON:-python3}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$repo${PYTHONPATH:+:$PYTHONPATH}
+export PATH=/tmp/site/bin:$PATH
+gw_url=http://127.0.0.1:10370
+gw_state=/tmp/gw-state
+gw_pidfile=/tmp/gw-daemon.pid
+gw_log=/tmp/gw-daemon.log
+
+note() { echo "$(date -u +%H:%M:%S) $*"; }
+run_to() { # FILE SECONDS CMD...: output to FILE, bounded
+  local f=$1 s=$2
+  shift 2
+  timeout -k 5 "$s" "$@" >"$f" 2>&1
+  echo "rc=$? $*" >>"$f"
+}
+http_get() { # PATH FILE
+  timeout 10 "$py" -c 'import sys, urllib.error, urllib.request
+try:
+    with urllib.request.urlopen(sys.argv[1], timeout=5) as r: sys.stdout.buffer.write(r.read())
+except urllib.error.HTTPError as e:  # an answer all the same (503 while sources start)
+    sys.stdout.buffer.write(e.read())' "$gw_url$1" >"$2" 2>&1
+}
+daemon_pid() { [ -s $gw_pidfile ] && kill -0 "$(cat $gw_pidfile)" 2>/dev/null && cat $gw_pidfile; }
+daemon_proc() { # FILE: the daemon's RSS and CPU seconds now (for CPU % over a phase)
+  local pid
+  pid=$(daemon_pid) || { echo '{"daemon": "not running"}' >"$1"; return; }
+  "$py" - "$pid" >"$1" <<'EOF'
+import json, os, sys, time
+pid = sys.argv[1]
+stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+rss = [l for l in open(f"/proc/{pid}/status") if l.startswith(("VmRSS", "VmHWM", "Threads"))]
+tck = os.sysconf("SC_CLK_TCK")
+print(json.dumps({"pid": int(pid), "t": time.time(), "cpu_s": (int(stat[11]) + int(stat[12])) / tck,
+                  "status": {l.split(":")[0]: l.split(":")[1].strip() for l in rss}}))
+EOF
+}
+
+install_wheels() {
+  if [ -e /tmp/site/.installed ]; then return; fi
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    note "installing $(ls .whl/*.whl | wc -l) wheels into /tmp/site"
+    timeout 300 "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+      && touch /tmp/site/.installed
+  else
+    note "no .whl/*.whl carried; using the installed packages"
+  fi
+}
+
+ensure_daemon() { # W: starts the daemon when it is not running (a fresh machine)
+  if daemon_pid >/dev/null && http_get /healthz "$1/healthz-before.txt"; then
+    note "daemon running (pid $(cat $gw_pidfile))"
+    return
+  fi
+  install_wheels
+  mkdir -p $gw_state
+  local cfg=()
+  [ -n "${GW_CONFIG:-}" ] && cfg=(--config "$GW_CONFIG")
+  # setsid + nohup: its own session, so it outlives this call and survives its end
+  # shellcheck disable=SC2086  # GW_ARGS: extra daemon arguments, split on purpose
+  setsid nohup bash -c 'echo $$ >'$gw_pidfile'; exec "$@"' gw "$py" -m gpuwatchd run "${cfg[@]}" \
+    --state-dir $gw_state --listen 127.0.0.1:10370 ${GW_ARGS:-} >>$gw_log 2>&1 </dev/null &
+  sleep 0.5
+  note "daemon started (pid $(cat $gw_pidfile)), waiting for /healthz"
+  for _ in $(seq 1 60); do
+    http_get /healthz "$1/healthz-start.txt" && { note "daemon answers"; return; }
+    daemon_pid >/dev/null || break
+    sleep 0.5
+  done
+  note "daemon did not answer within 30 s; tail of its log:"
+  tail -20 $gw_log
+}
+
+versions() { # FILE
+  {
+    nvidia-smi --query-gpu=index,name,driver_version,pci.bus_id --format=csv 2>&1
+    timeout 60 "$py" -c 'import torch, sys; print("python", sys.version.split()[0]); print("torch", torch.__version__, "nccl", torch.cuda.nccl.version(), "gpus", torch.cuda.device_count())' 2>&1
+    timeout 30 "$py" -c 'import cupy; print("cupy", cupy.__version__)' 2>&1
+    timeout 10 py-spy --version 2>&1
+    timeout 10 "$py" -m gpuwatchd --version 2>&1
+  } >"$1"
+}
+
+smi_nvlink() { # W TAG: nvidia-smi topology and NVLink reads, bounded
+  run_to "$1/smi-nvlink-s-$2.txt" 60 nvidia-smi nvlink -s
+  run_to "$1/smi-nvlink-e-$2.txt" 60 nvidia-smi nvlink -e
+  run_to "$1/smi-nvlink-gt-$2.txt" 60 nvidia-smi nvlink -gt d
+  run_to "$1/smi-query-$2.csv" 30 nvidia-smi --format=csv \
+    --query-gpu=index,utilization.gpu,utilization.memory,power.draw,clocks.sm,temperature.gpu
+}
+
+daemon_reads() { # W TAG
+  http_get /metrics "$1/metrics-$2.txt"
+  http_get /status "$1/status-$2.json"
+  http_get /hangs "$1/hangs-$2.json"
+  http_get /alerts "$1/alerts-$2.json"
+}
+
+phase_start() { # W
+  local w=$1
+  install_wheels
+  versions "$w/versions.txt"
+  ensure_daemon "$w"
+  run_to "$w/smi-topo.txt" 30 nvidia-smi topo -m
+  run_to "$w/smi-q.txt" 60 nvidia-smi -q
+  smi_nvlink "$w" idle
+  run_to "$w/record-idle.log" 120 "$py" -m gpuwatchd record --out "$w/record-idle.json" --polls 30 --interval 1
+  daemon_reads "$w" start
+}
+
+phase_scenarios() { # W SUITE
+  local w=$1 names=${2//+/ } bg=()
+  ensure_daemon "$w"
+  daemon_proc "$w/daemon-proc-before.json"
+  daemon_reads "$w" before
+  "$py" tests/gpu/nccl_scenarios.py --plan --budget "${BUDGET:-500}" $names >"$w/plan.txt" 2>&1
+  if [ "$names" = a ]; then  # a capture while the first hangs (dead peers) last
+    (sleep 50 && run_to "$w/record-hang.log" 120 "$py" -m gpuwatchd record \
+      --out "$w/record-hang.json" --polls 30 --interval 2) >/dev/null 2>&1 &
+    bg+=($!)
+  else  # a capture and nvidia-smi reads while controls train on every GPU
+    (sleep 60 && run_to "$w/record-load.log" 150 "$py" -m gpuwatchd record \
+      --out "$w/record-load.json" --polls 60 --interval 2) >/dev/null 2>&1 &
+    bg+=($!)
+    (sleep 90 && smi_nvlink "$w" load) >/dev/null 2>&1 &
+    bg+=($!)
+  fi
+  note "scenarios: $names (plan: $(tail -1 "$w/plan.txt"))"
+  # shellcheck disable=SC2086  # HARNESS_ARGS: extra harness arguments (--dry-run ...)
+  timeout -k 15 "$(( ${BUDGET:-500} + 60 ))" "$py" tests/gpu/nccl_scenarios.py --out "$w/scen" \
+    --budget "${BUDGET:-500}" --hang-seconds "${HANG_SECONDS:-90}" \
+    --control-seconds "${CONTROL_SECONDS:-180}" --daemon-url $gw_url ${HARNESS_ARGS:-} $names
+  note "harness rc=$?"
+  for p in "${bg[@]}"; do  # the side captures, by pid: their children first
+    pkill -TERM -P "$p" 2>/dev/null
+    kill "$p" 2>/dev/null
+  done
+  wait
+  cp "$w/scen/summary.json" "$w/summary.json" 2>/dev/null
+  daemon_proc "$w/daemon-proc-after.json"
+  daemon_reads "$w" after
+}
+
+phase_finish() { # W
+  local w=$1 pid
+  daemon_proc "$w/daemon-proc-before.json"
+  daemon_reads "$w" final
+  run_to "$w/hang-show.json" 60 "$py" -m gpuwatchd hang show --state-dir $gw_state --json --limit 100
+  run_to "$w/record-final.log" 60 "$py" -m gpuwatchd record --out "$w/record-final.json" --polls 10 --interval 1
+  smi_nvlink "$w" final
+  if pid=$(daemon_pid); then
+    kill -TERM "$pid"
+    for _ in $(seq 1 40); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+    if kill -0 "$pid" 2>/dev/null; then note "daemon ignored SIGTERM for 20 s; SIGKILL"; kill -KILL "$pid"; fi
+    note "daemon stopped"
+  fi
+  rm -f $gw_pidfile
+  cp $gw_log "$w/daemon.log" 2>/dev/null
+  tar -C /tmp -czf "$w/gw-state.tar.gz" gw-state 2>/dev/null
+  run_to "$w/footprint.log" 200 "$py" tests/gpu/footprint.py --seconds 60 --out "$w/footprint.json"
+}
+
+summarize() { # W PHASE START: OUTDIR/PHASE-summary.json
+  "$py" - "$1" "$2" "$3" "$outdir/$2-summary.json" <<'EOF'
+import json, os, sys, time
+w, phase, start, out = sys.argv[1:5]
+doc = {"phase": phase, "seconds": round(time.time() - float(start), 1), "files": sorted(os.listdir(w))}
+for name in ("summary.json", "daemon-proc-before.json", "daemon-proc-after.json", "footprint.json"):
+    try:
+        doc[name] = json.load(open(os.path.join(w, name)))
+    except (OSError, ValueError) as e:
+        doc[name] = f"absent: {e.__class__.__name__}"
+b, a = doc.get("daemon-proc-before.json"), doc.get("daemon-proc-after.json")
+if isinstance(b, dict) and isinstance(a, dict) and "cpu_s" in b and "cpu_s" in a:
+    doc["daemon_cpu_percent_of_one_core"] = round(100 * (a["cpu_s"] - b["cpu_s"]) / (a["t"] - b["t"]), 3)
+json.dump(doc, open(out, "w"), indent=1, default=str)
+EOF
+}
+
+pack() { # W PHASE: OUTDIR/PHASE.tar.gz under 15 MiB (big bulk files dropped first)
+  local w=$1 tgz="$outdir/$2.tar.gz" ex=()
+  for drop in "" "*metrics-full.jsonl" "*nvml.jsonl" "*daemon-metrics.jsonl" "*smi-q.txt"; do
+    [ -n "$drop" ] && ex+=(--exclude="$drop")
+    tar -C "$(dirname "$w")" "${ex[@]}" --exclude='*.pipe' -czf "$tgz" "$(basename "$w")"
+    [ "$(stat -c %s "$tgz")" -lt $((15 << 20)) ] && break
+    note "$tgz over 15 MiB; dropping $drop and the next bulk file"
+  done
+}
+
+for phase in ${phases//,/ }; do
+  case $phase in start | scenarios-?* | finish) ;; *) note "unknown phase $phase"; exit 2 ;; esac
+  start=$(date +%s.%N)
+  w=/tmp/gpuscen-$phase-$(date -u +%H%M%S)
+  mkdir -p "$w"
+  {
+    note "phase $phase -> $w"
+    case $phase in
+      start) phase_start "$w" ;;
+      scenarios-*) phase_scenarios "$w" "${phase#scenarios-}" ;;
+      finish) phase_finish "$w" ;;
+    esac
+    note "phase $phase done"
+  } 2>&1 | tee "$outdir/$phase.log"
+  cp "$outdir/$phase.log" "$w/phase.log"
+  summarize "$w" "$phase" "$start"
+  pack "$w" "$phase"
+  note "$phase: $(ls -la "$outdir/$phase.tar.gz" | awk '{print $5}') bytes in $outdir/$phase.tar.gz"
+done
