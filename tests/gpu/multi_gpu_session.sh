@@ -17,7 +17,7 @@
 # OUTDIR/PHASE.log. A `scenarios-*` phase on a fresh machine (daemon gone) installs the
 # wheels and starts the daemon first. NVLink multicast stays off in every process.
 # Env: PYTHON (python3), GW_CONFIG (a config file for the daemon; default: none = defaults),
-# BUDGET (harness seconds per scenarios phase, 500), HANG_SECONDS (90), CONTROL_SECONDS (180),
+# BUDGET (harness seconds per scenarios phase, 520), HANG_SECONDS (90), CONTROL_SECONDS (180),
 # GW_ARGS (extra `gpuwatchd run` arguments), HARNESS_ARGS (extra harness arguments, e.g.
 # `--dry-run` to try the phases without a GPU, with GW_ARGS="--nvml-replay FILE").
 set -u
@@ -141,7 +141,9 @@ phase_scenarios() { # W SUITE
   ensure_daemon "$w"
   daemon_proc "$w/daemon-proc-before.json"
   daemon_reads "$w" before
-  "$py" tests/gpu/nccl_scenarios.py --plan --budget "${BUDGET:-500}" $names >"$w/plan.txt" 2>&1
+  local knobs=(--budget "${BUDGET:-520}" --hang-seconds "${HANG_SECONDS:-90}"
+    --control-seconds "${CONTROL_SECONDS:-180}")
+  "$py" tests/gpu/nccl_scenarios.py --plan "${knobs[@]}" $names >"$w/plan.txt" 2>&1
   if [ "$names" = a ]; then  # a capture while the first hangs (dead peers) last
     (sleep 50 && run_to "$w/record-hang.log" 120 "$py" -m gpuwatchd record \
       --out "$w/record-hang.json" --polls 30 --interval 2) >/dev/null 2>&1 &
@@ -155,9 +157,8 @@ phase_scenarios() { # W SUITE
   fi
   note "scenarios: $names (plan: $(tail -1 "$w/plan.txt"))"
   # shellcheck disable=SC2086  # HARNESS_ARGS: extra harness arguments (--dry-run ...)
-  timeout -k 15 "$(( ${BUDGET:-500} + 60 ))" "$py" tests/gpu/nccl_scenarios.py --out "$w/scen" \
-    --budget "${BUDGET:-500}" --hang-seconds "${HANG_SECONDS:-90}" \
-    --control-seconds "${CONTROL_SECONDS:-180}" --daemon-url $gw_url ${HARNESS_ARGS:-} $names
+  timeout -k 15 "$(( ${BUDGET:-520} + 60 ))" "$py" tests/gpu/nccl_scenarios.py --out "$w/scen" \
+    "${knobs[@]}" --daemon-url $gw_url ${HARNESS_ARGS:-} $names
   note "harness rc=$?"
   for p in "${bg[@]}"; do  # the side captures, by pid: their children first
     pkill -TERM -P "$p" 2>/dev/null

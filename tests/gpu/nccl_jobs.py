@@ -246,23 +246,26 @@ def _captured_all_reduce(dev: Any) -> Any:
 
 
 def _fault(job: Job) -> str:
-    """Store to an unmapped address on this rank's GPU; the error text (Xid 31 in the log)."""
+    """Store to an unmapped address on this rank's GPU; what came back (Xid 31 in the log)."""
     try:
         import cupy as cp
 
         cp.cuda.Device(job.local_rank).use()
         kernel = cp.RawKernel(SCRIBBLE, "scribble")
         kernel.compile()
-        kernel((1,), (1,), (cp.uint64(UNMAPPED),))
-        cp.cuda.Device(job.local_rank).synchronize()
-        return "no error"
-    except ImportError:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from faults import illegal_write_ptx
+    except Exception as e:  # no CuPy or no NVRTC: the PTX fallback below
+        problem = f"cupy: {type(e).__name__}: {e}"
+    else:
+        try:
+            kernel((1,), (1,), (cp.uint64(UNMAPPED),))
+            cp.cuda.Device(job.local_rank).synchronize()
+            return "no error"
+        except Exception as e:  # cudaErrorIllegalAddress is the expected outcome
+            return f"{type(e).__name__}: {e}"
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from faults import illegal_write_ptx
 
-        return json.dumps(illegal_write_ptx(ordinal=job.local_rank))
-    except Exception as e:  # cudaErrorIllegalAddress is the expected outcome
-        return f"{type(e).__name__}: {e}"
+    return problem + "; ptx: " + json.dumps(illegal_write_ptx(ordinal=job.local_rank))
 
 
 def run_real(job: Job) -> int:

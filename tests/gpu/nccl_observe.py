@@ -5,8 +5,8 @@
   the project's parser rejects is still kept), plus what the project's parser made of it;
 - trigger_flight_recorder: a write to each rank's TORCH_NCCL_DEBUG_INFO_PIPE_FILE pipe;
 - pyspy: one `py-spy dump` per pid, in parallel, with a deadline;
-- DaemonPoller: /hangs, /alerts and the hang/job lines of /metrics of a running gpuwatchd
-  every 2 s (snapshots kept when they change);
+- DaemonPoller: /hangs and /alerts of a running gpuwatchd every 2 s (kept when they change),
+  the hang/job lines of /metrics every 10 s and all of it every 30 s;
 - KmsgReader: NVRM lines of /dev/kmsg from the harness start on;
 - NvmlSampler: utilisation, power and GPM per GPU once a second (tests/gpu/hang_watch.py).
 """
@@ -225,7 +225,9 @@ class DaemonPoller(threading.Thread):
         try:
             hangs = json.loads(_get(self.url + "/hangs")).get("hangs", [])
             alerts = json.loads(_get(self.url + "/alerts")).get("alerts", [])
-            metrics = _get(self.url + "/metrics").decode(errors="replace")
+            # /metrics every 5th poll: the scrapes cost the daemon CPU the phase measures
+            fetch = self.polls % 5 == 1
+            metrics = _get(self.url + "/metrics").decode(errors="replace") if fetch else ""
         except (OSError, ValueError) as e:
             self.errors += 1
             self._keep("hangs", t, {"error": str(e)})
@@ -236,6 +238,8 @@ class DaemonPoller(threading.Thread):
             self.alerts.append((t, alerts))
         self._keep("hangs", t, hangs)
         self._keep("alerts", t, alerts)
+        if not metrics:
+            return
         lines = [ln for ln in metrics.splitlines() if ln.startswith(METRIC_PREFIXES)]
         self._files["metrics"].write(json.dumps({"t": t, "lines": lines}) + "\n")
         if t - self._last_full >= 30.0:

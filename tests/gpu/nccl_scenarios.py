@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -50,6 +51,7 @@ from nccl_observe import (  # noqa: E402
 from nccl_plan import SCENARIOS, SUITES, Scenario, expand, plan  # noqa: E402
 
 JOBS = os.path.join(HERE, "nccl_jobs.py")
+RUN = "torch.distributed.run"  # torchrun, where the script is not on PATH
 
 
 class Run:
@@ -102,7 +104,8 @@ class Run:
             if self.args.dry_run:
                 cmd = [sys.executable, JOBS, "fake-torchrun", str(s.gpus), *self.job_args()]
             else:
-                cmd = ["torchrun", "--standalone", f"--nproc-per-node={s.gpus}", JOBS]
+                run = ["torchrun"] if shutil.which("torchrun") else [sys.executable, "-m", RUN]
+                cmd = [*run, "--standalone", f"--nproc-per-node={s.gpus}", JOBS]
                 cmd += self.job_args()
             self._spawn(cmd, env, "launcher")
         else:
@@ -231,7 +234,9 @@ class Run:
                 if s.kind == "control":
                     self.trace["notes"].append("control still running at its deadline")
                 return
-            if s.kind == "control" and self.launcher_gone():
+            if self.launcher_gone():
+                if s.kind == "hang":  # torchrun tore the job down, or the hang never came
+                    self.trace["notes"].append(f"job ended at +{now - t0:.0f} s")
                 return
             stop.wait(max(0.0, 1.0 - (time.time() - now)))
 
