@@ -82,7 +82,9 @@ class Job:
         with open(path + ".tmp", "w") as f:
             json.dump(doc, f)
         os.replace(path + ".tmp", path)
-        if name != "progress":
+        if name != "progress":  # every marker in order (the files keep only the last)
+            with open(os.path.join(self.dir, "markers", f"log.rank{self.rank}.jsonl"), "a") as f:
+                f.write(json.dumps({"name": name, **doc}) + "\n")
             print(f"[rank {self.rank}] {name} {extra}", flush=True)
 
     def progress(self, steps: int) -> None:
@@ -128,23 +130,32 @@ def _train(
     stop: Callable[[], bool] | None = None,
     batches: Any = None,
 ) -> int:
-    """Training steps for `seconds` (or until stop()); a host sync every 10 steps."""
+    """Training steps for `seconds` (or until stop() on any rank).
+
+    The ranks agree when to stop (an all-reduce of a flag every 10 steps, every
+    step with a slow loader), so each rank runs the same number of steps and the
+    collectives stay matched.
+    """
     import torch
+    import torch.distributed as dist
 
     end = time.monotonic() + seconds
     steps = 0
     it = iter(batches) if batches is not None else None
-    while time.monotonic() < end:
-        if stop is not None and stop():
-            break
+    every = 1 if it is not None else 10
+    flag = torch.zeros(1, device=dev)
+    while True:
+        if steps % every == 0:
+            flag.fill_(float(time.monotonic() >= end or (stop is not None and stop())))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() > 0:  # also the host sync that keeps the queue short
+                break
         x = next(it).to(dev) if it is not None else torch.randn(64, 1024, device=dev)
         loss = model(x).square().mean()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         steps += 1
-        if steps % 10 == 0 or it is not None:
-            float(loss)
         job.progress(steps)
     torch.cuda.synchronize()
     return steps
@@ -155,13 +166,18 @@ def _ddp(job: Job, dev: Any, compile_it: bool = False) -> tuple[Any, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model: Any = DDP(_model(dev), device_ids=[job.local_rank])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     if compile_it:
         job.mark("phase", phase="compile")
-        try:
-            model = torch.compile(model)
+        try:  # compilation happens at the first step: try one
+            compiled = torch.compile(model)
+            compiled(torch.randn(64, 1024, device=dev)).square().mean().backward()
+            opt.zero_grad(set_to_none=True)
+            model = compiled
+            job.mark("phase", phase="compiled")
         except Exception as e:  # no compiler on the machine: say so and train eagerly
             job.mark("phase", phase="compile-failed", error=f"{type(e).__name__}: {e}")
-    return model, torch.optim.SGD(model.parameters(), lr=1e-4)
+    return model, opt
 
 
 def _warm(job: Job, model: Any, opt: Any, dev: Any) -> None:

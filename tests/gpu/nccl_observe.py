@@ -391,6 +391,11 @@ def summary_row(t: dict[str, Any]) -> dict[str, Any]:
         "fr_files": len(t.get("fr_files", {})),
         "pyspy_ok": sum(1 for r in t["pyspy"] if r.get("rc") == 0),
         "kmsg_lines": len(t.get("kmsg", [])),
+        "returned": sorted((t.get("markers", {}).get("returned") or {}).keys()),
+        "faulted": (t.get("markers", {}).get("faulted") or {}),
+        "phases": sorted(
+            {m.get("phase", "") for m in (t.get("markers", {}).get("phase") or {}).values()}
+        ),
         "exit_codes": t.get("exit_codes", {}),
         "seconds": round(t["t_end"] - t0, 1),
         "notes": t["notes"],

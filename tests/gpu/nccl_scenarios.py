@@ -71,6 +71,7 @@ class Run:
             "notes": [],
         }
         self.ras_busy = threading.Lock()
+        self.spy_lock = threading.Lock()
 
     # --- launching ------------------------------------------------------------------
 
@@ -210,7 +211,9 @@ class Run:
                 if window_start is None and s.mode in ("checkpoint", "eval_pause"):
                     ph = [m for m in self.markers("phase").values() if m.get("phase") == s.mode]
                     window_start = min((m["t"] for m in ph), default=None)
-                since = hang_start or window_start
+                # healthy controls get the same dumps 20-30 s after ready (a baseline)
+                plain = s.kind == "control" and s.mode not in ("checkpoint", "eval_pause")
+                since = hang_start or window_start or (ready_at if plain else None)
                 if since is not None and fr_done == 0 and now - since >= 20:
                     fr_done = 1
                     self.trace["fr_triggers"] = trigger_flight_recorder(
@@ -292,7 +295,8 @@ class Run:
             self.ras_busy.release()
 
     def spy(self, pids: list[int], n: int) -> None:
-        self.trace["pyspy"].extend(pyspy(pids, self.dir, f"{n}", timeout=20.0))
+        with self.spy_lock:  # one py-spy round at a time: two would fight over ptrace
+            self.trace["pyspy"].extend(pyspy(pids, self.dir, f"{n}", timeout=20.0))
 
     # --- the end --------------------------------------------------------------------
 
