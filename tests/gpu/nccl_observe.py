@@ -219,26 +219,36 @@ class DaemonPoller(threading.Thread):
             self._files[kind].write(json.dumps({"t": t, kind: body}) + "\n")
             self._files[kind].flush()
 
+    def _fetch(self, path: str, t: float) -> Any:
+        """One endpoint's JSON; None (and the error kept) when it does not answer."""
+        try:
+            return json.loads(_get(self.url + path))
+        except (OSError, ValueError) as e:
+            self.errors += 1
+            self._keep(path.strip("/"), t, {"error": f"{type(e).__name__}: {e}"})
+            return None
+
     def poll_once(self) -> None:
         t = time.time()
         self.polls += 1
-        try:
-            hangs = json.loads(_get(self.url + "/hangs")).get("hangs", [])
-            alerts = json.loads(_get(self.url + "/alerts")).get("alerts", [])
-            # /metrics every 5th poll: the scrapes cost the daemon CPU the phase measures
-            fetch = self.polls % 5 == 1
-            metrics = _get(self.url + "/metrics").decode(errors="replace") if fetch else ""
-        except (OSError, ValueError) as e:
-            self.errors += 1
-            self._keep("hangs", t, {"error": str(e)})
-            return
+        hangs_doc, alerts_doc = self._fetch("/hangs", t), self._fetch("/alerts", t)
+        hangs = hangs_doc.get("hangs", []) if isinstance(hangs_doc, dict) else []
+        alerts = alerts_doc.get("alerts", []) if isinstance(alerts_doc, dict) else []
         light = [{k: v for k, v in h.items() if k not in ("stacks", "ras")} for h in hangs]
         with self.lock:
             self.hangs.append((t, light))
             self.alerts.append((t, alerts))
-        self._keep("hangs", t, hangs)
-        self._keep("alerts", t, alerts)
-        if not metrics:
+        if hangs_doc is not None:
+            self._keep("hangs", t, hangs)
+        if alerts_doc is not None:
+            self._keep("alerts", t, alerts)
+        if self.polls % 5 != 1:  # /metrics every 5th poll: scrapes cost the daemon CPU
+            return
+        try:
+            metrics = _get(self.url + "/metrics").decode(errors="replace")
+        except OSError as e:
+            self.errors += 1
+            self._keep("metrics", t, {"error": f"{type(e).__name__}: {e}"})
             return
         lines = [ln for ln in metrics.splitlines() if ln.startswith(METRIC_PREFIXES)]
         self._files["metrics"].write(json.dumps({"t": t, "lines": lines}) + "\n")
@@ -254,7 +264,8 @@ class DaemonPoller(threading.Thread):
 
     def stop(self) -> None:
         self.stop_event.set()
-        self.join(10)
+        if self.is_alive():
+            self.join(10)
         for f in self._files.values():
             f.close()
 
