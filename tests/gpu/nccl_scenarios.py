@@ -85,8 +85,11 @@ class Run:
             OMP_NUM_THREADS="2",
             CUDA_VISIBLE_DEVICES=",".join(map(str, self.gpus)),
             NCCL_RAS_ADDR=f"127.0.0.1:{self.args.ras_port_base + self.idx}",
+            # both spellings: releases read the TORCH_NCCL_ or the newer TORCH_FR_ names
             TORCH_NCCL_DEBUG_INFO_PIPE_FILE=os.path.join(fr, "pipe_"),
+            TORCH_FR_DEBUG_INFO_PIPE_FILE=os.path.join(fr, "pipe_"),
             TORCH_NCCL_DEBUG_INFO_TEMP_FILE=os.path.join(fr, "dump_"),
+            TORCH_FR_DUMP_TEMP_FILE=os.path.join(fr, "dump_"),
             TORCH_NCCL_TRACE_BUFFER_SIZE="2000",
             TORCH_FR_BUFFER_SIZE="2000",
             TORCH_NCCL_DUMP_ON_TIMEOUT="1",
