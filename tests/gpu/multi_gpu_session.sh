@@ -160,6 +160,7 @@ phase_scenarios() { # W SUITE
   timeout -k 15 "$(( ${BUDGET:-520} + 60 ))" "$py" tests/gpu/nccl_scenarios.py --out "$w/scen" \
     "${knobs[@]}" --daemon-url $gw_url ${HARNESS_ARGS:-} $names
   note "harness rc=$?"
+  rm -rf /tmp/gpuscen-ckpt  # checkpoint files of killed jobs
   for p in "${bg[@]}"; do  # the side captures, by pid: their children first
     pkill -TERM -P "$p" 2>/dev/null
     kill "$p" 2>/dev/null

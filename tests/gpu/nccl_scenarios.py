@@ -336,6 +336,7 @@ class Run:
         t_end = time.time()
         self.trace["t_end"] = t_end
         fr = os.path.join(self.dir, "fr")
+        os.makedirs(fr, exist_ok=True)
         self.trace["fr_files"] = {
             n: os.path.getsize(os.path.join(fr, n))
             for n in sorted(os.listdir(fr))
@@ -379,8 +380,11 @@ def execute(scens: list[Scenario], args: argparse.Namespace) -> list[dict[str, A
     pending = list(scens)
 
     def worker(s: Scenario, gpus: list[int]) -> None:
-        row = Run(s, gpus, args, ctx).run()
-        print(json.dumps(row), flush=True)
+        try:
+            row = Run(s, gpus, args, ctx).run()
+        except Exception as e:  # the GPUs go back and the other scenarios go on
+            row = {"scenario": s.name, "error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(row, default=str), flush=True)
         with lock:
             rows.append(row)
             free.extend(gpus)
