@@ -143,3 +143,35 @@ def test_dmon_and_utilization_side_by_side(smi: ModuleType) -> None:
     rows = smi.utilization_rows(util, {"GPU-0": 1.0, "GPU-1": 0.17}, query, dmon)
     assert [r["verdict"] for r in rows] == ["agree", "MISMATCH"]
     assert "nvmlDeviceGetUtilizationRates 0.17" in rows[1]["nvidia_smi_text"]
+
+
+@pytest.fixture(scope="module")
+def bw(smi: ModuleType) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "nvlink_bandwidth", ROOT / "tests" / "gpu" / "nvlink_bandwidth.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bandwidth_summary_puts_gpm_beside_nccl(bw: ModuleType) -> None:
+    name = "gpuwatchd_gpu_nvlink_bytes_per_second"
+    body = (
+        f"# TYPE {name} gauge\n"
+        f'{name}{{direction="tx",gpu="0",pci_bus_id="a",uuid="GPU-a"}} 3.6e+11\n'
+        f'{name}{{direction="rx",gpu="0",pci_bus_id="a",uuid="GPU-a"}} 3.5e+11\n'
+    )
+    assert bw.parse_gpm(body) == {("0", "tx"): 3.6e11, ("0", "rx"): 3.5e11}
+    assert bw.bus_bandwidth(100.0, 4) == 150.0 and bw.bus_bandwidth(100.0, 2) == 100.0
+    samples = [
+        {"time": t, "gpm": {"0/tx": v, "0/rx": v}, "smi_rates": {"GPU-a": {"data_tx": v}}}
+        for t, v in ((9.0, 0.0), (11.0, 3.6e11), (12.0, 3.8e11), (13.0, 3.7e11), (30.0, 0.0))
+    ]
+    ranks = [{"rank": 0, "busbw_bytes_per_second": 3.7e11}, {"rank": 1}]
+    summary = bw.summarize(samples, (10.0, 20.0), ranks)
+    assert summary["samples_in_window"] == 3
+    assert summary["gpm_median_bytes_per_second"] == {"0": {"tx": 3.7e11, "rx": 3.7e11}}
+    assert summary["nvidia_smi_gt_median_bytes_per_second"] == {"GPU-a": {"data_tx": 3.7e11}}
+    assert summary["gpm_tx_over_busbw"] == {"0": 1.0}
