@@ -29,6 +29,7 @@ __all__ = [
     "parse_nvlink_errors",
     "parse_nvlink_status",
     "parse_nvlink_throughput",
+    "parse_topo",
     "run_smi",
     "throughput_rates",
     "utilization_rows",
@@ -150,6 +151,29 @@ def parse_dmon(text: str) -> dict[int, dict[str, float]]:
             except ValueError:
                 pass
         out[int(cells[0])] = row
+    return out
+
+
+def parse_topo(text: str) -> dict[str, dict[str, str]]:
+    """`nvidia-smi topo -m`: {"GPU0": {"GPU1": "NV18", "NIC0": "PIX", "CPU Affinity": "0-31",
+    "NUMA Affinity": "0", ...}}; NIC columns renamed to their device ("mlx5_0") from the legend."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in text.splitlines()]
+    if not lines:
+        return {}
+    header = [h.strip() for h in lines[0].split("\t") if h.strip()]
+    devices = [h for h in header if re.fullmatch(r"(GPU|NIC)\d+", h)]
+    others = [h for h in header if h not in devices]
+    nics = dict(re.findall(r"^\s*(NIC\d+):\s*(\S+)", text, re.MULTILINE))
+    out: dict[str, dict[str, str]] = {}
+    for line in lines[1:]:
+        cells = [c.strip() for c in line.split("\t")]
+        if not cells or not re.fullmatch(r"GPU\d+", cells[0]):
+            continue
+        rels = cells[1 : 1 + len(devices)]
+        rest = [c for c in cells[1 + len(devices) :] if c]
+        row = {nics.get(d, d): r for d, r in zip(devices, rels, strict=False)}
+        row.update(zip(others, rest, strict=False))
+        out[cells[0]] = row
     return out
 
 

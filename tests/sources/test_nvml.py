@@ -229,6 +229,7 @@ def test_unsupported_calls_are_asked_once(rigs: list[Rig]) -> None:
     assert c(0, "NVML_FI_DEV_NVLINK_GET_SPEED@3") == 1
     assert c(0, "NVML_FI_DEV_NVLINK_GET_SPEED@0") == 4
     assert c(0, "uuid") == 1  # identity is read once
+    assert c(0, "cpu_affinity") == 1  # topology: read once (its misses are not counted)
     # the probe predates clocks, P-state, memory v2, GPM, fabric and MIG: 15 more;
     # it asked the NVLink error fields at scope 0 only: 3 for each of links 1-17
     for reason, count in (("not_supported", 3), ("not_recorded", 148 + 51)):
