@@ -52,6 +52,7 @@ from smi_nvlink import (  # noqa: E402
     parse_nvlink_throughput,
     run_smi,
     throughput_rates,
+    topology_rows,
     utilization_rows,
 )
 
@@ -510,6 +511,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
     ]
     for r in results:
         ours = "" if r["gpuwatchd"] is None else f"{r['gpuwatchd']:.6g}"
+        ours = r.get("gpuwatchd_text") or ours  # topology rows compare text
         said = r["nvidia_smi_text"] or ""
         lines.append(
             f"| {r['gpu']} | `{r['metric']}` | {ours} | {r['nvidia_smi']} | {said} "
@@ -598,6 +600,7 @@ def collect(
                 "status": lambda: run_smi(smi, "nvlink", "-s"),
                 "errors": lambda: run_smi(smi, "nvlink", "-e"),
                 "dmon": lambda: run_smi(smi, "dmon", "-c", "1", "-s", "pu", timeout=30),
+                "topo": lambda: run_smi(smi, "topo", "-m"),
             }
         )
         seconds = time.monotonic() - t0
@@ -610,6 +613,8 @@ def collect(
             throughput_before={"d": before.get("d", ""), "r": before.get("r", "")},
             throughput_after={"d": smi_out.get("d", ""), "r": smi_out.get("r", "")},
             throughput_seconds=seconds,
+            topo=smi_out.get("topo", ""),
+            topology=source.status().get("topology"),
         )
         for _ in range(util_rounds):
             time.sleep(1.0)
@@ -653,10 +658,13 @@ def extra_rows(
             float(extra.get("throughput_seconds", 0.0)),
         ).items():
             rates.setdefault(uuid, {}).update(sums)
-    return nvlink_rows(
-        samples, extra.get("status", ""), extra.get("errors", ""), rates
-    ) + utilization_rows(
-        samples, extra.get("nvml_utilization", {}), query, parse_dmon(extra.get("dmon", ""))
+    topology = topology_rows(extra.get("topology"), extra.get("topo", ""))
+    return (
+        topology
+        + nvlink_rows(samples, extra.get("status", ""), extra.get("errors", ""), rates)
+        + utilization_rows(
+            samples, extra.get("nvml_utilization", {}), query, parse_dmon(extra.get("dmon", ""))
+        )
     )
 
 

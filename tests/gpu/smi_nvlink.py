@@ -32,6 +32,7 @@ __all__ = [
     "parse_topo",
     "run_smi",
     "throughput_rates",
+    "topology_rows",
     "utilization_rows",
 ]
 
@@ -384,4 +385,42 @@ def utilization_rows(
                 0.1,
             )
         )
+    return out
+
+
+def topology_rows(topology: Mapping[str, Any] | None, topo: str) -> list[dict[str, Any]]:
+    """The daemon's topology (/status JSON) against `nvidia-smi topo -m`, pair by pair."""
+    if not topology:
+        return []
+    theirs = parse_topo(topo)
+    buses = {f"GPU{g['gpu']}": str(g["pci_bus_id"]).upper() for g in topology.get("gpus", [])}
+    out = []
+    for gpu, row in sorted(topology.get("matrix", {}).items()):
+        said = theirs.get(gpu, {})
+        for other, rel in sorted(row.items()):
+            if other == gpu:
+                continue
+            text = said.get(other)
+            r = _row(buses.get(gpu, gpu), f"topology {gpu}-{other}", None, "topo -m", text, None, 0)
+            r["gpuwatchd_text"] = rel
+            r["verdict"] = (
+                "n/a in nvidia-smi" if text is None else ("agree" if rel == text else "MISMATCH")
+            )
+            out.append(r)
+    for g in topology.get("gpus", []):
+        said = theirs.get(f"GPU{g['gpu']}", {})
+        bus = str(g["pci_bus_id"]).upper()
+        for key, ours in (
+            ("CPU Affinity", g.get("cpu_affinity")),
+            ("NUMA Affinity", g.get("numa_node")),
+        ):
+            text = said.get(key)
+            r = _row(bus, f"topology GPU{g['gpu']} {key}", None, "topo -m", text, None, 0)
+            r["gpuwatchd_text"] = None if ours is None else str(ours)
+            r["verdict"] = (
+                "n/a in nvidia-smi"
+                if text is None
+                else ("agree" if str(ours) == text else "MISMATCH")
+            )
+            out.append(r)
     return out

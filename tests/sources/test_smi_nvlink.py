@@ -175,3 +175,23 @@ def test_bandwidth_summary_puts_gpm_beside_nccl(bw: ModuleType) -> None:
     assert summary["gpm_median_bytes_per_second"] == {"0": {"tx": 3.7e11, "rx": 3.7e11}}
     assert summary["nvidia_smi_gt_median_bytes_per_second"] == {"GPU-a": {"data_tx": 3.7e11}}
     assert summary["gpm_tx_over_busbw"] == {"0": 1.0}
+
+
+def test_topology_rows_against_topo_m(smi: ModuleType) -> None:
+    topology = {
+        "matrix": {"GPU0": {"GPU0": "X", "GPU1": "NV18"}, "GPU1": {"GPU1": "X", "GPU0": "PHB"}},
+        "gpus": [
+            {"gpu": 0, "pci_bus_id": "0000:00:06.0", "numa_node": 0, "cpu_affinity": "0-31"},
+            {"gpu": 1, "pci_bus_id": "0000:00:07.0", "numa_node": None, "cpu_affinity": None},
+        ],
+    }
+    rows = smi.topology_rows(topology, (SMI / "h200x2-topo-m.txt").read_text())
+    verdicts = {r["metric"]: r["verdict"] for r in rows}
+    assert verdicts == {
+        "topology GPU0-GPU1": "agree",
+        "topology GPU1-GPU0": "MISMATCH",
+        "topology GPU0 CPU Affinity": "agree",
+        "topology GPU0 NUMA Affinity": "agree",
+        "topology GPU1 CPU Affinity": "MISMATCH",
+        "topology GPU1 NUMA Affinity": "MISMATCH",
+    }
