@@ -403,9 +403,7 @@ def topology_rows(topology: Mapping[str, Any] | None, topo: str) -> list[dict[st
             text = said.get(other)
             r = _row(buses.get(gpu, gpu), f"topology {gpu}-{other}", None, "topo -m", text, None, 0)
             r["gpuwatchd_text"] = rel
-            r["verdict"] = (
-                "n/a in nvidia-smi" if text is None else ("agree" if rel == text else "MISMATCH")
-            )
+            r["verdict"] = _text_verdict(None if rel == "unknown" else rel, text)
             out.append(r)
     for g in topology.get("gpus", []):
         said = theirs.get(f"GPU{g['gpu']}", {})
@@ -417,10 +415,16 @@ def topology_rows(topology: Mapping[str, Any] | None, topo: str) -> list[dict[st
             text = said.get(key)
             r = _row(bus, f"topology GPU{g['gpu']} {key}", None, "topo -m", text, None, 0)
             r["gpuwatchd_text"] = None if ours is None else str(ours)
-            r["verdict"] = (
-                "n/a in nvidia-smi"
-                if text is None
-                else ("agree" if str(ours) == text else "MISMATCH")
-            )
+            r["verdict"] = _text_verdict(r["gpuwatchd_text"], text)
             out.append(r)
     return out
+
+
+def _text_verdict(ours: str | None, theirs: str | None) -> str:
+    if ours is None and theirs is None:
+        return "both n/a"
+    if ours is None:
+        return "missing in gpuwatchd"
+    if theirs is None:
+        return "n/a in nvidia-smi"
+    return "agree" if ours == theirs else "MISMATCH"
