@@ -109,7 +109,12 @@ def node_capture(i: int, base: Path) -> tuple[Path, Path | None]:
         script.append({"device": 0, "call": "*", "from_s": 60, "error": "GPU_IS_LOST"})
     elif i == 1:
         script.append(
-            {"device": 2, "call": "nvlink_error_counter(0,2)", "from_s": 45, "add_per_poll": 500}
+            {
+                "device": 2,
+                "call": "NVML_FI_DEV_NVLINK_ERROR_DL_CRC@0",
+                "from_s": 45,
+                "add_per_poll": 500,
+            }
         )
     elif i == 2:
         script.append({"device": 5, "call": "*", "from_s": 45, "hang": True})

@@ -16,6 +16,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from gpuwatchd.sources.nvml.read import NVLINK_ERROR_FIELDS
+
 ROOT = Path(__file__).resolve().parent.parent
 CAPTURE = ROOT / "tests" / "fixtures" / "nvml" / "h200x8-from-h200x2.json"
 SYSFS = ROOT / "tests" / "fixtures" / "sys"
@@ -36,6 +38,10 @@ def hgx_capture(base: Path = CAPTURE) -> dict[str, Any]:
             for counter in range(ERROR_COUNTERS):
                 key = f"nvlink_error_counter({link},{counter})"
                 calls.setdefault(key, copy.deepcopy(calls[f"nvlink_error_counter(0,{counter})"]))
+            fields = dev["fields"]
+            for name in NVLINK_ERROR_FIELDS:
+                if f"{name}@0" in fields:
+                    fields.setdefault(f"{name}@{link}", copy.deepcopy(fields[f"{name}@0"]))
     cap["note"] = (
         f"{cap.get('note', '')} Widened by benchmarks/hgx.py: link 0's error counters"
         " copied to links 1-17."

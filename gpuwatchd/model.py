@@ -20,12 +20,14 @@ __all__ = [
     "Finding",
     "Gpu",
     "GpuInventory",
+    "GpuPlace",
     "Health",
     "MetricSpec",
     "MetricType",
     "Sample",
     "Severity",
     "SourceSnapshot",
+    "Topology",
     "WORKLOAD_ALERT_LABELS",
     "Workload",
     "WorkloadProcess",
@@ -225,10 +227,56 @@ class Gpu:
 
 
 @dataclass(frozen=True, slots=True)
+class GpuPlace:
+    """Where one GPU sits: its links to the other GPUs, its CPUs and nearest NICs.
+
+    Read once per set of GPUs (sources/nvml/topology.py); "" or None is unknown.
+    Relations use nvidia-smi topo -m's names: NV<links>, PIX, PXB, PHB, NODE, SYS.
+    """
+
+    index: int
+    pci_bus_id: str
+    uuid: str = ""
+    numa_node: int | None = None
+    cpu_affinity: str = ""  # as the kernel prints CPU lists: "0-31,64-95"
+    peers: tuple[tuple[int, str], ...] = ()  # (other GPU's index, relation)
+    nics: tuple[tuple[str, str], ...] = ()  # nearest RDMA devices: (name, relation)
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """The GPU link matrix of the node, as `nvidia-smi topo -m` prints it."""
+
+    gpus: tuple[GpuPlace, ...] = ()
+
+    def as_json(self) -> dict[str, object]:
+        """{"matrix": {"GPU0": {"GPU1": "NV18", ...}}, "gpus": [...]} for /status and check."""
+        matrix = {
+            f"GPU{g.index}": {f"GPU{i}": rel or "unknown" for i, rel in ((g.index, "X"), *g.peers)}
+            for g in self.gpus
+        }
+        return {
+            "matrix": matrix,
+            "gpus": [
+                {
+                    "gpu": g.index,
+                    "pci_bus_id": g.pci_bus_id,
+                    "uuid": g.uuid,
+                    "numa_node": g.numa_node,
+                    "cpu_affinity": g.cpu_affinity or None,
+                    "nics": [{"device": n, "relation": r} for n, r in g.nics],
+                }
+                for g in self.gpus
+            ],
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class GpuInventory:
     """The GPUs the NVML source saw at its last poll, found by bus id, UUID or index."""
 
     gpus: tuple[Gpu, ...] = ()
+    topology: Topology | None = None  # None until read (once per set of GPUs)
 
     def __len__(self) -> int:
         return len(self.gpus)

@@ -18,7 +18,15 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["AFFINITIES", "PciPlace", "gpu_affinity", "normalize_bus_id", "pci_place", "relation"]
+__all__ = [
+    "AFFINITIES",
+    "PciPlace",
+    "gpu_affinity",
+    "normalize_bus_id",
+    "pci_place",
+    "relation",
+    "smi_relation",
+]
 
 AFFINITIES = ("pcie_switch", "host_bridge", "numa_node")
 _HEX = frozenset("0123456789abcdefABCDEF")
@@ -97,6 +105,28 @@ def relation(a: PciPlace, b: PciPlace) -> str | None:
     if a.numa_node is not None and a.numa_node == b.numa_node:
         return "numa_node"
     return None
+
+
+def smi_relation(a: PciPlace, b: PciPlace) -> str:
+    """The path between two functions in nvidia-smi topo's words: PIX, PXB, PHB, NODE, SYS.
+
+    PIX: one PCIe switch between them (each at most one port below the bridge
+    they share); PXB: more bridges, below the host bridge; PHB: only the root
+    complex in common.
+    """
+    if a.host == b.host:
+        common = 0
+        for x, y in zip(a.chain[:-1], b.chain[:-1], strict=False):
+            if x != y:
+                break
+            common += 1
+        if not common:
+            return "PHB"
+        below = max(len(a.chain) - 1 - common, len(b.chain) - 1 - common)
+        return "PIX" if below <= 1 else "PXB"
+    if a.numa_node is not None and a.numa_node == b.numa_node:
+        return "NODE"
+    return "SYS"
 
 
 def gpu_affinity(sysfs: str, nic_link: str, gpus: Mapping[str, str]) -> dict[str, list[str]]:

@@ -267,8 +267,23 @@ NODE: list[P] = [
             ),
         ],
         h=10,
-        description="Summed over the GPU's links. The link: the panel below, or"
+        description="Replay, recovery and CRC errors as nvidia-smi nvlink -e counts them, summed"
+        " over the GPU's links; any rise raises GpuNvlinkErrors. The link: the table below, or"
         " sources.nvml.nvlink_detail=link.",
+    ),
+    P(
+        "timeseries",
+        "NVLink corrected errors per second by GPU",
+        [
+            (
+                f"sum by (gpu, error) (rate(gpuwatchd_nvlink_gpu_corrected_errors_total{{{G}}}[$__rate_interval]))",  # noqa: E501
+                "GPU {{gpu}} {{error}}",
+            ),
+        ],
+        h=10,
+        description="CRC and ECC errors the links corrected (no replay, no recovery). They rise"
+        " with traffic on healthy NVLink 4 links (hundreds per second per GPU under NCCL load);"
+        " not faults, no alert. nvidia-smi nvlink -e does not show them.",
     ),
     P(
         "table",

@@ -72,8 +72,10 @@ DCGM: dict[str, str] = {
     ),
     "gpuwatchd_gpu_pcie_link_width": "DCGM_FI_DEV_PCIE_LINK_WIDTH, DCGM_FI_DEV_PCIE_MAX_LINK_WIDTH",
     "gpuwatchd_gpu_pcie_replays_total": "DCGM_FI_DEV_PCIE_REPLAY_COUNTER",
-    "gpuwatchd_nvlink_errors_total": (
-        "DCGM_FI_DEV_NVLINK_{CRC_FLIT,CRC_DATA,REPLAY,RECOVERY}_ERROR_COUNT_TOTAL (all links)"
+    "gpuwatchd_nvlink_errors_total": ("DCGM_FI_DEV_NVLINK_ERROR_DL_{REPLAY,RECOVERY,CRC}"),
+    "gpuwatchd_nvlink_corrected_errors_total": (
+        "DCGM_FI_DEV_NVLINK_{CRC_FLIT,CRC_DATA,ECC_DATA}_ERROR_COUNT_TOTAL (all links;"
+        " not supported on Hopper)"
     ),
     "gpuwatchd_xid_errors_total": "DCGM_FI_DEV_XID_ERRORS (there: the last Xid code, a gauge)",
     "gpuwatchd_gpu_memory_reserved_bytes": "DCGM_FI_DEV_FB_RESERVED (MiB)",

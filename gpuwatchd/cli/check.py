@@ -241,6 +241,7 @@ class Verdict:
     gpus: int
     notes: list[str] = field(default_factory=list)
     workloads: list[dict[str, object]] = field(default_factory=list)  # on unhealthy GPUs
+    topology: dict[str, object] | None = None  # GPU links, NUMA, CPUs, nearest NICs
 
     @property
     def exit_code(self) -> int:
@@ -283,6 +284,9 @@ def check(cfg: Config, clock: Clock | None = None, timeout: float = 30.0) -> Ver
     else:
         status = "OK"
     verdict = Verdict(status, findings, got.polled, node_name(cfg), chain.engine.gpu_count(), notes)
+    nvml = snap.sources.get("nvml")
+    if nvml is not None and nvml.inventory is not None and nvml.inventory.topology is not None:
+        verdict.topology = nvml.inventory.topology.as_json()
     held = snap.sources.get("workloads")
     if held is not None:
         gpus = [v for f in findings if f.severity >= Severity.WARNING for _, v in f.subject]
@@ -362,6 +366,7 @@ def render_json(v: Verdict) -> str:
             p.name: {"readable": p.readable, "detail": p.describe()} for p in v.polled.values()
         },
         "notes": v.notes,
+        "topology": v.topology,
     }
     return json.dumps(data, indent=1) + "\n"
 

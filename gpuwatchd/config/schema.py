@@ -276,8 +276,10 @@ class HealthConfig:
         max=86400,
     )
     nvlink_error_rate: float = opt(
-        0.1,
-        "NVLink errors per second on one link (any counter) that raise GpuNvlinkErrors",
+        0.0,
+        "NVLink replay, recovery or CRC errors per second on one link above which"
+        " GpuNvlinkErrors is raised (0: any rise within the rate window, as DCGM's health"
+        " watch; corrected errors never count)",
         min=0,
     )
     pcie_replay_rate: float = opt(0.1, "PCIe replays per second that raise GpuPcieDegraded", min=0)

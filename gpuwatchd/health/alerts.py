@@ -120,8 +120,9 @@ ALERTS: dict[str, AlertInfo] = {
         "nvml",
         Action.DRAIN_AND_INSPECT,
         "NVLink errors rising on GPU {gpu}",
-        "Watch the link: rising CRC/replay/recovery counts point at a marginal link. If it "
-        "keeps rising, drain the node and run DCGM NVLink diagnostics.",
+        "Replays, recoveries and CRC errors (what nvidia-smi nvlink -e shows) point at a "
+        "marginal link; corrected errors do not count. If they keep rising, drain the node and "
+        "run DCGM NVLink diagnostics.",
     ),
     "GpuTemperatureHigh": AlertInfo(
         _W,

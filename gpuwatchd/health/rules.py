@@ -197,7 +197,7 @@ def row_remap(inp: Inputs) -> list[Finding]:
 
 
 def nvlink(inp: Inputs) -> list[Finding]:
-    """A link that was up is down; error counters rising faster than the threshold."""
+    """A link that was up is down; a replay, recovery or CRC error counter rose."""
     down: dict[Gpu, list[str]] = {}
     for s in inp.view.series("gpuwatchd_nvlink_up"):
         gpu = inp.view.gpu_of(s)
@@ -212,22 +212,24 @@ def nvlink(inp: Inputs) -> list[Finding]:
         )
         for gpu, links in down.items()
     ]
+    # Only the counters nvidia-smi nvlink -e shows (replay, recovery, crc): DCGM's
+    # health watch fails on any rise of them; corrected errors are not looked at.
     limit = inp.cfg.health.nvlink_error_rate
+    window = inp.cfg.health.rate_window_seconds
     worst: dict[Gpu, tuple[float, str]] = {}
     for s in inp.view.series("gpuwatchd_nvlink_errors_total"):
         gpu = inp.view.gpu_of(s)
-        rate = inp.history.rate(s.name, s.labels, inp.now)
-        if gpu and rate > limit and rate > worst.get(gpu, (0.0, ""))[0]:
-            worst[gpu] = (rate, f"link {s.label('link')} {s.label('error')}")
-    window = inp.cfg.health.rate_window_seconds
+        rise = inp.history.increase(s.name, s.labels, inp.now)
+        if gpu and rise > 0 and rise / window > limit and rise > worst.get(gpu, (0.0, ""))[0]:
+            worst[gpu] = (rise, f"link {s.label('link')} {s.label('error')}")
     out.extend(
         finding(
             "GpuNvlinkErrors",
             gpu.subject,
-            f"{what} errors at {rate:.3g}/s over {window:.0f}s (threshold {limit:g}/s)",
+            f"{what} errors rose by {rise:g} in {window:.0f}s (threshold {limit:g}/s)",
             "nvlink",
         )
-        for gpu, (rate, what) in worst.items()
+        for gpu, (rise, what) in worst.items()
     )
     return out
 

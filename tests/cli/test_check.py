@@ -285,3 +285,22 @@ def test_json_names_the_workloads_on_unhealthy_gpus(write_config, tmp_path, caps
     [p] = held["processes"]
     assert (p["pid"], p["gpu"], p["rank"]) == (proc.pid, "0", "0")
     assert held["run_id"] == "epilog-test"
+
+
+def test_json_carries_the_gpu_topology(write_config, tmp_path, capsys) -> None:
+    capture = json.loads(H200.read_text())
+    for i, dev in enumerate(capture["devices"]):
+        peer = ("00000000:00:07.0", "00000000:00:06.0")[i]
+        for link in range(18):  # as on the machine: all 18 links end at the other GPU
+            dev["calls"][f"nvlink_remote_pci_info({link})"] = [{"value": {"busId": peer}}]
+        dev["calls"]["cpu_affinity"] = [{"value": [0xFFFFFFFF]}]
+    nvml = tmp_path / "with-topology.json"
+    nvml.write_text(json.dumps(capture))
+    assert run(["check", "--json", "--config", str(write_config(NO_XID, nvml=nvml))]) == 0
+    topology = json.loads(capsys.readouterr().out)["topology"]
+    assert topology["matrix"] == {
+        "GPU0": {"GPU0": "X", "GPU1": "NV18"},
+        "GPU1": {"GPU1": "X", "GPU0": "NV18"},
+    }
+    assert [g["cpu_affinity"] for g in topology["gpus"]] == ["0-31", "0-31"]
+    assert [g["nics"] for g in topology["gpus"]] == [[], []]  # this node has no InfiniBand

@@ -10,7 +10,16 @@ the second poll starts together with `nvidia-smi --query-gpu` and
 whether the two agree within the row's tolerance: exact for identity,
 limits and counters, a small margin for live readings (temperature, power,
 clocks, utilisation) that move between two reads. Series with no
-nvidia-smi counterpart (GPM, NVLink speed) are listed as `no counterpart`.
+nvidia-smi counterpart (most of GPM, corrected NVLink errors) are listed as
+`no counterpart`.
+
+NVLink rows (smi_nvlink.py): link state and speed against `nvidia-smi
+nvlink -s`, replay/recovery/CRC errors against `nvlink -e`, GPM NVLink
+throughput against the rate of the `nvlink -gt d` counters over the same
+interval (use --gap 5 or more under load). The utilisation row puts
+gpuwatchd's reading beside nvmlDeviceGetUtilizationRates (read by this
+script), `--query-gpu=utilization.gpu` and `nvidia-smi dmon`, all at once;
+`--util-rounds N` repeats that N times into the JSON.
 """
 
 from __future__ import annotations
@@ -35,6 +44,17 @@ from gpuwatchd.model import Sample  # noqa: E402
 from gpuwatchd.pci import normalize_bus_id  # noqa: E402
 from gpuwatchd.sources.nvml.client import NvmlClient, Pynvml  # noqa: E402
 from gpuwatchd.sources.nvml.source import NvmlSource  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from smi_nvlink import (  # noqa: E402
+    nvlink_rows,
+    parse_dmon,
+    parse_nvlink_throughput,
+    run_smi,
+    throughput_rates,
+    topology_rows,
+    utilization_rows,
+)
 
 MIB = 1024 * 1024
 
@@ -491,6 +511,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
     ]
     for r in results:
         ours = "" if r["gpuwatchd"] is None else f"{r['gpuwatchd']:.6g}"
+        ours = r.get("gpuwatchd_text") or ours  # topology rows compare text
         said = r["nvidia_smi_text"] or ""
         lines.append(
             f"| {r['gpu']} | `{r['metric']}` | {ours} | {r['nvidia_smi']} | {said} "
@@ -504,40 +525,155 @@ def markdown(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _nvml_utilization(client: NvmlClient, count: int) -> dict[str, float | None]:
+    """{uuid: nvmlDeviceGetUtilizationRates().gpu / 100}, read by this script itself."""
+    out: dict[str, float | None] = {}
+    for i in range(count):
+        try:
+            dev = client.device(i)
+            util = dev.call("utilization_rates")
+            uuid = str(dev.call("uuid"))
+        except Exception:  # noqa: BLE001 - a GPU NVML cannot read is n/a in the table
+            continue
+        value = util.get("gpu") if isinstance(util, dict) else None
+        out[uuid] = None if value is None else float(value) / 100
+    return out
+
+
+def _at_once(jobs: Mapping[str, Callable[[], Any]]) -> dict[str, Any]:
+    """Run the jobs in threads started together; each gets at most 90 s."""
+    out: dict[str, Any] = {}
+
+    def run(name: str, job: Callable[[], Any]) -> None:
+        out[name] = job()
+
+    threads = [threading.Thread(target=run, args=kv, daemon=True) for kv in jobs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    return out
+
+
 def collect(
-    client: NvmlClient, smi: str, gap: float
-) -> tuple[list[Sample], dict[str, Any], dict[str, Any], set[str]]:
-    """Poll twice; the second poll and nvidia-smi run at the same moment."""
+    client: NvmlClient, smi: str, gap: float, util_rounds: int = 0
+) -> tuple[list[Sample], dict[str, Any], dict[str, Any], set[str], dict[str, Any]]:
+    """Poll twice; the second poll and nvidia-smi run at the same moment.
+
+    The NVLink throughput counters (`nvlink -gt d|r`) are read right after
+    the first poll and with the second, so their rate covers the interval
+    GPM reports. `util_rounds` more polls, a second apart, each read the
+    utilisation four ways at once (the JSON's `utilization_rounds`).
+    """
     accepted = set(query_fields(smi))
     wanted = sorted(
         {r.source.split(":", 1)[1] for r in _rows() if r.source.startswith("query:")} & accepted
     )
     source = NvmlSource(client, call_timeout=10.0, interval=gap)
+    extra: dict[str, Any] = {"utilization_rounds": []}
     try:
-        source.poll(time.time())
+        first = source.poll(time.time())
+        count = len(
+            {dict(s.labels).get("uuid") for s in first if isinstance(s, Sample)} - {None, ""}
+        )
+        t0 = time.monotonic()
+        before = _at_once(
+            {
+                "d": lambda: run_smi(smi, "nvlink", "-gt", "d"),
+                "r": lambda: run_smi(smi, "nvlink", "-gt", "r"),
+            }
+        )
         time.sleep(gap)
-        smi_out: dict[str, Any] = {}
+        polled: dict[str, Any] = {}
 
-        def run_smi() -> None:
-            smi_out["query"] = run_query(smi, wanted)
-            smi_out["q"] = subprocess.run(
-                [smi, "-q"], capture_output=True, text=True, timeout=60
-            ).stdout
+        def poll() -> None:
+            polled["items"] = source.poll(time.time())
+            polled["nvml"] = _nvml_utilization(client, count)
 
-        thread = threading.Thread(target=run_smi)
-        thread.start()
-        items = source.poll(time.time())
-        thread.join()
+        smi_out = _at_once(
+            {
+                "poll": poll,
+                "query": lambda: run_query(smi, wanted),
+                "q": lambda: run_smi(smi, "-q"),
+                "d": lambda: run_smi(smi, "nvlink", "-gt", "d"),
+                "r": lambda: run_smi(smi, "nvlink", "-gt", "r"),
+                "status": lambda: run_smi(smi, "nvlink", "-s"),
+                "errors": lambda: run_smi(smi, "nvlink", "-e"),
+                "dmon": lambda: run_smi(smi, "dmon", "-c", "1", "-s", "pu", timeout=30),
+                "topo": lambda: run_smi(smi, "topo", "-m"),
+            }
+        )
+        seconds = time.monotonic() - t0
+        items = polled.get("items", [])
+        extra.update(
+            nvml_utilization=polled.get("nvml", {}),
+            status=smi_out.get("status", ""),
+            errors=smi_out.get("errors", ""),
+            dmon=smi_out.get("dmon", ""),
+            throughput_before={"d": before.get("d", ""), "r": before.get("r", "")},
+            throughput_after={"d": smi_out.get("d", ""), "r": smi_out.get("r", "")},
+            throughput_seconds=seconds,
+            topo=smi_out.get("topo", ""),
+            topology=source.status().get("topology"),
+        )
+        for _ in range(util_rounds):
+            time.sleep(1.0)
+            got: dict[str, Any] = {}
+
+            def round_poll(got: dict[str, Any] = got) -> None:
+                got["items"] = source.poll(time.time())
+                got["nvml"] = _nvml_utilization(client, count)
+
+            r = _at_once(
+                {
+                    "poll": round_poll,
+                    "query": lambda: run_query(smi, ["utilization.gpu"]),
+                    "dmon": lambda: run_smi(smi, "dmon", "-c", "1", "-s", "u", timeout=30),
+                }
+            )
+            rows = utilization_rows(
+                [s for s in got.get("items", []) if isinstance(s, Sample)],
+                got.get("nvml", {}),
+                r.get("query", {}),
+                parse_dmon(r.get("dmon", "")),
+            )
+            extra["utilization_rounds"].append({"time": time.time(), "rows": rows})
     finally:
         source.close()
     samples = [s for s in items if isinstance(s, Sample)]
-    return samples, smi_out["query"], parse_q(smi_out["q"]), accepted
+    return samples, smi_out.get("query", {}), parse_q(smi_out.get("q", "")), accepted, extra
+
+
+def extra_rows(
+    samples: list[Sample], query: Mapping[str, Mapping[str, str]], extra: Mapping[str, Any]
+) -> list[dict[str, Any]]:
+    """The NVLink and side-by-side utilisation rows from what collect() saved."""
+    if not extra:
+        return []
+    rates: dict[str, dict[str, float]] = {}
+    for kind in ("d", "r"):
+        for uuid, sums in throughput_rates(
+            parse_nvlink_throughput(extra.get("throughput_before", {}).get(kind, "")),
+            parse_nvlink_throughput(extra.get("throughput_after", {}).get(kind, "")),
+            float(extra.get("throughput_seconds", 0.0)),
+        ).items():
+            rates.setdefault(uuid, {}).update(sums)
+    topology = topology_rows(extra.get("topology"), extra.get("topo", ""))
+    return (
+        topology
+        + nvlink_rows(samples, extra.get("status", ""), extra.get("errors", ""), rates)
+        + utilization_rows(
+            samples, extra.get("nvml_utilization", {}), query, parse_dmon(extra.get("dmon", ""))
+        )
+    )
 
 
 _METRIC = re.compile(r"^([a-z_]+)(?:\{(.*)\})?$")
 
 
-def saved(path: Path) -> tuple[list[Sample], dict[str, Any], dict[str, Any], set[str]]:
+def saved(
+    path: Path,
+) -> tuple[list[Sample], dict[str, Any], dict[str, Any], set[str], dict[str, Any]]:
     """The gpuwatchd readings and nvidia-smi outputs of an earlier --json run."""
     data = json.loads(path.read_text())
     samples = []
@@ -546,10 +682,13 @@ def saved(path: Path) -> tuple[list[Sample], dict[str, Any], dict[str, Any], set
         if m is None or r["gpuwatchd"] is None:
             continue
         labels = dict(re.findall(r'([a-z_]+)="([^"]*)"', m.group(2) or ""))
-        samples.append(Sample.of(m.group(1), r["gpuwatchd"], pci_bus_id=r["gpu"], **labels))
+        uuid = data.get("uuids", {}).get(r["gpu"], "")
+        samples.append(
+            Sample.of(m.group(1), r["gpuwatchd"], pci_bus_id=r["gpu"], uuid=uuid, **labels)
+        )
     query = data["query"]
     accepted = {k for gpu in query.values() for k in gpu}
-    return samples, query, data["q"], accepted
+    return samples, query, data["q"], accepted, data.get("nvlink", {})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -557,6 +696,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nvidia-smi", default="nvidia-smi", help="the nvidia-smi to run")
     parser.add_argument("--gap", type=float, default=1.0, help="seconds between the two polls")
+    parser.add_argument(
+        "--util-rounds",
+        type=int,
+        default=0,
+        help="this many more polls, a second apart, reading utilisation four ways at once",
+    )
     parser.add_argument("--json", type=Path, help="write the results as JSON here")
     parser.add_argument("--markdown", type=Path, help="write the table here")
     parser.add_argument(
@@ -567,14 +712,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.rejudge:
-        samples, query, q, accepted = saved(args.rejudge)
+        samples, query, q, accepted, extra = saved(args.rejudge)
     else:
-        samples, query, q, accepted = collect(Pynvml(), args.nvidia_smi, args.gap)
-    results = compare(samples, query, q, accepted)
+        samples, query, q, accepted, extra = collect(
+            Pynvml(), args.nvidia_smi, args.gap, args.util_rounds
+        )
+    nvlink = extra_rows(samples, query, extra)
+    covered = {r["metric"].split("{")[0] for r in nvlink}
+    results = [
+        r
+        for r in compare(samples, query, q, accepted)
+        if not (r["verdict"] == "no counterpart" and r["metric"] in covered)
+    ] + nvlink
     table = markdown(results)
     print(table)
     if args.json:
-        args.json.write_text(json.dumps({"results": results, "query": query, "q": q}, indent=1))
+        uuids = {
+            dict(s.labels).get("pci_bus_id", "").upper(): dict(s.labels).get("uuid", "")
+            for s in samples
+        }
+        doc = {"results": results, "query": query, "q": q, "nvlink": extra, "uuids": uuids}
+        args.json.write_text(json.dumps(doc, indent=1))
     if args.markdown:
         args.markdown.write_text(table)
     return 1 if any(r["verdict"] == "MISMATCH" for r in results) else 0

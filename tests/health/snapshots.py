@@ -47,7 +47,8 @@ def gpu_samples(gpu: Mapping[str, str], **over: float) -> list[Sample]:
         "replays": 0,
         "recovery": 0,
         "nvml_state": 0,
-        "link3_crc": 2,
+        "link3_crc": 0,
+        "link3_ecc": 4,
         "link3_up": 1,
         "hw_slowdown": 0,
         **over,
@@ -90,8 +91,9 @@ def gpu_samples(gpu: Mapping[str, str], **over: float) -> list[Sample]:
         s("gpuwatchd_gpu_clock_event_active", v["hw_slowdown"], reason="hw_slowdown"),
         s("gpuwatchd_nvlink_up", v["link3_up"], link="3"),
         s("gpuwatchd_nvlink_up", 1, link="4"),
-        s("gpuwatchd_nvlink_errors_total", v["link3_crc"], link="3", error="crc_flit"),
-        s("gpuwatchd_nvlink_errors_total", 0, link="4", error="crc_flit"),
+        s("gpuwatchd_nvlink_errors_total", v["link3_crc"], link="3", error="crc"),
+        s("gpuwatchd_nvlink_errors_total", 0, link="4", error="replay"),
+        s("gpuwatchd_nvlink_corrected_errors_total", v["link3_ecc"], link="3", error="ecc_data"),
     ]
     if "retired_pending" in over:
         out.append(s("gpuwatchd_gpu_retired_pages_pending", over["retired_pending"]))

@@ -14,9 +14,15 @@ from gpuwatchd.sources.nvml.rollup import nvlink_rollup
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _errors(link: int, value: float, gpu: str = "0", error: str = "crc_flit") -> Sample:
+def _errors(
+    link: int,
+    value: float,
+    gpu: str = "0",
+    error: str = "crc",
+    name: str = "gpuwatchd_nvlink_errors_total",
+) -> Sample:
     return Sample.of(
-        "gpuwatchd_nvlink_errors_total",
+        name,
         value,
         gpu=gpu,
         uuid=f"GPU-{gpu}",
@@ -47,7 +53,7 @@ def test_sums_per_gpu_and_names_only_links_that_move() -> None:
         "gpu": "0",
         "uuid": "GPU-0",
         "pci_bus_id": "0000:00:00.0",
-        "error": "crc_flit",
+        "error": "crc",
     }
 
     second = list(rollup(_poll({0: 2.0, 1: 7.0, 2: 0.0})))
@@ -60,6 +66,18 @@ def test_sums_per_gpu_and_names_only_links_that_move() -> None:
     assert total.value == 9.0
 
 
+def test_corrected_errors_are_summed_per_gpu_only() -> None:
+    corrected = "gpuwatchd_nvlink_corrected_errors_total"
+    rollup = nvlink_rollup()
+    for values in ({0: 4.0, 1: 9.0}, {0: 400.0, 1: 900.0}):
+        out = list(
+            rollup(_errors(link, v, error="ecc_data", name=corrected) for link, v in values.items())
+        )
+        assert [s.name for s in out] == ["gpuwatchd_nvlink_gpu_corrected_errors_total"]
+        assert out[0].value == sum(values.values())
+        assert out[0].label("error") == "ecc_data"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_hgx_node_under_2000_series_with_defaults() -> None:
@@ -69,7 +87,9 @@ def test_hgx_node_under_2000_series_with_defaults() -> None:
     counts = measure()
     total = sum(counts.values())
     assert counts["gpuwatchd_nvlink_up"] == 8 * 18
-    assert counts["gpuwatchd_nvlink_gpu_errors_total"] == 8 * 5
+    assert counts["gpuwatchd_nvlink_gpu_errors_total"] == 8 * 3  # replay, recovery, crc
+    assert counts["gpuwatchd_nvlink_gpu_corrected_errors_total"] == 8 * 3
     assert "gpuwatchd_nvlink_errors_total" not in counts
+    assert "gpuwatchd_nvlink_corrected_errors_total" not in counts
     assert counts["gpuwatchd_infiniband_port_info"] == 8
     assert total < 2000, counts.most_common(10)

@@ -127,9 +127,15 @@ CAPTURED = [
     ("gpuwatchd_gpu_drain_and_reset_recommended", GPU1, 0),
     ("gpuwatchd_nvlink_up", {**GPU0, "link": "17"}, 1),
     ("gpuwatchd_nvlink_speed_bytes_per_second", {**GPU0, "link": "0"}, 26_562e6),
-    ("gpuwatchd_nvlink_errors_total", {**GPU0, "link": "0", "error": "crc_data"}, 2),
-    ("gpuwatchd_nvlink_errors_total", {**GPU1, "link": "0", "error": "crc_data"}, 6),
-    ("gpuwatchd_nvlink_errors_total", {**GPU0, "link": "0", "error": "ecc_data"}, 4),
+    # what nvidia-smi nvlink -e read on the same machine: Replay, Recovery, CRC 0 ...
+    ("gpuwatchd_nvlink_errors_total", {**GPU0, "link": "0", "error": "replay"}, 0),
+    ("gpuwatchd_nvlink_errors_total", {**GPU0, "link": "0", "error": "recovery"}, 0),
+    ("gpuwatchd_nvlink_errors_total", {**GPU0, "link": "0", "error": "crc"}, 0),
+    # ... while the data-link counters had corrected CRC and ECC errors
+    ("gpuwatchd_nvlink_corrected_errors_total", {**GPU0, "link": "0", "error": "crc_data"}, 2),
+    ("gpuwatchd_nvlink_corrected_errors_total", {**GPU1, "link": "0", "error": "crc_data"}, 6),
+    ("gpuwatchd_nvlink_corrected_errors_total", {**GPU0, "link": "0", "error": "ecc_data"}, 4),
+    ("gpuwatchd_nvlink_corrected_errors_total", {**GPU0, "link": "0", "error": "crc_flit"}, 0),
     ("gpuwatchd_gpu_nvml_state", GPU0, 0),
     ("gpuwatchd_gpu_compute_processes", GPU1, 0),
 ]
@@ -223,8 +229,10 @@ def test_unsupported_calls_are_asked_once(rigs: list[Rig]) -> None:
     assert c(0, "NVML_FI_DEV_NVLINK_GET_SPEED@3") == 1
     assert c(0, "NVML_FI_DEV_NVLINK_GET_SPEED@0") == 4
     assert c(0, "uuid") == 1  # identity is read once
-    # the probe predates clocks, P-state, memory v2, GPM, fabric and MIG: 15 more
-    for reason, count in (("not_supported", 3), ("not_recorded", 148)):
+    assert c(0, "cpu_affinity") == 1  # topology: read once (its misses are not counted)
+    # the probe predates clocks, P-state, memory v2, GPM, fabric and MIG: 15 more;
+    # it asked the NVLink error fields at scope 0 only: 3 for each of links 1-17
+    for reason, count in (("not_supported", 3), ("not_recorded", 148 + 51)):
         before = value(first, "gpuwatchd_nvml_errors_total", **GPU0, reason=reason)
         after = value(last, "gpuwatchd_nvml_errors_total", **GPU0, reason=reason)
         assert before == after == count
@@ -272,7 +280,13 @@ def test_nvlink_error_counters_are_read_at_their_own_pace(rigs: list[Rig]) -> No
         script,
         lambda r, samples: (
             r.client.count(0, "nvlink_error_counter(0,3)"),
-            value(samples, "gpuwatchd_nvlink_errors_total", **GPU0, link="0", error="crc_data"),
+            value(
+                samples,
+                "gpuwatchd_nvlink_corrected_errors_total",
+                **GPU0,
+                link="0",
+                error="crc_data",
+            ),
         ),
     )
     # read at 0 s and 60 s; the polls between report the last value read
@@ -692,7 +706,12 @@ def test_recorded_polls_replay_in_order(rigs: list[Rig]) -> None:
     last = polls[-1]
     assert value(last, "gpuwatchd_gpu_recovery_action", gpu="1") == 0
     assert value(last, "gpuwatchd_gpu_recovery_action_info", gpu="1", action="none") == 1
-    assert value(last, "gpuwatchd_nvlink_errors_total", gpu="0", link="0", error="crc_data") == 9
+    corrected = "gpuwatchd_nvlink_corrected_errors_total"
+    assert value(last, corrected, gpu="0", link="0", error="crc_data") == 9
+    # recorded before the daemon read NVML_FI_DEV_NVLINK_ERROR_DL_*: replay and
+    # recovery come from the data-link counters, CRC is absent
+    assert value(last, "gpuwatchd_nvlink_errors_total", gpu="0", link="0", error="replay") == 0
+    assert not find(last, "gpuwatchd_nvlink_errors_total", gpu="0", link="0", error="crc")
     assert len(find(last, "gpuwatchd_nvlink_up", gpu="0")) == 18
 
 

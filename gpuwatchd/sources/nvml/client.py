@@ -15,6 +15,7 @@ translated into `NvmlError(code, value)` keeping NVML's symbolic name
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -278,6 +279,11 @@ DEVICE_CALLS: dict[str, Spec] = {
         _procs,
     ),
     "nvlink_state": (("nvmlDeviceGetNvLinkState",), int),
+    # topology (read once per GPU set): the PCI function at the far end of a link
+    "nvlink_remote_pci_info": (
+        ("nvmlDeviceGetNvLinkRemotePciInfo_v2", "nvmlDeviceGetNvLinkRemotePciInfo"),
+        _pci,
+    ),
     "nvlink_error_counter": (("nvmlDeviceGetNvLinkErrorCounter",), int),
     "supported_event_types": (("nvmlDeviceGetSupportedEventTypes",), int),
     # clocks in MHz by nvmlClockType_t; P-state 0-15 (32 = unknown); MIG mode [current, pending]
@@ -287,6 +293,25 @@ DEVICE_CALLS: dict[str, Spec] = {
     "performance_state": (("nvmlDeviceGetPerformanceState",), int),
     "mig_mode": (("nvmlDeviceGetMigMode",), _ints),
     "max_mig_device_count": (("nvmlDeviceGetMaxMigDeviceCount",), int),
+}
+
+
+def _common_ancestor(nv: Any, handle: Any, _gpm: object, peer: int) -> object:
+    """nvmlGpuTopologyLevel_t between this GPU and the GPU of index `peer`."""
+    other = nv.nvmlDeviceGetHandleByIndex(peer)
+    return int(nv.nvmlDeviceGetTopologyCommonAncestor(handle, other))
+
+
+def _cpu_affinity(nv: Any, handle: Any, _gpm: object) -> object:
+    """The GPU's ideal CPUs as 64-bit masks, lowest CPUs first."""
+    words = max(1, ((os.cpu_count() or 1) + 63) // 64)
+    return [int(w) for w in nv.nvmlDeviceGetCpuAffinity(handle, words)]
+
+
+# device calls that need more than one handle or a size from the host
+TOPOLOGY_CALLS: dict[str, Callable[..., object]] = {
+    "topology_common_ancestor": _common_ancestor,
+    "cpu_affinity": _cpu_affinity,
 }
 
 # nvmlValueType_t -> member of the c_nvmlValue_t union
@@ -328,7 +353,7 @@ class PynvmlDevice:
         self.gpm = GpmSamples()
 
     def call(self, name: str, *args: int) -> object:
-        structured = STRUCTURED_CALLS.get(name)
+        structured = STRUCTURED_CALLS.get(name) or TOPOLOGY_CALLS.get(name)
         if structured is not None:
             nv = _module()
             with nvml_errors():

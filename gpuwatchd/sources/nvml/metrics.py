@@ -153,7 +153,15 @@ METRICS: tuple[MetricSpec, ...] = (
     _m(
         "gpuwatchd_nvlink_errors_total",
         "counter",
-        "NVLink errors by kind (replay, recovery, crc_flit, crc_data, ecc_data).",
+        "NVLink data-link errors as nvidia-smi nvlink -e counts them (replay, recovery, crc).",
+        "link",
+        "error",
+    ),
+    _m(
+        "gpuwatchd_nvlink_corrected_errors_total",
+        "counter",
+        "NVLink receive errors the link corrected (crc_flit, crc_data, ecc_data); they rise"
+        " with traffic on healthy NVLink 4 links and are not faults.",
         "link",
         "error",
     ),

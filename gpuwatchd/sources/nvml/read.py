@@ -66,7 +66,20 @@ RECOVERY_ACTIONS = {
     6: "bus_reset",
     7: "system_reboot",
 }
-NVLINK_ERRORS = {"replay": 0, "recovery": 1, "crc_flit": 2, "crc_data": 3, "ecc_data": 4}
+# The per-link counters `nvidia-smi nvlink -e` prints (Replay, Recovery, CRC) and
+# DCGM's NVLink health watch fails on for pre-Blackwell GPUs: field values, scope = link.
+NVLINK_ERROR_FIELDS = {
+    "NVML_FI_DEV_NVLINK_ERROR_DL_REPLAY": "replay",
+    "NVML_FI_DEV_NVLINK_ERROR_DL_RECOVERY": "recovery",
+    "NVML_FI_DEV_NVLINK_ERROR_DL_CRC": "crc",
+}
+# nvmlNvLinkErrorCounter_t for replay and recovery where those fields are missing
+# (drivers before r525): the same data-link counters.
+NVLINK_ERROR_FALLBACK = {"replay": 0, "recovery": 1}
+# Data-link receive events that the link corrected (nvmlDeviceGetNvLinkErrorCounter).
+# On Hopper they rise with traffic on healthy links; neither nvidia-smi nor DCGM
+# counts them as errors there (docs/nvml-sources.md, "NVLink counters").
+NVLINK_CORRECTED = {"crc_flit": 2, "crc_data": 3, "ecc_data": 4}
 # Used when NVML_FI_DEV_NVLINK_LINK_COUNT is unavailable; links beyond the
 # real count answer NOT_SUPPORTED/INVALID_ARGUMENT once and are then skipped.
 MAX_NVLINKS = 18
@@ -90,6 +103,8 @@ FI_RESET_STATUS = "NVML_FI_DEV_RESET_STATUS"
 FI_DRAIN_AND_RESET = "NVML_FI_DEV_DRAIN_AND_RESET_STATUS"
 FI_NVLINK_SPEED = "NVML_FI_DEV_NVLINK_GET_SPEED"  # MB/s, scope = link
 FI_NVLINK_COUNT = "NVML_FI_DEV_NVLINK_LINK_COUNT"
+NVLINK_ERRORS_METRIC = "gpuwatchd_nvlink_errors_total"
+NVLINK_CORRECTED_METRIC = "gpuwatchd_nvlink_corrected_errors_total"
 
 
 @dataclass(frozen=True)
@@ -146,8 +161,8 @@ class DeviceReader:
         self._errors: Counter[str] = Counter()
         self._logged: dict[str, str] = {}
         self._dev: NvmlDevice | None = None
-        # NVLink error counters from the last slow read: (link, counter name, value)
-        self._nvlink_errors: list[tuple[int, str, float]] = []
+        # NVLink counters from the last slow read: (metric, link, error label, value)
+        self._nvlink_counts: list[tuple[str, int, str, float]] = []
         # PCIe replays and error counters (by error label) from the last slow read
         self._pcie_replays: float | None = None
         self._pcie_errors: dict[str, float | None] = {}
@@ -324,6 +339,7 @@ class DeviceReader:
             ]
             + ([(name, 0) for name in PCIE_ERROR_FIELDS] if slow else [])
             + [(FI_NVLINK_SPEED, link) for link in links]
+            + ([(name, link) for link in links for name in NVLINK_ERROR_FIELDS] if slow else [])
             + clock_event_fields()
         )
 
@@ -395,14 +411,9 @@ class DeviceReader:
             speed = fv.get((FI_NVLINK_SPEED, link))
             put("gpuwatchd_nvlink_speed_bytes_per_second", _scaled(speed, 1e6), link=link)
         if slow:
-            self._nvlink_errors = [
-                (link, label, count)
-                for link in links
-                for label, counter in NVLINK_ERRORS.items()
-                if (count := _num(self.get("nvlink_error_counter", link, counter))) is not None
-            ]
-        for link, label, count in self._nvlink_errors:
-            put("gpuwatchd_nvlink_errors_total", count, link=link, error=label)
+            self._nvlink_counts = self._read_nvlink_counters(links, fv)
+        for name, link, label, count in self._nvlink_counts:
+            put(name, count, link=link, error=label)
         last["nvlinks_down"] = down
 
         procs: tuple[Mapping[str, object], ...] = ()
@@ -434,6 +445,24 @@ class DeviceReader:
             if exc.code != "NOT_FOUND":
                 self._failed(key, exc)
             return None
+
+    def _read_nvlink_counters(
+        self, links: range, fv: Mapping[FieldKey, float]
+    ) -> list[tuple[str, int, str, float]]:
+        out: list[tuple[str, int, str, float]] = []
+        for link in links:
+            for name, label in NVLINK_ERROR_FIELDS.items():
+                count = fv.get((name, link))
+                fallback = NVLINK_ERROR_FALLBACK.get(label)
+                if count is None and fallback is not None:
+                    count = _num(self.get("nvlink_error_counter", link, fallback))
+                if count is not None:
+                    out.append((NVLINK_ERRORS_METRIC, link, label, count))
+            for label, counter in NVLINK_CORRECTED.items():
+                count = _num(self.get("nvlink_error_counter", link, counter))
+                if count is not None:
+                    out.append((NVLINK_CORRECTED_METRIC, link, label, count))
+        return out
 
     def _read_pcie(
         self, put: _Put, ident: Identity, fv: Mapping[FieldKey, float], slow: bool

@@ -25,13 +25,14 @@ from typing import TYPE_CHECKING
 from gpuwatchd.clock import Clock, SystemClock
 from gpuwatchd.deadline import CallTimeout, DeadlineRunner, StuckError
 from gpuwatchd.errors import ConfigError, NvmlError, SourceError
-from gpuwatchd.model import Event, Gpu, GpuInventory, Sample, labels_of
+from gpuwatchd.model import Event, Gpu, GpuInventory, Sample, Topology, labels_of
 from gpuwatchd.pci import normalize_bus_id
 from gpuwatchd.sources.nvml.client import NvmlClient, NvmlDevice, Pynvml, XidEventSet
 from gpuwatchd.sources.nvml.events import XidListener
 from gpuwatchd.sources.nvml.fabric import FabricManagerProbe
 from gpuwatchd.sources.nvml.metrics import METRICS
 from gpuwatchd.sources.nvml.read import DeviceReader, Identity, Reading, sorted_processes
+from gpuwatchd.sources.nvml.topology import GpuLinks, assemble, device_getter, read_links
 
 if TYPE_CHECKING:
     from gpuwatchd.config import Config
@@ -96,6 +97,7 @@ class NvmlSource:
         xid_events: bool = False,
         nudge: Callable[[], None] = lambda: None,
         fabricmanager: FabricManagerProbe | None = None,
+        sysfs: str = "/sys",
     ) -> None:
         self.interval = interval
         self.client = client
@@ -121,6 +123,9 @@ class NvmlSource:
         self._nudge = nudge
         self._xid_listener: XidListener | None = None
         self._fabricmanager = fabricmanager
+        self._sysfs = sysfs
+        self._topology: Topology | None = None
+        self._topology_of: tuple[tuple[int, str], ...] = ()  # the GPUs it was read for
 
     @classmethod
     def from_config(cls, cfg: Config, ctx: SourceContext) -> NvmlSource:
@@ -148,6 +153,7 @@ class NvmlSource:
             nudge=lambda: ctx.nudge(cls.name),
             # a replay is not this host: its fabric manager is not ours to report
             fabricmanager=None if nc.replay else FabricManagerProbe(),
+            sysfs=cfg.paths.sysfs,
         )
 
     # --- polling ---------------------------------------------------------------
@@ -176,6 +182,7 @@ class NvmlSource:
             for g in self._gpus
             if g.identity is not None
         }
+        self._read_topology()
         self._inventory = GpuInventory(
             tuple(
                 Gpu(
@@ -187,12 +194,35 @@ class NvmlSource:
                 )
                 for g in self._gpus
                 if g.identity is not None
-            )
+            ),
+            self._topology,
         )
         out.extend(self._xid_events())
         if self._fabricmanager is not None and self._gpus:
             self._fabricmanager.samples(lambda name, v, **kw: out.append(Sample.of(name, v, **kw)))
         return out
+
+    def _read_topology(self) -> None:
+        """Once per set of GPUs (a GPU added, gone or moved reads it again), all GPUs known."""
+        known = [(g, g.identity) for g in self._gpus if g.identity is not None]
+        of = tuple((g.index, ident.pci_bus_id) for g, ident in known)
+        if of == self._topology_of or len(known) < len(self._gpus):
+            return
+        links: dict[int, GpuLinks] = {}
+        for gpu, ident in known:
+            device = gpu.reader.device
+            if gpu.state != "ok" or device is None:
+                continue
+            peers = [i for i, _ in of if i != gpu.index]
+            failed: dict[str, str] = {}
+            work = partial(read_links, device_getter(device, failed), ident.nvlinks, peers, failed)
+            try:
+                links[gpu.index] = self._deadline.call(gpu.key, work, self._timeout)
+            except (NvmlError, CallTimeout, StuckError) as exc:
+                log.info("gpu %d: topology not read: %s", gpu.index, exc)
+        gpus = [(g.index, ident.pci_bus_id, ident.uuid) for g, ident in known]
+        self._topology = assemble(gpus, links, self._sysfs)
+        self._topology_of = of
 
     def _xid_events(self) -> list[Event]:
         """Start the NVML Xid event listener once the GPUs are known; drain it."""
@@ -395,6 +425,7 @@ class NvmlSource:
             "nvml_version": self._versions.get("nvml_version"),
             "cuda_version": _cuda_version(self._versions.get("cuda_driver_version")) or None,
             "init_error": self._init_error,
+            "topology": self._topology.as_json() if self._topology else None,
         }
 
     def inventory(self) -> GpuInventory:
