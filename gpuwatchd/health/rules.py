@@ -114,7 +114,7 @@ def xid(inp: Inputs) -> list[Finding]:
     """Active Xids (catalog severity, held by the tracker) and SXids."""
     out = []
     for x in inp.xids:
-        if x.severity < Severity.WARNING:
+        if x.severity < Severity.WARNING or x.kind not in ("xid", "sxid"):
             continue
         critical = x.severity >= Severity.CRITICAL
         labels: Labels
