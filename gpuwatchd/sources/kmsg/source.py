@@ -165,6 +165,8 @@ class KmsgSource:
         self._wait = WAIT if wait is None else wait
         # None: a reader that blocks on its descriptor waits BLOCKING_WAIT
         self._blocking_wait = BLOCKING_WAIT if wait is None else wait
+        if ctx.one_shot:  # `check`: read to the end of the log and stop, never wait
+            self._wait = self._blocking_wait = 0.0
         self._sleep = sleep
         self._reader: LineReader | None = None
         self._cursor = ctx.load_cursor(self.name) or ""

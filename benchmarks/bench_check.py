@@ -1,0 +1,224 @@
+"""Wall time of `gpuwatchd check` on the NVML replay, healthy and with each source failing.
+
+Every run is the real CLI in a fresh process (`python -m gpuwatchd check`),
+as a Slurm prolog runs it, with every source enabled: NVML (replay of a
+real 2-GPU H200 capture), the kernel log on a FIFO that a writer holds open
+(it never ends, like /dev/kmsg), shm, InfiniBand, workloads, and the
+daemon's store read through `--state-dir`. Scenarios: healthy; the kernel
+log unreadable; /dev/shm missing; the store missing; NVML init failing;
+NVML hung on a call (bounded by the deadline, `--timeout 2`).
+
+Baselines, in the same run on the same machine:
+- the same check of an earlier revision of this repository
+  (`--baseline-rev`, unpacked with `git archive`), on the healthy node;
+- the floor any Python check pays: `python -c 'import pynvml'`.
+
+    python benchmarks/bench_check.py [--runs 5] [--baseline-rev REV] [--section check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.report import publish  # noqa: E402
+from gpuwatchd.model import Event, Severity  # noqa: E402
+from gpuwatchd.sinks.store import EventStore  # noqa: E402
+
+H200 = ROOT / "tests" / "fixtures" / "nvml" / "h200x2-probe.json"
+BOOT = "0f3c1f7e-8a2b-4c6d-9e10-1234567890ab"
+RECORDS = b"".join(
+    f"6,{i},{i * 1000},-;usb 1-{i}: new high-speed USB device\n".encode() for i in range(1, 400)
+)
+TARGET = 1.0
+
+
+@dataclass
+class Scenario:
+    name: str
+    expect: str  # the verdict it must give
+    paths: dict[str, str]
+    nvml: str = ""  # replay capture; default: H200
+    state_dir: str = ""  # --state-dir; default: the node's store
+    timeout: float = 30.0
+
+
+@contextmanager
+def node() -> Iterator[Path]:
+    """A node's roots in a temporary directory; the kernel log FIFO has a writer."""
+    with tempfile.TemporaryDirectory(prefix="bench-check-") as tmp:
+        root = Path(tmp)
+        for d in ("shm", "sys", "state", "daemon"):
+            (root / d).mkdir()
+        (root / "boot_id").write_text(BOOT + "\n")
+        os.mkfifo(root / "kmsg")
+        writer = os.open(root / "kmsg", os.O_RDWR | os.O_NONBLOCK)
+        os.write(writer, RECORDS[:60000])
+        store = EventStore(str(root / "daemon" / "gpuwatchd.db"))
+        old = time.time() - 7200  # resolved long ago: the healthy node stays healthy
+        store.write(
+            [
+                (Event("xid", "kmsg", old - i, 13, "0000:00:06.0", attrs=()), f"b{i}", 1)
+                for i in range(50)
+            ]
+            + [(Event("job_hang", "hangs", old, severity=Severity.WARNING), "h", 1)]
+        )
+        store.close()
+        for name, step in (
+            ("init-fails", {"call": "init", "error": "DRIVER_NOT_LOADED"}),
+            ("hung", {"device": 1, "call": "temperature*", "hang": True}),
+        ):
+            capture = json.loads(H200.read_text())
+            capture["script"] = [step]
+            (root / f"{name}.json").write_text(json.dumps(capture))
+        try:
+            yield root
+        finally:
+            os.close(writer)
+
+
+def scenarios(root: Path) -> list[Scenario]:
+    base = {"dev_shm": "shm", "sysfs": "sys", "kmsg": "kmsg", "boot_id": "boot_id"}
+    return [
+        Scenario("healthy", "OK", base),
+        Scenario("kernel log unreadable", "UNKNOWN", {**base, "kmsg": "no-such-kmsg"}),
+        Scenario("/dev/shm missing", "UNKNOWN", {**base, "dev_shm": "no-such-shm"}),
+        Scenario("store missing", "OK", base, state_dir=str(root / "no-such-state")),
+        Scenario("NVML init fails", "CRITICAL", base, nvml=str(root / "init-fails.json")),
+        Scenario(
+            "NVML hung (--timeout 2)", "CRITICAL", base, nvml=str(root / "hung.json"), timeout=2
+        ),
+    ]
+
+
+def config(root: Path, s: Scenario) -> Path:
+    paths = ", ".join(f"{k}: {root / v}" for k, v in s.paths.items())
+    path = root / "config.yaml"
+    path.write_text(
+        f"daemon: {{state_dir: {root / 'state'}, node_name: bench}}\n"
+        f"paths: {{{paths}}}\n"
+        "health: {expected_gpus: 2}\n"
+        "sources:\n"
+        f"  nvml: {{replay: {s.nvml or H200}}}\n"
+        "  kmsg: {backend: kmsg}\n"
+        "  shm: {enabled: true}\n"
+        "  infiniband: {enabled: true}\n"
+        "  workloads: {enabled: true, slurm: false}\n"
+    )
+    return path
+
+
+def timed(argv: list[str], src: Path, runs: int, cwd: Path) -> tuple[list[float], str]:
+    """Wall seconds of `runs` runs of argv with `src` on PYTHONPATH, and the last output.
+
+    `cwd` is outside both trees: `python -m` puts it first on sys.path."""
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    walls, out = [], ""
+    for _ in range(runs):
+        start = time.perf_counter()
+        got = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, cwd=cwd)
+        walls.append(time.perf_counter() - start)
+        out = got.stdout.splitlines()[0] if got.stdout else got.stderr[-200:]
+    return walls, out
+
+
+def check_argv(root: Path, s: Scenario) -> list[str]:
+    state = s.state_dir or str(root / "daemon")
+    return [
+        *(sys.executable, "-m", "gpuwatchd", "check", "--config", str(config(root, s))),
+        *("--state-dir", state, "--timeout", f"{s.timeout:g}"),
+    ]
+
+
+@contextmanager
+def revision(rev: str) -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="bench-check-rev-") as tmp:
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", rev, "gpuwatchd"], capture_output=True, check=True
+        )
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
+        yield Path(tmp)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument(
+        "--baseline-rev", default="", help="git revision to compare on the healthy node"
+    )
+    ap.add_argument("--baseline-runs", type=int, default=2)
+    ap.add_argument("--section", default="")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    fig: dict[str, object] = {}
+    rows: list[str] = []
+    with node() as root:
+        floor, _ = timed([sys.executable, "-c", "import pynvml"], ROOT, args.runs, root)
+        floor_p50 = statistics.median(floor)
+        fig["python -c 'import pynvml'"] = floor_p50
+        healthy_p50 = 0.0
+        for s in scenarios(root):
+            walls, first = timed(check_argv(root, s), ROOT, args.runs, root)
+            p50 = statistics.median(walls)
+            healthy_p50 = p50 if s.name == "healthy" else healthy_p50
+            verdict = first.split(" - ")[0].removeprefix("gpuwatchd check: ")
+            ok = "yes" if verdict == s.expect else f"NO (expected {s.expect})"
+            fig[s.name] = {"p50_s": p50, "max_s": max(walls), "verdict": verdict}
+            rows.append(
+                f"| {s.name} | {p50:.2f} s | {max(walls):.2f} s | {verdict} (as expected: {ok}) |"
+            )
+        rows.append(
+            f"| `python -c 'import pynvml'` (floor) | {floor_p50:.2f} s | {max(floor):.2f} s | - |"
+        )
+        if args.baseline_rev:
+            with revision(args.baseline_rev) as old:
+                walls, first = timed(
+                    check_argv(root, scenarios(root)[0]), old, args.baseline_runs, root
+                )
+            p50 = statistics.median(walls)
+            fig[f"healthy at {args.baseline_rev}"] = {"p50_s": p50, "max_s": max(walls)}
+            verdict = first.split(" - ")[0].removeprefix("gpuwatchd check: ")
+            rows.append(
+                f"| healthy, before (revision {args.baseline_rev}) | {p50:.2f} s"
+                f" | {max(walls):.2f} s | {verdict} |"
+            )
+            rows.append(f"| speed-up on the healthy node | {p50 / healthy_p50:.1f}x | | |")
+        rows.append(
+            f"| healthy check over the `import pynvml` floor | {healthy_p50 / floor_p50:.1f}x"
+            f" | | target: healthy < {TARGET:g} s: {'met' if healthy_p50 < TARGET else 'NOT met'} |"
+        )
+    publish(fig, "`gpuwatchd check` wall time, every source enabled", [], json_path=args.json)
+    if args.section:
+        from benchmarks.report import update_section
+
+        table = ["| scenario | p50 | max | verdict |", "| --- | --- | --- | --- |", *rows]
+        intro = (
+            f"Each scenario: {args.runs} runs of the real CLI in a fresh process on the NVML"
+            " replay of a 2-GPU H200 capture, every source enabled, the kernel log on a FIFO"
+            " that never ends (as /dev/kmsg), the daemon's store (50 old Xids, a job hang)"
+            " read through `--state-dir`. Wall time includes starting Python. NVML hung: the"
+            " verdict is printed at the deadline, the process ends when the hung call's own"
+            " 5 s NVML deadline does (interpreter exit joins the NVML pool's threads)."
+        )
+        update_section(
+            args.section,
+            f"## `gpuwatchd check` wall time ({args.section})\n\n{intro}\n\n" + "\n".join(table),
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
