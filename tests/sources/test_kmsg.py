@@ -693,3 +693,43 @@ def test_a_reader_bug_backs_off_instead_of_spinning(tmp_path: Path) -> None:
     src.poll(0.0)
     src.poll(0.0)
     assert len(opened) == 1  # no reopen before the backoff
+
+
+def _switch_report(switch: int, bus: str, link: int, t: float) -> list[str]:
+    """The three lines one NVSwitch prints for one SXid 22013 (the shape of the real
+    report in dmesg-h100-nvswitch-sxid22013.txt), for switch `switch` and `link`."""
+    head = f"[{t:12.6f}] nvidia-nvswitch{switch}: SXid (PCI:{bus}): 22013, "
+    return [
+        head + f"Data {{0x{link:08x}, 0x{link:08x}, 0x00000000, 0x{link:08x}, 0x80005302,"
+        " 0x00000000, 0x00000000, 0x00000000, 0x00000000}",
+        head + f"Non-fatal, Link {link} Minion Link DLREQ interrupt",
+        head + f"Severity 0 Engine instance {link} Sub-engine instance 00",
+    ]
+
+
+@pytest.mark.parametrize("switches", [3, 4, 8])
+def test_interleaved_sxids_of_several_switches_count_one_report_each(switches: int) -> None:
+    """Issue 20: switches reporting in the same second interleave their lines; one
+    pending group for all turned 3-line reports into one report per line."""
+    buses = [f"0000:{0x04 + 0x10 * i:02x}:00.0" for i in range(switches)]
+    reports = [
+        _switch_report(i, bus, link, 38.17 + 0.001 * link)
+        for link in (44, 45)
+        for i, bus in enumerate(buses)
+    ]
+    lines = []  # line k of every switch's report, then line k+1: the worst interleaving
+    for link_reports in (reports[:switches], reports[switches:]):
+        for k in range(3):
+            lines += [r[k] for r in link_reports]
+    p = KmsgParser(year=2025)
+    out = []
+    for line in lines:
+        out += p.feed(line)
+    out += p.flush()
+    assert len(out) == 2 * switches
+    got = sorted((r.pci_bus_id, r.link, r.lines, r.fatal) for r in out)
+    assert got == sorted((bus, link, 3, False) for bus in buses for link in (44, 45))
+    assert all(r.extra("data").startswith(f"Data {{0x{r.link:08x}") for r in out)
+    assert all(
+        r.extra("severity").endswith(f"instance {r.link} Sub-engine instance 00") for r in out
+    )

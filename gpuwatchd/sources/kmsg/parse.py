@@ -367,6 +367,26 @@ def _sxid_part(rec: KmsgRecord) -> str:
     return "data" if m.group(1).startswith("Data") else "severity"
 
 
+MAX_SWITCHES = 64  # pending SXid reports at most (an HGX has 4-18 NVSwitches)
+SXID_GAP = 32  # most lines between two lines of one SXid report (other switches' in between)
+
+
+def _switch(rec: KmsgRecord) -> str:
+    """The switch an SXid line comes from: its PCI id (the device name when bus ids repeat)."""
+    return f"{rec.device}/{rec.pci_bus_id}"
+
+
+def _assemble(group: list[KmsgRecord]) -> KmsgRecord:
+    """One SXid report from its lines: the main line, with Data and Severity as extras."""
+    main = next((r for r in group if _sxid_part(r) == "main"), group[0])
+    extras = list(main.extras)
+    for r in group:
+        part = _sxid_part(r)
+        if part != "main":
+            extras.append((part, r.detail))
+    return main._replace(extras=tuple(extras), lines=len(group), cursor=group[-1].cursor)
+
+
 class KmsgParser:
     """`parse_line` plus the reports that span lines.
 
@@ -384,8 +404,9 @@ class KmsgParser:
         self.window = window
         self._n = 0
         self._pending: tuple[KmsgRecord, int] | None = None
-        self._group: list[KmsgRecord] = []
-        self._group_n = 0
+        # One pending SXid report per switch: switches that report in the same
+        # second interleave their lines. Switch -> (lines so far, line number of the last).
+        self._groups: dict[str, tuple[list[KmsgRecord], int]] = {}
         self._recent79: dict[str, int] = {}
         self.truncated = 0  # lines longer than MAX_RECORD, cut to it
 
@@ -403,13 +424,19 @@ class KmsgParser:
         if cursor:
             rec = rec._replace(cursor=cursor)
         if rec.kind == SXID:
-            if self._joins(rec):
-                self._group.append(rec)
+            switch = _switch(rec)
+            held = self._groups.get(switch)
+            if held is not None and self._joins(held, rec):
+                held[0].append(rec)
+                self._groups[switch] = (held[0], self._n)
                 return _EMPTY
-            held = self.flush() if self._group else []
-            self._group, self._group_n = [rec], self._n
-            return held
-        out: list[KmsgRecord] = self.flush() if self._group else []
+            out = [_assemble(held[0])] if held is not None else []
+            if held is None and len(self._groups) >= MAX_SWITCHES:  # bounded, whatever the log
+                oldest = next(iter(self._groups))
+                out.append(_assemble(self._groups.pop(oldest)[0]))
+            self._groups[switch] = ([rec], self._n)
+            return out
+        out: list[KmsgRecord] = self.flush() if self._groups else []
         if rec.kind == _PART_GPU:
             self._pending = (rec, self._n)
             return out
@@ -424,25 +451,22 @@ class KmsgParser:
         return out
 
     def flush(self) -> list[KmsgRecord]:
-        """Hand out a held SXid group."""
-        if not self._group:
+        """Hand out the held SXid reports, in the order they started."""
+        if not self._groups:
             return []
-        group, self._group = self._group, []
-        main = next((r for r in group if _sxid_part(r) == "main"), group[0])
-        extras = list(main.extras)
-        for r in group:
-            part = _sxid_part(r)
-            if part != "main":
-                extras.append((part, r.detail))
-        return [main._replace(extras=tuple(extras), lines=len(group), cursor=group[-1].cursor)]
+        groups = list(self._groups.values())  # insertion order: the order they started
+        self._groups = {}
+        return [_assemble(lines) for lines, _ in groups]
 
-    def _joins(self, rec: KmsgRecord) -> bool:
-        if not self._group or self._n - self._group_n > 8:
+    def _joins(self, held: tuple[list[KmsgRecord], int], rec: KmsgRecord) -> bool:
+        lines, last = held
+        # A line of the same report follows within a few lines of the same switch's
+        # last one, however many other switches print in between.
+        if self._n - last > SXID_GAP:
             return False
-        first = self._group[0]
-        if (first.pci_bus_id, first.code) != (rec.pci_bus_id, rec.code):
+        if (lines[0].pci_bus_id, lines[0].code) != (rec.pci_bus_id, rec.code):
             return False
-        return _sxid_part(rec) not in {_sxid_part(r) for r in self._group}
+        return _sxid_part(rec) not in {_sxid_part(r) for r in lines}
 
     def _join_fallen(self, rec: KmsgRecord) -> KmsgRecord:
         pending, self._pending = self._pending, None
