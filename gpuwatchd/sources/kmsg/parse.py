@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from gpuwatchd.logs import escape_control
 from gpuwatchd.pci import normalize_bus_id
-from gpuwatchd.sources.kmsg.prefix import Prefix, parse_prefix
+from gpuwatchd.sources.kmsg.prefix import Prefix, kernel_shaped, parse_prefix
 
 __all__ = [
     "KmsgParser",
@@ -267,6 +267,8 @@ def _parse(line: str, year: int | None) -> KmsgRecord | None:
         text = text.replace("\\x0a", "\n").rstrip("\n")
     m = _XID_RE.search(text)
     if m is not None:
+        if not kernel_shaped(text[: m.start()]):
+            return None  # driver text quoted in something else (a shell command, notes)
         where = m.group(1)
         # MIG: "(PCI:0000:3b:00 GPU-I:01 GPU-CI:00)" names the GPU and compute instance
         instance = tuple((_MIG_KEYS[k], str(int(v))) for k, v in _MIG_IDS.findall(where))
@@ -297,6 +299,8 @@ def _parse(line: str, year: int | None) -> KmsgRecord | None:
         )
     m = _SXID_RE.search(text)
     if m is not None:
+        if not kernel_shaped(text[: m.start()]):
+            return None
         bus = normalize_bus_id(m.group(2))
         if not bus:
             return _unparsed(text, m.start(), year)
@@ -320,6 +324,8 @@ def _parse(line: str, year: int | None) -> KmsgRecord | None:
         )
     if "fallen off the bus" in text:
         fm = _FALLEN_1.search(text) or _FALLEN_START.search(text)
+        if fm is not None and not kernel_shaped(text[: fm.start()]):
+            return None
         if fm is not None:
             bus = normalize_bus_id(fm.group(1))
             if bus:
@@ -346,7 +352,8 @@ def _parse(line: str, year: int | None) -> KmsgRecord | None:
             return _record(GPU, text, m.start(), year, pci_bus_id=bus, uuid=m.group(2))
     if "NVRM: Xid" in text or "SXid (" in text:
         start = text.find("NVRM: Xid")
-        return _unparsed(text, start if start >= 0 else text.find("SXid ("), year)
+        start = start if start >= 0 else text.find("SXid (")
+        return _unparsed(text, start, year) if kernel_shaped(text[:start]) else None
     return None
 
 
