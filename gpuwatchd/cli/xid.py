@@ -177,14 +177,13 @@ def explain(args: argparse.Namespace) -> int:
             out.write(
                 _wrap(
                     f"Not in the catalog as an Xid or an NVSwitch SXid (read as "
-                    f"{'an SXid: 5 digits' if kind == 'sxid' else 'an Xid'}). Record the full "
-                    "kernel line, check NVIDIA's current Xid catalog and escalate if it repeats.",
+                    f"{'an SXid: 5 digits' if kind == 'sxid' else 'an Xid'}); a report of it"
+                    " is kept and handled with the catalog's fallback:",
                     "  ",
                     width,
                 )
                 + "\n"
             )
-            continue
         title = f"{info.label} · {info.name}" + ("" if info.known else " (not in the catalog)")
         out.write(style.bold(title) + "\n")
         out.write(f"  severity   {style.sev(info.severity)}  category  {info.category}\n")

@@ -36,8 +36,9 @@ XID, SXID, GPU, UNPARSED = "xid", "sxid", "gpu", "unparsed"
 # The kernel's own record size (printk's LOG_LINE_MAX is a little under 1 KiB of
 # text, /dev/kmsg records at most 8 KiB): longer lines are cut here and counted.
 MAX_RECORD = 8192
-# Anything larger is not a driver's report: the line is unparsed, never stored.
-MAX_CODE = 65535
+# Anything larger is not a driver's report: the line is unparsed, never stored. Codes
+# the catalog does not know yet (a newer driver's) are reported, as unknown.
+MAX_CODE = 999_999
 MAX_PID = 4194304  # PID_MAX_LIMIT
 _PART_GPU, _PART_FALLEN = "partial_gpu", "partial_fallen"
 FALLEN_OFF_CODE = 79
