@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 from gpuwatchd.logs import escape_control
 from gpuwatchd.pci import normalize_bus_id
+from gpuwatchd.sources.kmsg.facts import LINK, RECOVERY_ACTIONS, recovery_action_name, xid_facts
 from gpuwatchd.sources.kmsg.prefix import Prefix, kernel_shaped, parse_prefix
 
 __all__ = [
@@ -105,20 +106,6 @@ _MIG_KEYS = {"I": "gpu_instance", "CI": "compute_instance"}
 _SXID_RE = re.compile(
     r"(nvidia-nvswitch\d{0,4}): SXid \((?:PCI:)?([^)]{0,64})\):\s*(\d+)\s*(?:,\s*)?"
 )
-_GPC = re.compile(r"\(GPC (\d+), TPC (\d+), SM (\d+)\)")
-_MMU = re.compile(
-    r"ENGINE (\S{1,64}) (?:GPC(\d{1,4}) )?(\S{1,64}) faulted @ (\S{1,64}?)\.?"
-    r" Fault is of type (\S{1,64}) (\S{1,64})"
-)
-_NVL5 = re.compile(
-    r"\b(?P<unit>[A-Z][A-Z0-9_]{0,63})\s+(?P<sev>Fatal|Nonfatal|Non-fatal)\s+(?:XC\d{1,4}\s+)?"
-    r"(?:i\d{1,4}\s+)?Link\s+(?P<link>-?\d{1,4})\s*\((?P<regs>[^)]{0,256})\)"
-)
-_LINK = re.compile(r"\b[Ll]ink\s*(-?\d{1,4})\b")
-_R154 = re.compile(
-    r"recovery action changed from (0x[0-9a-fA-F]{1,8}|\d{1,8}) \(([^)]{0,64})\)"
-    r" to (0x[0-9a-fA-F]{1,8}|\d{1,8})(?: \(([^)]{0,64})\))?"
-)
 _SXID_SEV = re.compile(r"^(Fatal|Non-fatal|Nonfatal)\b", re.I)
 _IDENT = re.compile(r"NVRM: GPU at PCI:([0-9a-fA-F:.]{1,24}): (GPU-[0-9a-fA-F-]{1,64})")
 _FALLEN_1 = re.compile(
@@ -129,42 +116,6 @@ _FALLEN_START = re.compile(
     r"NVRM: The NVIDIA GPU (?:at )?(?:PCI:)?([0-9a-fA-F]{1,8}:[0-9a-fA-F:.]{1,16})"
 )
 _SHAPE = re.compile(r"\b(?:0x)?[0-9a-fA-F]*\d[0-9a-fA-F]*\b")
-
-# Xid 154 prints "changed from 0x0 (None) to 0x2 (Node Reboot Required)". The
-# number is NVML's nvmlDeviceGpuRecoveryAction_t; the words vary by driver
-# ("OS Reboot", "PF FLR"), so the number decides when it is there.
-RECOVERY_ACTIONS = {
-    0: "None",
-    1: "GPU Reset Required",
-    2: "Node Reboot Required",
-    3: "Drain P2P",
-    4: "Drain and Reset",
-}
-_RECOVERY_ALIASES = {
-    "none": "None",
-    "gpu reset required": "GPU Reset Required",
-    "gpu reset": "GPU Reset Required",
-    "pf flr": "GPU Reset Required",
-    "node reboot required": "Node Reboot Required",
-    "node reboot": "Node Reboot Required",
-    "os reboot": "Node Reboot Required",
-    "drain p2p": "Drain P2P",
-    "drain and reset": "Drain and Reset",
-}
-
-
-def recovery_action_name(value: int | None, text: str) -> str:
-    """Canonical Xid 154 recovery action from the line's number and/or words."""
-    if value is not None and value in RECOVERY_ACTIONS:
-        return RECOVERY_ACTIONS[value]
-    return _RECOVERY_ALIASES.get(text.strip().lower(), text.strip())
-
-
-def _int(text: str) -> int | None:
-    try:
-        return int(text, 0)
-    except ValueError:
-        return None
 
 
 def _bounded(digits: str, limit: int) -> int | None:
@@ -177,54 +128,6 @@ def _bounded(digits: str, limit: int) -> int | None:
 
 def _shape(message: str) -> str:
     return _SHAPE.sub("#", message[:240])[:120]
-
-
-def _xid_facts(code: int, detail: str) -> dict[str, object]:
-    """Code-specific fields: NVLink5 subcode/link/severity, 154 action, 13 GPC/TPC/SM."""
-    facts: dict[str, object] = {}
-    extras: list[tuple[str, str]] = []
-    if 144 <= code <= 150:
-        m = _NVL5.search(detail)
-        if m is not None:
-            facts["fatal"] = m.group("sev") == "Fatal"
-            facts["link"] = int(m.group("link"))
-            regs = m.group("regs").split()
-            extras.append(("unit", m.group("unit")))
-            try:
-                facts["subcode"] = (int(regs[0], 16) >> 20) & 0x3F
-                if len(regs) > 1:
-                    extras.append(("error_status", regs[1]))
-                extras.append(("registers", " ".join(regs)))
-            except (ValueError, IndexError):
-                pass
-    elif code == 154:
-        m = _R154.search(detail)
-        if m is not None:
-            before = recovery_action_name(_int(m.group(1)), m.group(2))
-            facts["recovery_action"] = recovery_action_name(_int(m.group(3)), m.group(4) or "")
-            extras.append(("previous_recovery_action", before))
-    m13 = _GPC.search(detail) if code == 13 else None
-    if m13 is not None:
-        extras += [("gpc", m13.group(1)), ("tpc", m13.group(2)), ("sm", m13.group(3))]
-    if code == 31:
-        mm = _MMU.search(detail)
-        if mm is not None:
-            extras.append(("engine", mm.group(1)))
-            if mm.group(2) is not None:
-                extras.append(("gpc", mm.group(2)))
-            extras += [
-                ("client", mm.group(3)),
-                ("fault_address", mm.group(4)),
-                ("fault_type", mm.group(5)),
-                ("access_type", mm.group(6)),
-            ]
-    if "link" not in facts and "ink" in detail:
-        lm = _LINK.search(detail)
-        if lm is not None:
-            facts["link"] = int(lm.group(1))
-    if extras:
-        facts["extras"] = tuple(extras)
-    return facts
 
 
 def _record(kind: str, text: str, start: int, year: int | None, **fields: object) -> KmsgRecord:
@@ -283,7 +186,7 @@ def _parse(line: str, year: int | None) -> KmsgRecord | None:
         name = m.group(4)
         process = "" if not name or name == "<unknown>" else escape_control(name.strip())
         detail = text[m.end() :].strip()
-        facts = _xid_facts(code, detail)
+        facts = xid_facts(code, detail)
         if instance:
             known = facts.get("extras", ())
             facts["extras"] = instance + (known if isinstance(known, tuple) else ())
@@ -310,7 +213,7 @@ def _parse(line: str, year: int | None) -> KmsgRecord | None:
             return _unparsed(text, m.start(), year)
         detail = text[m.end() :].strip()
         sev = _SXID_SEV.match(detail)
-        lm = _LINK.search(detail)
+        lm = LINK.search(detail)
         return _record(
             SXID,
             text,
@@ -438,12 +341,12 @@ class KmsgParser:
                 held[0].append(rec)
                 self._groups[switch] = (held[0], self._n)
                 return _EMPTY
-            out = [_assemble(held[0])] if held is not None else []
+            done = [_assemble(held[0])] if held is not None else []
             if held is None and len(self._groups) >= MAX_SWITCHES:  # bounded, whatever the log
                 oldest = next(iter(self._groups))
-                out.append(_assemble(self._groups.pop(oldest)[0]))
+                done.append(_assemble(self._groups.pop(oldest)[0]))
             self._groups[switch] = ([rec], self._n)
-            return out
+            return done
         out: list[KmsgRecord] = self.flush() if self._groups else []
         if rec.kind == _PART_GPU:
             self._pending = (rec, self._n)
