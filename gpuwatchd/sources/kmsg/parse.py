@@ -112,6 +112,8 @@ _FALLEN_1 = re.compile(
     r"NVRM: GPU (?:at )?(?:PCI:)?([0-9a-fA-F]{1,8}:[0-9a-fA-F:.]{1,16}?):?"
     r" (?:GPU )?has fallen off the bus"
 )
+# The one-line report with its bus id cut away (log shippers truncate and redact)
+_FALLEN_NO_BUS = re.compile(r"NVRM: GPU (?:at )?(?:PCI:)?:? ?has fallen off the bus")
 _FALLEN_START = re.compile(
     r"NVRM: The NVIDIA GPU (?:at )?(?:PCI:)?([0-9a-fA-F]{1,8}:[0-9a-fA-F:.]{1,16})"
 )
@@ -243,6 +245,18 @@ def _parse(line: str, year: int | None) -> KmsgRecord | None:
                     detail="GPU has fallen off the bus",
                     synthetic=True,
                 )
+        nb = _FALLEN_NO_BUS.search(text)
+        if nb is not None and kernel_shaped(text[: nb.start()]):
+            # A GPU of this node fell off the bus; which one the line no longer says.
+            return _record(
+                XID,
+                text,
+                nb.start(),
+                year,
+                code=FALLEN_OFF_CODE,
+                detail="GPU has fallen off the bus (the line names no bus id)",
+                synthetic=True,
+            )
         start = text.find("NVRM")
         return _record(_PART_FALLEN, text, max(start, 0), year, shape=_shape(text))
     m = _FALLEN_START.search(text)
