@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 __all__ = [
     "AFFINITIES",
-    "UNKNOWN_BUS",
     "PciPlace",
+    "UNKNOWN_BUS",
     "gpu_affinity",
     "normalize_bus_id",
     "pci_place",
