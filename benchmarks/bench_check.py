@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -121,18 +122,38 @@ def config(root: Path, s: Scenario) -> Path:
     return path
 
 
-def timed(argv: list[str], src: Path, runs: int, cwd: Path) -> tuple[list[float], str]:
-    """Wall seconds of `runs` runs of argv with `src` on PYTHONPATH, and the last output.
+@dataclass
+class Runs:
+    """Wall and CPU seconds (user + system) of repeated runs, and the last first line."""
 
-    `cwd` is outside both trees: `python -m` puts it first on sys.path."""
+    wall: list[float]
+    cpu: list[float]
+    first_line: str
+
+    @property
+    def verdict(self) -> str:
+        return self.first_line.split(" - ")[0].removeprefix("gpuwatchd check: ")
+
+    def row(self, name: str, last: str) -> str:
+        wall, cpu = statistics.median(self.wall), statistics.median(self.cpu)
+        return f"| {name} | {wall:.2f} s | {max(self.wall):.2f} s | {cpu:.2f} s | {last} |"
+
+
+def timed(argv: list[str], src: Path, runs: int, cwd: Path) -> Runs:
+    """`runs` runs of argv with `src` on PYTHONPATH. `cwd` is outside both trees
+    (`python -m` puts it first on sys.path). CPU time is what a loaded machine
+    inflates least; wall time is what a prolog waits."""
     env = {**os.environ, "PYTHONPATH": str(src)}
-    walls, out = [], ""
+    out = Runs([], [], "")
     for _ in range(runs):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.perf_counter()
         got = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, cwd=cwd)
-        walls.append(time.perf_counter() - start)
-        out = got.stdout.splitlines()[0] if got.stdout else got.stderr[-200:]
-    return walls, out
+        out.wall.append(time.perf_counter() - start)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        out.cpu.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+        out.first_line = got.stdout.splitlines()[0] if got.stdout else got.stderr[-200:]
+    return out
 
 
 def check_argv(root: Path, s: Scenario) -> list[str]:
@@ -153,6 +174,14 @@ def revision(rev: str) -> Iterator[Path]:
         yield Path(tmp)
 
 
+def _figures(r: Runs) -> dict[str, float]:
+    return {
+        "wall_p50_s": statistics.median(r.wall),
+        "wall_max_s": max(r.wall),
+        "cpu_p50_s": statistics.median(r.cpu),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
@@ -165,53 +194,51 @@ def main() -> int:
     args = ap.parse_args()
     fig: dict[str, object] = {}
     rows: list[str] = []
+    load = os.getloadavg()[0]
     with node() as root:
-        floor, _ = timed([sys.executable, "-c", "import pynvml"], ROOT, args.runs, root)
-        floor_p50 = statistics.median(floor)
-        fig["python -c 'import pynvml'"] = floor_p50
-        healthy_p50 = 0.0
+        floor = timed([sys.executable, "-c", "import pynvml"], ROOT, args.runs, root)
+        healthy = floor
         for s in scenarios(root):
-            walls, first = timed(check_argv(root, s), ROOT, args.runs, root)
-            p50 = statistics.median(walls)
-            healthy_p50 = p50 if s.name == "healthy" else healthy_p50
-            verdict = first.split(" - ")[0].removeprefix("gpuwatchd check: ")
-            ok = "yes" if verdict == s.expect else f"NO (expected {s.expect})"
-            fig[s.name] = {"p50_s": p50, "max_s": max(walls), "verdict": verdict}
-            rows.append(
-                f"| {s.name} | {p50:.2f} s | {max(walls):.2f} s | {verdict} (as expected: {ok}) |"
-            )
-        rows.append(
-            f"| `python -c 'import pynvml'` (floor) | {floor_p50:.2f} s | {max(floor):.2f} s | - |"
-        )
+            got = timed(check_argv(root, s), ROOT, args.runs, root)
+            healthy = got if s.name == "healthy" else healthy
+            ok = "yes" if got.verdict == s.expect else f"NO (expected {s.expect})"
+            fig[s.name] = {**_figures(got), "verdict": got.verdict}
+            rows.append(got.row(s.name, f"{got.verdict} (as expected: {ok})"))
+        fig["python -c 'import pynvml'"] = _figures(floor)
+        rows.append(floor.row("`python -c 'import pynvml'` (floor)", "-"))
         if args.baseline_rev:
             with revision(args.baseline_rev) as old:
-                walls, first = timed(
-                    check_argv(root, scenarios(root)[0]), old, args.baseline_runs, root
-                )
-            p50 = statistics.median(walls)
-            fig[f"healthy at {args.baseline_rev}"] = {"p50_s": p50, "max_s": max(walls)}
-            verdict = first.split(" - ")[0].removeprefix("gpuwatchd check: ")
+                before = timed(check_argv(root, scenarios(root)[0]), old, args.baseline_runs, root)
+            fig[f"healthy at {args.baseline_rev}"] = _figures(before)
             rows.append(
-                f"| healthy, before (revision {args.baseline_rev}) | {p50:.2f} s"
-                f" | {max(walls):.2f} s | {verdict} |"
+                before.row(f"healthy, before (revision {args.baseline_rev})", before.verdict)
             )
-            rows.append(f"| speed-up on the healthy node | {p50 / healthy_p50:.1f}x | | |")
-        rows.append(
-            f"| healthy check over the `import pynvml` floor | {healthy_p50 / floor_p50:.1f}x"
-            f" | | target: healthy < {TARGET:g} s: {'met' if healthy_p50 < TARGET else 'NOT met'} |"
-        )
+            ratio = statistics.median(before.wall) / statistics.median(healthy.wall)
+            rows.append(f"| speed-up on the healthy node (wall) | {ratio:.1f}x | | | |")
+    wall = statistics.median(healthy.wall)
+    over = wall / statistics.median(floor.wall)
+    met = "met" if wall < TARGET else "NOT met"
+    rows.append(
+        f"| healthy over the floor (wall) | {over:.1f}x | | | target < {TARGET:g} s: {met} |"
+    )
+    fig["load_average_1m"] = load
     publish(fig, "`gpuwatchd check` wall time, every source enabled", [], json_path=args.json)
     if args.section:
         from benchmarks.report import update_section
 
-        table = ["| scenario | p50 | max | verdict |", "| --- | --- | --- | --- |", *rows]
+        table = [
+            "| scenario | wall p50 | wall max | CPU p50 | verdict |",
+            "| --- | --- | --- | --- | --- |",
+            *rows,
+        ]
         intro = (
             f"Each scenario: {args.runs} runs of the real CLI in a fresh process on the NVML"
             " replay of a 2-GPU H200 capture, every source enabled, the kernel log on a FIFO"
             " that never ends (as /dev/kmsg), the daemon's store (50 old Xids, a job hang)"
-            " read through `--state-dir`. Wall time includes starting Python. NVML hung: the"
-            " verdict is printed at the deadline, the process ends when the hung call's own"
-            " 5 s NVML deadline does (interpreter exit joins the NVML pool's threads)."
+            " read through `--state-dir`. Times include starting Python; CPU is user + system"
+            " of the process. NVML hung: the verdict is printed at the deadline, the process"
+            " ends when the hung call's own 5 s NVML deadline does (interpreter exit joins the"
+            f" NVML pool's threads). Load average when started: {load:.1f}."
         )
         update_section(
             args.section,
