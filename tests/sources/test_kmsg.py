@@ -733,3 +733,43 @@ def test_interleaved_sxids_of_several_switches_count_one_report_each(switches: i
     assert all(
         r.extra("severity").endswith(f"instance {r.link} Sub-engine instance 00") for r in out
     )
+
+
+XID31 = "NVRM: Xid (PCI:0000:3b:00): 31, pid=1773, name=python3, MMU Fault"
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        "",
+        "               ",
+        "6,1012,4875130,-;",
+        "[ 1843.308145] ",
+        "[Sun Feb 23 16:24:18 2025] ",
+        "kern  :err   : 2025-01-25T10:34:54,859532+00:00 ",
+        "Nov 26 10:00:00 gpu-node-17 kernel: ",
+        "Nov 26 10:00:00.123456 gpu-node-17 kernel: [ 1843.308145] ",
+        "2026-11-26T10:00:00+0000 gpu-node-17 kernel: ",
+        "[ 1843.308145] gpu-node-17 kernel: ",
+        "<3>1 2026-11-26T10:00:00.123Z gpu-node-17 kernel - - - ",
+        "\x1b[32m[ 1843.308145] \x1b[0m",
+        "192.168.11.119: kern: warning: [2026-04-22T21:27:51.291660856Z]: ",
+    ],
+)
+def test_an_xid_after_a_kernel_log_head_is_read(head: str) -> None:
+    rec = parse_line(head + XID31)
+    assert rec is not None and (rec.kind, rec.code) == ("xid", 31)
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        "sudo sh -c \"echo '",
+        "$ echo '",
+        'root@gpu-node-17:~# echo "',
+        "# " * 200,
+        "see the ticket: ",
+    ],
+)
+def test_driver_text_quoted_in_other_text_is_no_report(head: str) -> None:
+    assert parse_line(head + XID31 + "'") is None

@@ -166,6 +166,11 @@ _LEVELS = r"(?:emerg|alert|crit|err|warn|warning|notice|info|debug)"
 # What may stand before the driver's text in a kernel log line, one token at a time.
 _TOKENS = (
     re.compile(r"\[[^\[\]]{0,64}\]:?\s*"),  # [ 38.175561], [Sun Feb 23 ...], [T1234]
+    re.compile(r"\x1b\[[0-9;]{0,16}m"),  # dmesg --color=always
+    # RFC 5424: <pri>1 stamp host app procid msgid structured-data
+    re.compile(
+        r"(?:<\d{1,3}>)?1 \d{4}-\d\d-\d\dT\S{1,40}(?: \S{1,255}){4} (?:-|\[[^\]]{0,256}\])\s*"
+    ),
     re.compile(r"<\d{1,3}>\s*"),  # a syslog priority
     re.compile(r"\d{1,4},\d{1,20},\d{1,20}[^;]{0,64};\s*"),  # a /dev/kmsg record head
     re.compile(r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d\S{0,40}\s+"),  # ISO / short-iso stamp
