@@ -296,6 +296,15 @@ MAX_SWITCHES = 64  # pending SXid reports at most (an HGX has 4-18 NVSwitches)
 SXID_GAP = 32  # most lines between two lines of one SXid report (other switches' in between)
 
 
+class _Held(NamedTuple):
+    """An SXid report waiting for the rest of its lines."""
+
+    lines: list[KmsgRecord]
+    first: int  # line numbers (of all lines fed) of its first and last line
+    last: int
+    before: str  # the cursor of the line before its first: where to resume to read it again
+
+
 def _switch(rec: KmsgRecord) -> str:
     """The switch an SXid line comes from: its PCI id (the device name when bus ids repeat)."""
     return f"{rec.device}/{rec.pci_bus_id}"
@@ -330,14 +339,17 @@ class KmsgParser:
         self._n = 0
         self._pending: tuple[KmsgRecord, int] | None = None
         # One pending SXid report per switch: switches that report in the same
-        # second interleave their lines. Switch -> (lines so far, line number of the last).
-        self._groups: dict[str, tuple[list[KmsgRecord], int]] = {}
+        # second interleave their lines.
+        self._groups: dict[str, _Held] = {}
+        self.sxid_lines = 0  # SXid lines fed so far (a reader holds reports while they come)
+        self._before = ""  # the cursor of the line fed last
         self._recent79: dict[str, int] = {}
         self.truncated = 0  # lines longer than MAX_RECORD, cut to it
 
     def feed(self, line: str, cursor: str = "") -> Sequence[KmsgRecord]:
         """Records completed by this line (usually none)."""
         self._n += 1
+        before, self._before = self._before, cursor
         if len(line) > MAX_RECORD:
             self.truncated += 1
             line = line[:MAX_RECORD]
@@ -349,17 +361,18 @@ class KmsgParser:
         if cursor:
             rec = rec._replace(cursor=cursor)
         if rec.kind == SXID:
+            self.sxid_lines += 1
             switch = _switch(rec)
             held = self._groups.get(switch)
             if held is not None and self._joins(held, rec):
-                held[0].append(rec)
-                self._groups[switch] = (held[0], self._n)
+                held.lines.append(rec)
+                self._groups[switch] = held._replace(last=self._n)
                 return _EMPTY
-            done = [_assemble(held[0])] if held is not None else []
+            done = [_assemble(held.lines)] if held is not None else []
             if held is None and len(self._groups) >= MAX_SWITCHES:  # bounded, whatever the log
-                oldest = next(iter(self._groups))
-                done.append(_assemble(self._groups.pop(oldest)[0]))
-            self._groups[switch] = ([rec], self._n)
+                oldest = min(self._groups, key=lambda k: self._groups[k].first)
+                done.append(_assemble(self._groups.pop(oldest).lines))
+            self._groups[switch] = _Held([rec], self._n, self._n, before)
             return done
         out: list[KmsgRecord] = self.flush() if self._groups else []
         if rec.kind == _PART_GPU:
@@ -375,16 +388,26 @@ class KmsgParser:
         out.append(rec)
         return out
 
+    def holding(self) -> bool:
+        """Whether SXid reports wait for more of their lines (`flush()` hands them out)."""
+        return bool(self._groups)
+
+    def resume_cursor(self) -> str | None:
+        """Where a new reader must start so no held line is lost (None: holding nothing)."""
+        if not self._groups:
+            return None
+        return min(self._groups.values(), key=lambda h: h.first).before
+
     def flush(self) -> list[KmsgRecord]:
         """Hand out the held SXid reports, in the order they started."""
         if not self._groups:
             return []
-        groups = list(self._groups.values())  # insertion order: the order they started
+        groups = sorted(self._groups.values(), key=lambda h: h.first)
         self._groups = {}
-        return [_assemble(lines) for lines, _ in groups]
+        return [_assemble(h.lines) for h in groups]
 
-    def _joins(self, held: tuple[list[KmsgRecord], int], rec: KmsgRecord) -> bool:
-        lines, last = held
+    def _joins(self, held: _Held, rec: KmsgRecord) -> bool:
+        lines, last = held.lines, held.last
         # A line of the same report follows within a few lines of the same switch's
         # last one, however many other switches print in between.
         if self._n - last > SXID_GAP:
