@@ -244,7 +244,9 @@ def main() -> int:
             " installed; one uncounted run first); CPU is user + system of the process. NVML"
             " hung: the verdict is printed at the deadline, the process ends when the hung"
             " call's own 5 s NVML deadline does (interpreter exit joins the"
-            f" NVML pool's threads). Load average when started: {load:.1f}."
+            f" NVML pool's threads). Before: each read of the quiet kernel log waited 10 s, and"
+            " the check waited for it twice (before starting the workloads source, then at the"
+            f" end). Load average when started: {load:.1f}."
         )
         update_section(
             args.section,
