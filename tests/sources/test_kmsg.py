@@ -765,6 +765,9 @@ def test_an_xid_after_a_kernel_log_head_is_read(head: str) -> None:
     "head",
     [
         "sudo sh -c \"echo '",
+        # sudo logs the command it ran to syslog, beside the kernel's lines
+        "Nov 26 10:00:00 gpu-node-17 sudo[4242]:     root : TTY=pts/0 ; PWD=/root ; USER=root ;"
+        " COMMAND=/bin/sh -c echo '",
         "$ echo '",
         'root@gpu-node-17:~# echo "',
         "# " * 200,
