@@ -21,6 +21,7 @@ from dataclasses import dataclass
 __all__ = [
     "AFFINITIES",
     "PciPlace",
+    "UNKNOWN_BUS",
     "gpu_affinity",
     "normalize_bus_id",
     "pci_place",
@@ -29,6 +30,8 @@ __all__ = [
 ]
 
 AFFINITIES = ("pcie_switch", "host_bridge", "numa_node")
+# Shown for a report whose line names no bus id (e.g. a fall-off cut by a log shipper)
+UNKNOWN_BUS = "unknown"
 _HEX = frozenset("0123456789abcdefABCDEF")
 _ADDR = re.compile(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 

@@ -413,9 +413,15 @@ class SourceSet:
     """The enabled sources and the runner that polls them, built from one config."""
 
     def __init__(
-        self, cfg: Config, state: State, clock: Clock, pipeline: Pipeline | None = None
+        self,
+        cfg: Config,
+        state: State,
+        clock: Clock,
+        pipeline: Pipeline | None = None,
+        one_shot: bool = False,
     ) -> None:
-        """`pipeline` None: sources start from scratch (no stored cursor), as `check` does."""
+        """`pipeline` None: sources start from scratch (no stored cursor), as `check` does;
+        `one_shot`: a poll never waits for input that is not there yet (`check`)."""
         self.cfg = cfg
         self.state = state
         self.clock = clock
@@ -426,6 +432,7 @@ class SourceSet:
             gpu_status=self.gpu_status,
             gpus=self.gpus,
             load_cursor=pipeline.load_cursor if pipeline else (lambda name: None),
+            one_shot=one_shot,
         )
         self.sources = build_sources(cfg, ctx)
         self.runner = Runner(self.sources, state, clock)

@@ -142,7 +142,7 @@ def collect(
     state = state if state is not None else State()
     out = Collected(state, {})
     sources: list[SourceSet] = []
-    _within(lambda: sources.append(SourceSet(cfg, state, clock)), deadline, clock)
+    _within(lambda: sources.append(SourceSet(cfg, state, clock, one_shot=True)), deadline, clock)
     runner = sources[0].runner
     built = [
         s for s in runner.sources if s.name not in SKIPPED and (only is None or s.name in only)

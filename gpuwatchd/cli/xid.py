@@ -24,6 +24,7 @@ from gpuwatchd.health.xid import catalog as xid
 from gpuwatchd.health.xid import nvlink5
 from gpuwatchd.health.xid.catalog import Catalog, XidInfo
 from gpuwatchd.model import Action, Severity
+from gpuwatchd.pci import UNKNOWN_BUS
 from gpuwatchd.sources.kmsg.parse import GPU, SXID, UNPARSED, XID, KmsgParser, KmsgRecord
 
 __all__ = ["explain", "register", "scan"]
@@ -177,14 +178,13 @@ def explain(args: argparse.Namespace) -> int:
             out.write(
                 _wrap(
                     f"Not in the catalog as an Xid or an NVSwitch SXid (read as "
-                    f"{'an SXid: 5 digits' if kind == 'sxid' else 'an Xid'}). Record the full "
-                    "kernel line, check NVIDIA's current Xid catalog and escalate if it repeats.",
+                    f"{'an SXid: 5 digits' if kind == 'sxid' else 'an Xid'}); a report of it"
+                    " is kept and handled with the catalog's fallback:",
                     "  ",
                     width,
                 )
                 + "\n"
             )
-            continue
         title = f"{info.label} · {info.name}" + ("" if info.known else " (not in the catalog)")
         out.write(style.bold(title) + "\n")
         out.write(f"  severity   {style.sev(info.severity)}  category  {info.category}\n")
@@ -339,7 +339,8 @@ def scan(args: argparse.Namespace) -> int:
             key = (rec.kind, rec.code, rec.pci_bus_id)
             g = groups.get(key)
             if g is None:
-                g = groups[key] = _Group(rec.kind, rec.code, rec.pci_bus_id, info, first=_when(rec))
+                bus = rec.pci_bus_id or UNKNOWN_BUS
+                g = groups[key] = _Group(rec.kind, rec.code, bus, info, first=_when(rec))
             elif info.severity > g.info.severity:
                 g.info = info
             g.reports += 1
@@ -397,7 +398,7 @@ def _event_line(rec: KmsgRecord, info: XidInfo, style: _Style) -> str:
     gi, ci = rec.extra("gpu_instance"), rec.extra("compute_instance")
     if gi:  # a MIG GPU: name the instance the report is about
         what = f"[GI {gi}{f' CI {ci}' if ci else ''}] {what}"
-    line = _row("", label, rec.pci_bus_id, _when(rec), proc, what)
+    line = _row("", label, rec.pci_bus_id or UNKNOWN_BUS, _when(rec), proc, what)
     return style.sev(info.severity) + line[8:]
 
 

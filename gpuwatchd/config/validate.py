@@ -28,7 +28,7 @@ __all__ = [
 
 LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]{0,127}")
 RESERVED_LABELS = ("alertname", "severity", "node", "gpu", "uuid", "pci_bus_id", "xid")
-MAX_CODE = 65535  # the kernel log parser reads no larger Xid/SXid code
+MAX_CODE = 999_999  # the kernel log parser reads no larger Xid/SXid code
 _AM_FILES = (
     "tls_ca_file",
     "tls_cert_file",
@@ -148,11 +148,11 @@ def check_alertmanager(cfg: Config, file: str) -> None:
 
 
 def check_xid_codes(cfg: Config, file: str) -> None:
-    """`xid.overrides` / `xid.sxid_overrides` keys are codes (0..65535)."""
+    """`xid.overrides` / `xid.sxid_overrides` keys are codes (0..999999)."""
     errors: list[ConfigError] = []
     for key in ("overrides", "sxid_overrides"):
         for name in getattr(cfg.xid, key):
-            if not (name.isdigit() and len(name) <= 5 and int(name) <= MAX_CODE):
+            if not (name.isdigit() and len(name) <= 6 and int(name) <= MAX_CODE):
                 errors.append(ConfigError(file, f"xid.{key}.{name}", "must be a numeric code"))
     raise_all(errors)
 

@@ -22,6 +22,7 @@ from gpuwatchd.config import Config
 from gpuwatchd.health.alerts import ALERTS, GPU_LABELS, AlertInfo, summary
 from gpuwatchd.health.history import Gpu, History, View
 from gpuwatchd.model import Action, Finding, Labels, Severity, labels_of
+from gpuwatchd.pci import UNKNOWN_BUS
 
 __all__ = [
     "ALERTS",
@@ -114,7 +115,7 @@ def xid(inp: Inputs) -> list[Finding]:
     """Active Xids (catalog severity, held by the tracker) and SXids."""
     out = []
     for x in inp.xids:
-        if x.severity < Severity.WARNING:
+        if x.severity < Severity.WARNING or x.kind not in ("xid", "sxid"):
             continue
         critical = x.severity >= Severity.CRITICAL
         labels: Labels
@@ -125,6 +126,10 @@ def xid(inp: Inputs) -> list[Finding]:
                 "node",
                 (("sxid", str(x.code)),),
             )
+        elif not x.pci_bus_id:  # the line named no GPU (a fall-off cut short): the node's
+            name = "GpuXidCritical" if critical else "GpuXidWarning"
+            subject = labels_of({"pci_bus_id": UNKNOWN_BUS})
+            scope, labels = "node", (("xid", str(x.code)), *x.workload)
         else:
             name = "GpuXidCritical" if critical else "GpuXidWarning"
             gpu = inp.view.gpu_by_bus(x.pci_bus_id)

@@ -70,6 +70,8 @@ class SourceContext:
     gpu_status: Callable[[], Mapping[str, Mapping[str, object]]] = dict
     # The last cursor the event store committed for a source (kmsg), or None
     load_cursor: Callable[[str], str | None] = lambda name: None
+    # `check`: each poll reads what is there and returns; it never waits for more
+    one_shot: bool = False
 
 
 Factory = Callable[["Config", SourceContext], Source]

@@ -163,3 +163,33 @@ def test_scan_colour_when_asked(capsys: pytest.CaptureFixture[str]) -> None:
         ["xid", "scan", str(FIX / "fallen-off-bus-single.txt"), "--color", "always"], capsys
     )
     assert "\033[1;31mcritical" in out
+
+
+def test_scan_ignores_driver_text_quoted_in_a_shell_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 20: notes that keep the command used to inject a test Xid are not an Xid;
+    the kernel's own lines around them, in every text shape, still are."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text(
+        "# injected a test Xid on gpu-node-17:\n"
+        "sudo sh -c \"echo 'NVRM: Xid (PCI:0000:3b:00): 79, pid=0, name=x, GPU has fallen off"
+        " the bus.' >> /var/log/messages\"\n"
+        "$ echo 'nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 12028, Non-fatal, Link 32' | logger\n"
+        'root@gpu-node-17:~# echo "NVRM: GPU 0000:3b:00.0: GPU has fallen off the bus."\n'
+        "NVRM: Xid (PCI:0000:3b:00): 13, pid=1773, name=python3, Graphics Exception\n"
+        "[ 1843.308145] NVRM: Xid (PCI:0000:3b:00): 31, pid=1773, name=python3, MMU Fault\n"
+        "Nov 26 10:00:00 gpu-node-17 kernel: NVRM: Xid (PCI:0000:3b:00): 43, pid=1773,"
+        " name=python3, Ch 00000008\n"
+        "2026-11-26T10:00:01+0000 gpu-node-17 kernel: NVRM: Xid (PCI:0000:3b:00): 45,"
+        " pid=1773, name=python3, Ch 00000008\n"
+        "6,1012,4875130,-;NVRM: Xid (PCI:0000:3b:00): 63, pid=1773, name=python3, Row remap\n"
+    )
+    rc, out, _ = run(["xid", "scan", str(notes), "--json"], capsys)
+    assert [(r["kind"], r["code"]) for r in map(json.loads, out.splitlines())] == [
+        ("xid", 13),
+        ("xid", 31),
+        ("xid", 43),
+        ("xid", 45),
+        ("xid", 63),
+    ]

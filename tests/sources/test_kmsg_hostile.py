@@ -23,7 +23,7 @@ GOOD = (
         "NVRM: Xid (PCI:0000:18:00): 99999999999999999999999999, pid=1, name=x, boom",
         "NVRM: Xid (PCI:0000:18:00): 79, pid=9223372036854775808, name=x, boom",
         "NVRM: Xid (PCI:0000:18:00): 79, pid=4194305, name=x, boom",
-        "NVRM: Xid (PCI:0000:18:00): 65536, pid=1, name=x, boom",
+        "NVRM: Xid (PCI:0000:18:00): 1000000, pid=1, name=x, boom",  # > MAX_CODE
         "nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 18446744073709551616, Fatal",
         "NVRM: Xid (PCI:0000:18:00): " + "9" * 5000 + ", pid=1, name=x, boom",
     ],

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from gpuwatchd.health.xid.bursts import Bursts
-from gpuwatchd.health.xid.catalog import Catalog, XidInfo
+from gpuwatchd.health.xid.catalog import KINDS, Catalog, XidInfo
 from gpuwatchd.model import (
     Action,
     Clear,
@@ -224,7 +224,9 @@ class XidTracker:
         )
 
     def observe(self, event: Event, restoring: bool = False) -> Observation:
-        """Account one Xid/SXid report."""
+        """Account one Xid/SXid report (any other kind is a caller's bug: ValueError)."""
+        if event.kind not in KINDS:
+            raise ValueError(f"not an Xid or SXid event: {event.kind}")
         code = event.code or 0
         key = (event.kind, event.pci_bus_id, code)
         st = self._states.get(key)
@@ -360,11 +362,13 @@ class XidTracker:
         """Rebuild from stored events (oldest first) and clears after a daemon restart.
 
         Events of earlier boots count for escalation only; events of this
-        boot also restore what is active.
+        boot also restore what is active. The store holds every kind (job
+        hangs, remediation steps, ...): only Xids and SXids are read here.
         """
         ordered: list[tuple[float, int, object]] = []
         for ev in events:
-            ordered.append((ev.time, 0, ev))
+            if ev.kind in KINDS:
+                ordered.append((ev.time, 0, ev))
         for c in clears:
             ordered.append((c.time, 1, c))
         for _, _, item in sorted(ordered, key=lambda t: (t[0], t[1])):

@@ -20,7 +20,8 @@ from typing import NamedTuple
 
 from gpuwatchd.logs import escape_control
 from gpuwatchd.pci import normalize_bus_id
-from gpuwatchd.sources.kmsg.prefix import Prefix, parse_prefix
+from gpuwatchd.sources.kmsg.facts import LINK, RECOVERY_ACTIONS, recovery_action_name, xid_facts
+from gpuwatchd.sources.kmsg.prefix import Prefix, kernel_shaped, parse_prefix
 
 __all__ = [
     "KmsgParser",
@@ -36,8 +37,9 @@ XID, SXID, GPU, UNPARSED = "xid", "sxid", "gpu", "unparsed"
 # The kernel's own record size (printk's LOG_LINE_MAX is a little under 1 KiB of
 # text, /dev/kmsg records at most 8 KiB): longer lines are cut here and counted.
 MAX_RECORD = 8192
-# Anything larger is not a driver's report: the line is unparsed, never stored.
-MAX_CODE = 65535
+# Anything larger is not a driver's report: the line is unparsed, never stored. Codes
+# the catalog does not know yet (a newer driver's) are reported, as unknown.
+MAX_CODE = 999_999
 MAX_PID = 4194304  # PID_MAX_LIMIT
 _PART_GPU, _PART_FALLEN = "partial_gpu", "partial_fallen"
 FALLEN_OFF_CODE = 79
@@ -104,66 +106,18 @@ _MIG_KEYS = {"I": "gpu_instance", "CI": "compute_instance"}
 _SXID_RE = re.compile(
     r"(nvidia-nvswitch\d{0,4}): SXid \((?:PCI:)?([^)]{0,64})\):\s*(\d+)\s*(?:,\s*)?"
 )
-_GPC = re.compile(r"\(GPC (\d+), TPC (\d+), SM (\d+)\)")
-_MMU = re.compile(
-    r"ENGINE (\S{1,64}) (?:GPC(\d{1,4}) )?(\S{1,64}) faulted @ (\S{1,64}?)\.?"
-    r" Fault is of type (\S{1,64}) (\S{1,64})"
-)
-_NVL5 = re.compile(
-    r"\b(?P<unit>[A-Z][A-Z0-9_]{0,63})\s+(?P<sev>Fatal|Nonfatal|Non-fatal)\s+(?:XC\d{1,4}\s+)?"
-    r"(?:i\d{1,4}\s+)?Link\s+(?P<link>-?\d{1,4})\s*\((?P<regs>[^)]{0,256})\)"
-)
-_LINK = re.compile(r"\b[Ll]ink\s*(-?\d{1,4})\b")
-_R154 = re.compile(
-    r"recovery action changed from (0x[0-9a-fA-F]{1,8}|\d{1,8}) \(([^)]{0,64})\)"
-    r" to (0x[0-9a-fA-F]{1,8}|\d{1,8})(?: \(([^)]{0,64})\))?"
-)
 _SXID_SEV = re.compile(r"^(Fatal|Non-fatal|Nonfatal)\b", re.I)
 _IDENT = re.compile(r"NVRM: GPU at PCI:([0-9a-fA-F:.]{1,24}): (GPU-[0-9a-fA-F-]{1,64})")
 _FALLEN_1 = re.compile(
     r"NVRM: GPU (?:at )?(?:PCI:)?([0-9a-fA-F]{1,8}:[0-9a-fA-F:.]{1,16}?):?"
     r" (?:GPU )?has fallen off the bus"
 )
+# The one-line report with its bus id cut away (log shippers truncate and redact)
+_FALLEN_NO_BUS = re.compile(r"NVRM: GPU (?:at )?(?:PCI:)?:? ?has fallen off the bus")
 _FALLEN_START = re.compile(
     r"NVRM: The NVIDIA GPU (?:at )?(?:PCI:)?([0-9a-fA-F]{1,8}:[0-9a-fA-F:.]{1,16})"
 )
 _SHAPE = re.compile(r"\b(?:0x)?[0-9a-fA-F]*\d[0-9a-fA-F]*\b")
-
-# Xid 154 prints "changed from 0x0 (None) to 0x2 (Node Reboot Required)". The
-# number is NVML's nvmlDeviceGpuRecoveryAction_t; the words vary by driver
-# ("OS Reboot", "PF FLR"), so the number decides when it is there.
-RECOVERY_ACTIONS = {
-    0: "None",
-    1: "GPU Reset Required",
-    2: "Node Reboot Required",
-    3: "Drain P2P",
-    4: "Drain and Reset",
-}
-_RECOVERY_ALIASES = {
-    "none": "None",
-    "gpu reset required": "GPU Reset Required",
-    "gpu reset": "GPU Reset Required",
-    "pf flr": "GPU Reset Required",
-    "node reboot required": "Node Reboot Required",
-    "node reboot": "Node Reboot Required",
-    "os reboot": "Node Reboot Required",
-    "drain p2p": "Drain P2P",
-    "drain and reset": "Drain and Reset",
-}
-
-
-def recovery_action_name(value: int | None, text: str) -> str:
-    """Canonical Xid 154 recovery action from the line's number and/or words."""
-    if value is not None and value in RECOVERY_ACTIONS:
-        return RECOVERY_ACTIONS[value]
-    return _RECOVERY_ALIASES.get(text.strip().lower(), text.strip())
-
-
-def _int(text: str) -> int | None:
-    try:
-        return int(text, 0)
-    except ValueError:
-        return None
 
 
 def _bounded(digits: str, limit: int) -> int | None:
@@ -176,54 +130,6 @@ def _bounded(digits: str, limit: int) -> int | None:
 
 def _shape(message: str) -> str:
     return _SHAPE.sub("#", message[:240])[:120]
-
-
-def _xid_facts(code: int, detail: str) -> dict[str, object]:
-    """Code-specific fields: NVLink5 subcode/link/severity, 154 action, 13 GPC/TPC/SM."""
-    facts: dict[str, object] = {}
-    extras: list[tuple[str, str]] = []
-    if 144 <= code <= 150:
-        m = _NVL5.search(detail)
-        if m is not None:
-            facts["fatal"] = m.group("sev") == "Fatal"
-            facts["link"] = int(m.group("link"))
-            regs = m.group("regs").split()
-            extras.append(("unit", m.group("unit")))
-            try:
-                facts["subcode"] = (int(regs[0], 16) >> 20) & 0x3F
-                if len(regs) > 1:
-                    extras.append(("error_status", regs[1]))
-                extras.append(("registers", " ".join(regs)))
-            except (ValueError, IndexError):
-                pass
-    elif code == 154:
-        m = _R154.search(detail)
-        if m is not None:
-            before = recovery_action_name(_int(m.group(1)), m.group(2))
-            facts["recovery_action"] = recovery_action_name(_int(m.group(3)), m.group(4) or "")
-            extras.append(("previous_recovery_action", before))
-    m13 = _GPC.search(detail) if code == 13 else None
-    if m13 is not None:
-        extras += [("gpc", m13.group(1)), ("tpc", m13.group(2)), ("sm", m13.group(3))]
-    if code == 31:
-        mm = _MMU.search(detail)
-        if mm is not None:
-            extras.append(("engine", mm.group(1)))
-            if mm.group(2) is not None:
-                extras.append(("gpc", mm.group(2)))
-            extras += [
-                ("client", mm.group(3)),
-                ("fault_address", mm.group(4)),
-                ("fault_type", mm.group(5)),
-                ("access_type", mm.group(6)),
-            ]
-    if "link" not in facts and "ink" in detail:
-        lm = _LINK.search(detail)
-        if lm is not None:
-            facts["link"] = int(lm.group(1))
-    if extras:
-        facts["extras"] = tuple(extras)
-    return facts
 
 
 def _record(kind: str, text: str, start: int, year: int | None, **fields: object) -> KmsgRecord:
@@ -267,6 +173,8 @@ def _parse(line: str, year: int | None) -> KmsgRecord | None:
         text = text.replace("\\x0a", "\n").rstrip("\n")
     m = _XID_RE.search(text)
     if m is not None:
+        if not kernel_shaped(text[: m.start()]):
+            return None  # driver text quoted in something else (a shell command, notes)
         where = m.group(1)
         # MIG: "(PCI:0000:3b:00 GPU-I:01 GPU-CI:00)" names the GPU and compute instance
         instance = tuple((_MIG_KEYS[k], str(int(v))) for k, v in _MIG_IDS.findall(where))
@@ -280,7 +188,7 @@ def _parse(line: str, year: int | None) -> KmsgRecord | None:
         name = m.group(4)
         process = "" if not name or name == "<unknown>" else escape_control(name.strip())
         detail = text[m.end() :].strip()
-        facts = _xid_facts(code, detail)
+        facts = xid_facts(code, detail)
         if instance:
             known = facts.get("extras", ())
             facts["extras"] = instance + (known if isinstance(known, tuple) else ())
@@ -297,6 +205,8 @@ def _parse(line: str, year: int | None) -> KmsgRecord | None:
         )
     m = _SXID_RE.search(text)
     if m is not None:
+        if not kernel_shaped(text[: m.start()]):
+            return None
         bus = normalize_bus_id(m.group(2))
         if not bus:
             return _unparsed(text, m.start(), year)
@@ -305,7 +215,7 @@ def _parse(line: str, year: int | None) -> KmsgRecord | None:
             return _unparsed(text, m.start(), year)
         detail = text[m.end() :].strip()
         sev = _SXID_SEV.match(detail)
-        lm = _LINK.search(detail)
+        lm = LINK.search(detail)
         return _record(
             SXID,
             text,
@@ -320,6 +230,8 @@ def _parse(line: str, year: int | None) -> KmsgRecord | None:
         )
     if "fallen off the bus" in text:
         fm = _FALLEN_1.search(text) or _FALLEN_START.search(text)
+        if fm is not None and not kernel_shaped(text[: fm.start()]):
+            return None
         if fm is not None:
             bus = normalize_bus_id(fm.group(1))
             if bus:
@@ -333,6 +245,18 @@ def _parse(line: str, year: int | None) -> KmsgRecord | None:
                     detail="GPU has fallen off the bus",
                     synthetic=True,
                 )
+        nb = _FALLEN_NO_BUS.search(text)
+        if nb is not None and kernel_shaped(text[: nb.start()]):
+            # A GPU of this node fell off the bus; which one the line no longer says.
+            return _record(
+                XID,
+                text,
+                nb.start(),
+                year,
+                code=FALLEN_OFF_CODE,
+                detail="GPU has fallen off the bus (the line names no bus id)",
+                synthetic=True,
+            )
         start = text.find("NVRM")
         return _record(_PART_FALLEN, text, max(start, 0), year, shape=_shape(text))
     m = _FALLEN_START.search(text)
@@ -346,7 +270,8 @@ def _parse(line: str, year: int | None) -> KmsgRecord | None:
             return _record(GPU, text, m.start(), year, pci_bus_id=bus, uuid=m.group(2))
     if "NVRM: Xid" in text or "SXid (" in text:
         start = text.find("NVRM: Xid")
-        return _unparsed(text, start if start >= 0 else text.find("SXid ("), year)
+        start = start if start >= 0 else text.find("SXid (")
+        return _unparsed(text, start, year) if kernel_shaped(text[:start]) else None
     return None
 
 
@@ -367,6 +292,35 @@ def _sxid_part(rec: KmsgRecord) -> str:
     return "data" if m.group(1).startswith("Data") else "severity"
 
 
+MAX_SWITCHES = 64  # pending SXid reports at most (an HGX has 4-18 NVSwitches)
+SXID_GAP = 32  # most lines between two lines of one SXid report (other switches' in between)
+
+
+class _Held(NamedTuple):
+    """An SXid report waiting for the rest of its lines."""
+
+    lines: list[KmsgRecord]
+    first: int  # line numbers (of all lines fed) of its first and last line
+    last: int
+    before: str  # the cursor of the line before its first: where to resume to read it again
+
+
+def _switch(rec: KmsgRecord) -> str:
+    """The switch an SXid line comes from: its PCI id (the device name when bus ids repeat)."""
+    return f"{rec.device}/{rec.pci_bus_id}"
+
+
+def _assemble(group: list[KmsgRecord]) -> KmsgRecord:
+    """One SXid report from its lines: the main line, with Data and Severity as extras."""
+    main = next((r for r in group if _sxid_part(r) == "main"), group[0])
+    extras = list(main.extras)
+    for r in group:
+        part = _sxid_part(r)
+        if part != "main":
+            extras.append((part, r.detail))
+    return main._replace(extras=tuple(extras), lines=len(group), cursor=group[-1].cursor)
+
+
 class KmsgParser:
     """`parse_line` plus the reports that span lines.
 
@@ -384,14 +338,18 @@ class KmsgParser:
         self.window = window
         self._n = 0
         self._pending: tuple[KmsgRecord, int] | None = None
-        self._group: list[KmsgRecord] = []
-        self._group_n = 0
+        # One pending SXid report per switch: switches that report in the same
+        # second interleave their lines.
+        self._groups: dict[str, _Held] = {}
+        self.sxid_lines = 0  # SXid lines fed so far (a reader holds reports while they come)
+        self._before = ""  # the cursor of the line fed last
         self._recent79: dict[str, int] = {}
         self.truncated = 0  # lines longer than MAX_RECORD, cut to it
 
     def feed(self, line: str, cursor: str = "") -> Sequence[KmsgRecord]:
         """Records completed by this line (usually none)."""
         self._n += 1
+        before, self._before = self._before, cursor
         if len(line) > MAX_RECORD:
             self.truncated += 1
             line = line[:MAX_RECORD]
@@ -403,13 +361,20 @@ class KmsgParser:
         if cursor:
             rec = rec._replace(cursor=cursor)
         if rec.kind == SXID:
-            if self._joins(rec):
-                self._group.append(rec)
+            self.sxid_lines += 1
+            switch = _switch(rec)
+            held = self._groups.get(switch)
+            if held is not None and self._joins(held, rec):
+                held.lines.append(rec)
+                self._groups[switch] = held._replace(last=self._n)
                 return _EMPTY
-            held = self.flush() if self._group else []
-            self._group, self._group_n = [rec], self._n
-            return held
-        out: list[KmsgRecord] = self.flush() if self._group else []
+            done = [_assemble(held.lines)] if held is not None else []
+            if held is None and len(self._groups) >= MAX_SWITCHES:  # bounded, whatever the log
+                oldest = min(self._groups, key=lambda k: self._groups[k].first)
+                done.append(_assemble(self._groups.pop(oldest).lines))
+            self._groups[switch] = _Held([rec], self._n, self._n, before)
+            return done
+        out: list[KmsgRecord] = self.flush() if self._groups else []
         if rec.kind == _PART_GPU:
             self._pending = (rec, self._n)
             return out
@@ -423,26 +388,33 @@ class KmsgParser:
         out.append(rec)
         return out
 
-    def flush(self) -> list[KmsgRecord]:
-        """Hand out a held SXid group."""
-        if not self._group:
-            return []
-        group, self._group = self._group, []
-        main = next((r for r in group if _sxid_part(r) == "main"), group[0])
-        extras = list(main.extras)
-        for r in group:
-            part = _sxid_part(r)
-            if part != "main":
-                extras.append((part, r.detail))
-        return [main._replace(extras=tuple(extras), lines=len(group), cursor=group[-1].cursor)]
+    def holding(self) -> bool:
+        """Whether SXid reports wait for more of their lines (`flush()` hands them out)."""
+        return bool(self._groups)
 
-    def _joins(self, rec: KmsgRecord) -> bool:
-        if not self._group or self._n - self._group_n > 8:
+    def resume_cursor(self) -> str | None:
+        """Where a new reader must start so no held line is lost (None: holding nothing)."""
+        if not self._groups:
+            return None
+        return min(self._groups.values(), key=lambda h: h.first).before
+
+    def flush(self) -> list[KmsgRecord]:
+        """Hand out the held SXid reports, in the order they started."""
+        if not self._groups:
+            return []
+        groups = sorted(self._groups.values(), key=lambda h: h.first)
+        self._groups = {}
+        return [_assemble(h.lines) for h in groups]
+
+    def _joins(self, held: _Held, rec: KmsgRecord) -> bool:
+        lines, last = held.lines, held.last
+        # A line of the same report follows within a few lines of the same switch's
+        # last one, however many other switches print in between.
+        if self._n - last > SXID_GAP:
             return False
-        first = self._group[0]
-        if (first.pci_bus_id, first.code) != (rec.pci_bus_id, rec.code):
+        if (lines[0].pci_bus_id, lines[0].code) != (rec.pci_bus_id, rec.code):
             return False
-        return _sxid_part(rec) not in {_sxid_part(r) for r in self._group}
+        return _sxid_part(rec) not in {_sxid_part(r) for r in lines}
 
     def _join_fallen(self, rec: KmsgRecord) -> KmsgRecord:
         pending, self._pending = self._pending, None

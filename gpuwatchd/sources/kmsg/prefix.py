@@ -16,7 +16,7 @@ import time
 from datetime import datetime
 from typing import NamedTuple
 
-__all__ = ["Prefix", "parse_prefix"]
+__all__ = ["Prefix", "kernel_shaped", "parse_prefix"]
 
 _RAW = re.compile(r"(\d{1,4}),(\d{1,20}),(\d{1,20}),([^;]*);")
 _MONTHS = {m: i for i, m in enumerate(calendar.month_abbr) if m}
@@ -158,3 +158,55 @@ def _syslog_prefix(sm: re.Match[str], boot: float | None, year: int | None) -> P
         stamp = gd["boot"]
         boot = float(gd["boot"])
     return Prefix(origin=origin, boot_seconds=boot, wall_time=wall, stamp=stamp, host=gd["host"])
+
+
+# --- is it a kernel log line at all? ------------------------------------------------
+
+_LEVELS = r"(?:emerg|alert|crit|err|warn|warning|notice|info|debug)"
+# What may stand before the driver's text in a kernel log line, one token at a time.
+_TOKENS = (
+    re.compile(r"\[[^\[\]]{0,64}\]:?\s*"),  # [ 38.175561], [Sun Feb 23 ...], [T1234]
+    re.compile(r"\x1b\[[0-9;]{0,16}m"),  # dmesg --color=always
+    # RFC 5424: <pri>1 stamp host app procid msgid structured-data
+    re.compile(
+        r"(?:<\d{1,3}>)?1 \d{4}-\d\d-\d\dT\S{1,40}(?: \S{1,255}){4} (?:-|\[[^\]]{0,256}\])\s*"
+    ),
+    re.compile(r"<\d{1,3}>\s*"),  # a syslog priority
+    re.compile(r"\d{1,4},\d{1,20},\d{1,20}[^;]{0,64};\s*"),  # a /dev/kmsg record head
+    re.compile(r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d\S{0,40}\s+"),  # ISO / short-iso stamp
+    re.compile(r"[A-Z][a-z]{2} {1,2}\d{1,2} \d\d:\d\d:\d\d(?:\.\d{1,9})?\s+"),  # syslog date
+    re.compile(r"[a-z][a-z0-9]{1,8}\s{0,8}:\s{0,8}" + _LEVELS + r"\s{0,8}:\s*"),  # dmesg -x
+    # identifier (kernel:, gala[1773]:), host: (the look-behind keeps a search linear)
+    re.compile(r"(?<![\w.-])[\w.-]{1,64}(?:\[\d{1,10}\])?:\s*"),
+)
+_HOST = re.compile(r"(?<![\w.-])[\w.-]{1,64}\s+")  # a host name, only right before an ident
+_IDENT = _TOKENS[-1]
+MAX_PREFIX = 256
+
+
+def kernel_shaped(prefix: str) -> bool:
+    """Whether the text before an NVRM/SXid message is a kernel log line's head.
+
+    Accepted: nothing (the line start), or a run of kernel log prefix pieces:
+    dmesg and /dev/kmsg heads, syslog, journal and ISO stamps, facility and
+    level tags, `host ident:`. A shell command that quotes a driver line
+    (`sudo sh -c "echo 'NVRM: Xid ...'"`) is not.
+    """
+    if len(prefix) > MAX_PREFIX:
+        return False
+    pos, end = 0, len(prefix)
+    while pos < end and prefix[pos].isspace():
+        pos += 1
+    while pos < end:
+        for token in _TOKENS:
+            m = token.match(prefix, pos)
+            if m is not None:
+                pos = m.end()
+                break
+        else:
+            host = _HOST.match(prefix, pos)
+            ident = _IDENT.match(prefix, host.end()) if host is not None else None
+            if ident is None:
+                return False
+            pos = ident.end()
+    return True

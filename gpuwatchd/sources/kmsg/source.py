@@ -102,6 +102,9 @@ WAIT = 0.5  # longest a poll waits for input: detection latency stays under a se
 # arrives, so its wait bounds only the idle wake-ups (and publishes); the runner's
 # stop() interrupts it. Well under the watchdog's 30 s staleness limit.
 BLOCKING_WAIT = 10.0
+# An NVSwitch prints the lines of one SXid report a few ms apart, and a read may
+# end between them: a started report waits this long after its last line for the rest.
+SXID_HOLD = 0.5
 ATTRIBUTE_MAX_AGE = 120.0  # older records: the pid may belong to someone else by now
 MAX_SHAPES = 1000
 
@@ -165,10 +168,13 @@ class KmsgSource:
         self._wait = WAIT if wait is None else wait
         # None: a reader that blocks on its descriptor waits BLOCKING_WAIT
         self._blocking_wait = BLOCKING_WAIT if wait is None else wait
+        if ctx.one_shot:  # `check`: read to the end of the log and stop, never wait
+            self._wait = self._blocking_wait = 0.0
         self._sleep = sleep
         self._reader: LineReader | None = None
         self._cursor = ctx.load_cursor(self.name) or ""
         self._parser = KmsgParser()
+        self._held_until = 0.0  # monotonic time when held SXid reports are handed out
         self._error = ""
         self._failures = 0
         self._retry_at = 0.0
@@ -192,7 +198,10 @@ class KmsgSource:
             return self._samples()
         try:
             blocking = getattr(reader, "interrupt", None) is not None
-            lines = reader.read(self._blocking_wait if blocking else self._wait)
+            wait = self._blocking_wait if blocking else self._wait
+            if self._parser.holding():
+                wait = min(wait, max(0.0, self._held_until - self.clock.monotonic()))
+            lines = reader.read(wait)
         except ReaderError as exc:
             self._fail(exc)
             return self._samples()
@@ -203,14 +212,20 @@ class KmsgSource:
         self._parser.year = time.localtime(now).tm_year
         index = self._gpus()
         events: list[Sample | Event] = []
+        sxids = self._parser.sxid_lines
         for line in lines:
             for rec in self._parser.feed(line.text, line.cursor):
                 self._handle(rec, now, index, events)
-        for rec in self._parser.flush():
-            self._handle(rec, now, index, events)
+        if self._parser.sxid_lines != sxids:
+            self._held_until = self.clock.monotonic() + SXID_HOLD
+        if not lines or self.clock.monotonic() >= self._held_until:  # the rest is not coming
+            for rec in self._parser.flush():
+                self._handle(rec, now, index, events)
         self._read += len(lines)
         self._lost += reader.take_lost()
-        self._cursor = reader.cursor() or self._cursor
+        # Store no cursor past a held report's first line: a restart reads it again.
+        held = self._parser.resume_cursor()
+        self._cursor = (held if held is not None else reader.cursor()) or self._cursor
         return [*self._samples(), *events]
 
     def _ensure_reader(self) -> LineReader | None:
