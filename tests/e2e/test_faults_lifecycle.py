@@ -138,11 +138,12 @@ def test_kill_9_is_reported_at_the_next_start_and_sigterm_is_not(
         drill.stop()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGSEGV, signal.SIGABRT])
 def test_a_fatal_signal_leaves_a_stack_the_next_start_reports(
-    tmp_path: Path, alertmanager: AlertmanagerServer, sig: signal.Signals
+    tmp_path: Path, alertmanager: AlertmanagerServer
 ) -> None:
-    drill = Drill(tmp_path, alertmanager.url, node=f"drill-{sig.name.lower()}")
+    """SIGSEGV as a native library's crash gives it (SIGABRT, SIGBUS, SIGILL, SIGFPE alike)."""
+    sig = signal.SIGSEGV
+    drill = Drill(tmp_path, alertmanager.url, node="drill-sigsegv")
     d = drill.start()
     os.kill(d.proc.pid, sig)
     assert d.proc.wait(10) == -sig
@@ -288,15 +289,7 @@ def test_state_files_are_private_without_the_units_umask(
         assert {n: m for n, m in files.items() if m != 0o600} == {}
     finally:
         drill.stop()
-
-
-def test_world_readable_store_of_an_earlier_start_is_tightened(
-    tmp_path: Path, alertmanager: AlertmanagerServer
-) -> None:
-    state = tmp_path / "state"
-    drill = Drill(tmp_path, alertmanager.url, node="drill-tighten")
-    drill.start()
-    drill.stop()
+    # A store an earlier version (or a hand start) left world-readable is tightened.
     os.chmod(state / "gpuwatchd.db", 0o644)
     os.chmod(state, 0o755)
     d = drill.start()
