@@ -62,6 +62,7 @@ class Writer:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(SOAK_SECONDS + 90)
 def test_replay_soak(tmp_path: Path, alertmanager: AlertmanagerServer) -> None:
     drill = Drill(tmp_path, alertmanager.url, node="drill-soak")
     d = drill.start()
