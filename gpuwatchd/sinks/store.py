@@ -10,6 +10,7 @@ and age.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sqlite3
@@ -50,6 +51,7 @@ PRUNE_EVERY = 60.0
 RETRY_MAX = 30.0  # seconds between attempts to write held events, at most
 MAX_HELD = 10000  # events held in memory while the store cannot write them
 REWRITE_KEEP = 2000  # recent rows kept to re-persist into a re-created state dir
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
 
 log = logging.getLogger("gpuwatchd.store")
 
@@ -98,6 +100,8 @@ class EventStore:
                 raise StoreError(f"cannot open the event store {path}: {exc}") from None
             self._db = self._quarantine(exc)  # corrupt: keep monitoring on a fresh file
         except OSError as exc:
+            if exc.errno not in DISK_ERRNOS:  # not a disk that may recover: a wrong path
+                raise StoreError(f"cannot open the event store {path}: {exc}") from None
             self._db = self._in_memory(exc)
         self._dir_id = dir_identity(self.state_dir)
         self.prune()
