@@ -461,16 +461,16 @@ class Daemon:
         )
         self._died(name, text)
         self.signals.put(THREAD_DIED)
-
-    def _died(self, thread: str, text: str) -> None:
-        """Log and keep an uncaught exception; a stop that hangs still ends the process."""
-        log.critical("thread %s died of an uncaught exception:\n%s", thread, text.rstrip())
-        if self.record is not None:
-            self.record.fault(f"thread {thread} died of an uncaught exception:\n{text}")
         # The clean stop gets DEATH_GRACE; then the process ends regardless, non-zero.
         timer = threading.Timer(DEATH_GRACE, _exit_now, (EX_SOFTWARE,))
         timer.daemon = True
         timer.start()
+
+    def _died(self, thread: str, text: str) -> None:
+        """Log an uncaught exception and keep it in the fault log for the next start."""
+        log.critical("thread %s died of an uncaught exception:\n%s", thread, text.rstrip())
+        if self.record is not None:
+            self.record.fault(f"thread {thread} died of an uncaught exception:\n{text}")
 
 
 def _exit_now(code: int) -> None:
