@@ -215,22 +215,26 @@ def _write_private(path: str, text: str) -> None:
 
 
 def tighten_state_dir(path: str) -> None:
-    """The event store holds command lines and stacks: no file of it for other users.
+    """The event store holds command lines and stacks: nothing of it for other users.
 
-    Files the daemon made world-readable before (an older version, a hand start
-    without the unit's UMask=0077) become 0600; a world-accessible dir is only
-    reported, since the operator chose it (the unit makes it 0750).
+    Files made group- or world-readable before (an older version, a hand start
+    without the unit's UMask=0077) become 0600. A dir open to all users (a
+    kubelet hostPath is created 0755) loses the bits for others when it is
+    ours; the group's stay (the unit makes it 0750).
     """
     try:
-        mode = os.stat(path).st_mode
+        st = os.stat(path)
     except OSError:
         return
-    if mode & stat.S_IRWXO:
-        log.warning(
-            "state dir %s is accessible to all users (mode %o): make it 0700",
-            path,
-            stat.S_IMODE(mode),
-        )
+    if st.st_mode & stat.S_IRWXO:
+        mode = stat.S_IMODE(st.st_mode)
+        try:
+            if st.st_uid != os.geteuid():
+                raise PermissionError("not its owner")
+            os.chmod(path, mode & ~stat.S_IRWXO)
+            log.info("state dir %s was open to all users: mode %o now", path, mode & 0o770)
+        except OSError as exc:
+            log.warning("state dir %s is open to all users (mode %o): %s", path, mode, exc)
     for name in PRIVATE_FILES:
         for suffix in ("", "-wal", "-shm"):
             file = os.path.join(path, name + suffix)

@@ -48,6 +48,15 @@ def _dying(self, slot):
 runner.Runner._loop = _dying
 """
 
+# ... and the stop that follows hangs: the fallback must end the process anyway.
+HANG_STOP = """
+import time
+import gpuwatchd.daemon as daemon
+
+daemon.DEATH_GRACE = 1.0
+daemon.Daemon._shutdown = lambda self: time.sleep(3600)
+"""
+
 
 def restarts(drill: Drill) -> float:
     return drill.metric("gpuwatchd_unclean_restarts_total")
@@ -164,13 +173,14 @@ def test_a_fatal_signal_leaves_a_stack_the_next_start_reports(
         drill.stop()
 
 
+@pytest.mark.parametrize("stop", ["clean", "hangs"])
 def test_a_thread_that_dies_stops_the_daemon_non_zero_with_its_traceback(
-    tmp_path: Path, alertmanager: AlertmanagerServer
+    tmp_path: Path, alertmanager: AlertmanagerServer, stop: str
 ) -> None:
-    drill = Drill(tmp_path, alertmanager.url, node="drill-thread-dies")
+    drill = Drill(tmp_path, alertmanager.url, node=f"drill-thread-dies-{stop}")
     plant = tmp_path / "plant"
     plant.mkdir()
-    (plant / "sitecustomize.py").write_text(PLANT)
+    (plant / "sitecustomize.py").write_text(PLANT + (HANG_STOP if stop == "hangs" else ""))
     path = os.pathsep.join([str(plant), str(ROOT), os.environ.get("PYTHONPATH", "")])
     d = PlainDaemon(
         tmp_path,
@@ -189,8 +199,12 @@ def test_a_thread_that_dies_stops_the_daemon_non_zero_with_its_traceback(
         assert "Traceback (most recent call last)" in out
         fault = (drill.state_dir / FAULT_LOG).read_text()
         assert "RuntimeError: planted" in fault
+        if stop == "hangs":
+            assert "did not finish in 1s: exiting" in out, out
     finally:
         drill.stop()
+    if stop == "hangs":
+        return
     (plant / "die").unlink()
     d = drill.start()
     try:
@@ -295,6 +309,7 @@ def test_state_files_are_private_without_the_units_umask(
     d = drill.start()
     try:
         assert stat.S_IMODE((state / "gpuwatchd.db").stat().st_mode) == 0o600
-        assert "accessible to all users (mode 755)" in d.output()
+        assert stat.S_IMODE(state.stat().st_mode) == 0o750  # the group's bits are the site's
+        assert "was open to all users: mode 750 now" in d.output()
     finally:
         drill.stop()
