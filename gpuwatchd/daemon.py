@@ -14,10 +14,13 @@ import os
 import queue
 import signal
 import sys
+import threading
+import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from gpuwatchd import __version__, config, logs
+from gpuwatchd.bootid import read_boot_id
 from gpuwatchd.clock import Clock, SystemClock
 from gpuwatchd.config import Config
 from gpuwatchd.errors import ConfigError, StoreError
@@ -26,6 +29,8 @@ from gpuwatchd.http.app import Route, json_route, make_app
 from gpuwatchd.http.endpoints import healthz_route, status_document, summary_line
 from gpuwatchd.http.server import WebServer, serve
 from gpuwatchd.pipeline import Pipeline, SourceSet, node_name, source_names
+from gpuwatchd.runmarker import METRICS as RUN_METRICS
+from gpuwatchd.runmarker import RunRecord, tighten_state_dir
 from gpuwatchd.sinks.durability import StateDirLock
 from gpuwatchd.sinks.exposition import Registry, write_textfile
 from gpuwatchd.sinks.process import ProcessCollector
@@ -48,7 +53,10 @@ __all__ = [
 log = logging.getLogger("gpuwatchd")
 
 EX_CONFIG = 78
+EX_SOFTWARE = 70  # a thread died of an uncaught exception
 FIRST_POLL_TIMEOUT = 60.0
+THREAD_DIED = -1  # on the signal queue: a thread's uncaught exception
+DEATH_GRACE = 10.0  # seconds a stop after a thread death may take before os._exit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +135,8 @@ def lock_state_dir(cfg: Config, source: str) -> StateDirLock:
     path = cfg.daemon.state_dir
     lock = StateDirLock(path)
     try:
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        tighten_state_dir(path)
         holder = lock.acquire()
     except OSError as exc:
         raise ConfigError(
@@ -208,12 +217,25 @@ class Daemon:
         self.web: webconfig.WebConfig | None = None
         self.pipeline: Pipeline | None = None
         self.lock: StateDirLock | None = None
+        self.record: RunRecord | None = None
+        self.clean = False  # set by a stop the next start need not report
 
     def load_config(self) -> Config:
         cfg, self.web = load_checked(self.cfg_path, self.overrides)
         return cfg
 
     def run(self) -> int:
+        """Run until a signal stops it; an exception that escapes is logged, never silent."""
+        hook = threading.excepthook
+        try:
+            return self._run()
+        except Exception:
+            self._died("main", traceback.format_exc())
+            return EX_SOFTWARE
+        finally:
+            threading.excepthook = hook
+
+    def _run(self) -> int:
         try:
             cfg = self.load_config()
         except ConfigError as exc:
@@ -225,11 +247,19 @@ class Daemon:
         # thread parses a flood of kernel log lines (the default 5 ms slice lets one
         # CPU-bound thread hold the interpreter for most of a scrape).
         sys.setswitchinterval(0.0005)
+        # The event store holds command lines and stacks: files for this user only, as
+        # the unit's UMask=0077 makes them (the textfile sets its own 0644).
+        os.umask(0o077)
         try:
             self.lock = lock_state_dir(cfg, self.cfg_path or "<defaults>")
         except ConfigError as exc:
             log.error("%s", flag_error(exc, self.overrides))
             return EX_CONFIG
+        self.record = RunRecord(cfg.daemon.state_dir, read_boot_id(cfg.paths.boot_id))
+        previous = self.record.begin(self.clock.time())
+        if previous is not None:
+            log.warning("%s", previous.describe())
+        threading.excepthook = self._thread_died
         self._install_signals()
         try:
             self.pipeline = Pipeline(
@@ -243,12 +273,16 @@ class Daemon:
         except StoreError as exc:
             log.error("%s", exc)
             return 1
+        if previous is not None:
+            self.pipeline.store.write([(previous.event(self.clock.time()), "", 1)])
+        self.state.publish_extra("lifecycle", self.record.samples())
         wiring = self._build(cfg)
         try:
             self.httpd = self._serve(cfg)
         except OSError as exc:
             log.error("cannot listen on %s: %s", cfg.http.listen, exc.strerror or exc)
             self.pipeline.stop()
+            self.record.end_clean()  # said why in the log; nothing for the next start
             return 1
         self.pipeline.start()
         wiring.start()
@@ -271,7 +305,7 @@ class Daemon:
         self.wiring = Wiring(cfg, self.state, self.clock, self.pipeline)
         if self._collector is not None:
             self.registry.unregister(self._collector)
-        specs = SourceSet.metric_specs(with_consumers=self.pipeline is not None)
+        specs = [*SourceSet.metric_specs(with_consumers=self.pipeline is not None), *RUN_METRICS]
         rollup = nvlink_rollup() if cfg.sources.nvml.nvlink_detail == "gpu" else None
         self._collector = SnapshotCollector(self.state, specs, transform=rollup)
         self.registry.register(self._collector)
@@ -302,11 +336,16 @@ class Daemon:
                 signum = self._next_signal(self.signals.get(timeout=tick))
             except queue.Empty:
                 signum = 0
+            if signum == THREAD_DIED:
+                log.error("stopping: a thread died (exit %d)", EX_SOFTWARE)
+                return EX_SOFTWARE
             if signum == signal.SIGTERM:
                 log.info("SIGTERM: stopping")
+                self.clean = True
                 return 0
             if signum == signal.SIGINT:
                 log.info("SIGINT: stopping")
+                self.clean = True
                 return 130
             if signum == signal.SIGHUP:
                 self._reload()
@@ -325,7 +364,7 @@ class Daemon:
                 pending.add(self.signals.get_nowait())
             except queue.Empty:
                 break
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        for signum in (THREAD_DIED, signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             if signum in pending:
                 return signum
         return 0
@@ -370,6 +409,14 @@ class Daemon:
         if cfg.http != old.cfg.http:
             log.warning("http settings changed: they take effect at the next restart")
             cfg = dataclasses.replace(cfg, http=old.cfg.http)
+        if cfg.daemon.state_dir != old.cfg.daemon.state_dir:
+            # The lock, the store, the outboxes and the run marker live there.
+            log.warning(
+                "daemon.state_dir changed: it takes effect at the next restart (keeping %s)",
+                old.cfg.daemon.state_dir,
+            )
+            daemon = dataclasses.replace(cfg.daemon, state_dir=old.cfg.daemon.state_dir)
+            cfg = dataclasses.replace(cfg, daemon=daemon)
         logs.setup(cfg.daemon.log_level)
         old.stop()
         try:
@@ -398,9 +445,39 @@ class Daemon:
             self.wiring.stop()
         if self.pipeline is not None:
             self.pipeline.stop()  # flushes alerts (bounded); the rest stays queued on disk
+        if self.record is not None and self.clean:
+            self.record.end_clean()
         if self.lock is not None:
             self.lock.release()
         log.info("stopped")
+
+    def _thread_died(self, args: threading.ExceptHookArgs) -> None:
+        """threading.excepthook: a thread that dies stops the daemon, non-zero, with its trace."""
+        if args.exc_type is SystemExit:
+            return
+        name = args.thread.name if args.thread is not None else "?"
+        text = "".join(
+            traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback)
+        )
+        self._died(name, text)
+        self.signals.put(THREAD_DIED)
+        # The clean stop gets DEATH_GRACE; then the process ends regardless, non-zero.
+        timer = threading.Timer(DEATH_GRACE, _exit_now, (EX_SOFTWARE,))
+        timer.daemon = True
+        timer.start()
+
+    def _died(self, thread: str, text: str) -> None:
+        """Log an uncaught exception and keep it in the fault log for the next start."""
+        log.critical("thread %s died of an uncaught exception:\n%s", thread, text.rstrip())
+        if self.record is not None:
+            self.record.fault(f"thread {thread} died of an uncaught exception:\n{text}")
+
+
+def _exit_now(code: int) -> None:
+    log.critical("the stop after a thread death did not finish in %.0fs: exiting", DEATH_GRACE)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(code)
 
 
 class _LiveRoutes(Mapping[str, Route]):

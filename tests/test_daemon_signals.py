@@ -16,6 +16,16 @@ def test_a_stop_is_never_queued_behind_reloads() -> None:
     assert d.signals.empty()
 
 
+def test_a_thread_death_wins_over_every_signal() -> None:
+    from gpuwatchd.daemon import THREAD_DIED
+
+    d = Daemon(None)
+    for signum in (signal.SIGHUP, signal.SIGTERM, THREAD_DIED, signal.SIGINT):
+        d.signals.put(signum)
+    assert d._next_signal(d.signals.get()) == THREAD_DIED
+    assert d.signals.empty()
+
+
 def test_pending_reloads_are_one() -> None:
     d = Daemon(None)
     for _ in range(50):

@@ -32,6 +32,7 @@ from gpuwatchd.health import alerts
 from gpuwatchd.health.hangs.monitor import open_hangs
 from gpuwatchd.health.rollup import finding_json
 from gpuwatchd.model import Finding, Severity, SourceSnapshot
+from gpuwatchd.runmarker import EVENT_KIND as RESTART
 from gpuwatchd.sources import Source
 from gpuwatchd.sources.runner import Runner
 from gpuwatchd.sources.workloads.source import workloads_on_gpus
@@ -269,7 +270,9 @@ def check(cfg: Config, clock: Clock | None = None, timeout: float = 30.0) -> Ver
         stamps = [s.timestamp for s in snap.sources.values() if s.timestamp]
         findings = chain.engine.evaluate(snap, now=max(stamps, default=clock.time()))
         if store is not None:  # job hangs the running daemon holds open (its own memory)
-            findings += open_hangs(store.events_since(clock.time() - HANG_LOOKBACK_SECONDS))
+            stored = store.events_since(clock.time() - HANG_LOOKBACK_SECONDS)
+            findings += open_hangs(stored)
+            notes += [f"gpuwatchd restarted: {e.message}" for e in stored if e.kind == RESTART]
     finally:
         if store is not None:
             store.close()

@@ -5,6 +5,7 @@
   then warnings, and a critical event is never dropped.
 - `quarantine()`: move a corrupt database aside under a timestamped name.
 - `StateDirLock`: an advisory lock so two daemons never share a state dir.
+- `memory_copy()`: the store read into memory, when a full disk refuses it at start.
 - `dir_identity()`: (device, inode) of the state dir, to notice it was
   deleted or replaced while the daemon runs.
 """
@@ -14,12 +15,13 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import sqlite3
 import time
 from collections.abc import Mapping, Sequence
 
 from gpuwatchd.model import Event, Severity
 
-__all__ = ["HeldWrites", "LOCK_NAME", "StateDirLock", "dir_identity", "quarantine"]
+__all__ = ["HeldWrites", "LOCK_NAME", "StateDirLock", "dir_identity", "memory_copy", "quarantine"]
 
 LOCK_NAME = "gpuwatchd.lock"
 Row = tuple[Event, str, int]
@@ -86,6 +88,27 @@ def quarantine(path: str, now: float | None = None) -> str:
     return target
 
 
+def memory_copy(path: str) -> sqlite3.Connection:
+    """An in-memory database holding what the file at `path` holds, as far as it reads.
+
+    Opened `immutable`, so a full or read-only disk is never written (no WAL
+    index, no lock); an unreadable or absent file gives an empty database.
+    """
+    db = sqlite3.connect(":memory:", check_same_thread=False)
+    if not path or not os.path.exists(path):
+        return db
+    try:
+        src = sqlite3.connect(f"file:{path}?immutable=1", uri=True)
+        try:
+            src.backup(db)
+        finally:
+            src.close()
+    except sqlite3.Error:
+        db.close()
+        db = sqlite3.connect(":memory:", check_same_thread=False)
+    return db
+
+
 def dir_identity(path: str) -> tuple[int, int] | None:
     """(st_dev, st_ino) of a directory, None when it is gone."""
     try:
@@ -108,7 +131,7 @@ class StateDirLock:
 
     def acquire(self) -> int | None:
         """Take the lock; None on success, else the pid of the holder (0 if unknown)."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -118,8 +141,11 @@ class StateDirLock:
             holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
             os.close(fd)
             return int(holder) if holder.isdigit() else 0
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError:
+            pass  # a full disk: the flock is the lock, the pid only a hint
         self._fd = fd
         return None
 

@@ -10,7 +10,7 @@ and age.
 
 from __future__ import annotations
 
-import json
+import errno
 import logging
 import os
 import sqlite3
@@ -20,8 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gpuwatchd.errors import StoreError
-from gpuwatchd.model import Clear, Event, Sample, Severity
-from gpuwatchd.sinks.durability import HeldWrites, dir_identity, quarantine
+from gpuwatchd.model import Clear, Event, Sample
+from gpuwatchd.sinks.durability import HeldWrites, dir_identity, memory_copy, quarantine
 from gpuwatchd.sinks.read_cache import ReadCache
 from gpuwatchd.sinks.store_schema import (
     METRICS,
@@ -29,6 +29,7 @@ from gpuwatchd.sinks.store_schema import (
     SCHEMA_VERSION,
     STORE_OPS,
     clear_of,
+    event_of,
     row_json,
     upsert_event,
 )
@@ -50,6 +51,7 @@ PRUNE_EVERY = 60.0
 RETRY_MAX = 30.0  # seconds between attempts to write held events, at most
 MAX_HELD = 10000  # events held in memory while the store cannot write them
 REWRITE_KEEP = 2000  # recent rows kept to re-persist into a re-created state dir
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
 
 log = logging.getLogger("gpuwatchd.store")
 
@@ -88,14 +90,19 @@ class EventStore:
         self._written: list[tuple[Event, str, int]] = []  # recent rows, to re-persist
         self._cursors: dict[str, str] = {}
         self._reads = ReadCache(path)  # the consumer's per-second look for new clears
+        self._on_file = True  # False while a disk that refused at start keeps us in memory
         try:
             self._db = self._open()
+        except sqlite3.OperationalError as exc:  # full, read-only, I/O error: not the file
+            self._db = self._in_memory(exc)
         except sqlite3.DatabaseError as exc:
             if type(exc) is not sqlite3.DatabaseError and "malformed" not in str(exc):
                 raise StoreError(f"cannot open the event store {path}: {exc}") from None
             self._db = self._quarantine(exc)  # corrupt: keep monitoring on a fresh file
         except OSError as exc:
-            raise StoreError(f"cannot open the event store {path}: {exc}") from None
+            if exc.errno not in DISK_ERRNOS:  # not a disk that may recover: a wrong path
+                raise StoreError(f"cannot open the event store {path}: {exc}") from None
+            self._db = self._in_memory(exc)
         self._dir_id = dir_identity(self.state_dir)
         self.prune()
 
@@ -132,6 +139,25 @@ class EventStore:
             moved,
         )
         return db
+
+    def _in_memory(self, exc: Exception) -> sqlite3.Connection:
+        """A disk that refuses at start: read a copy of the file, hold writes until it opens."""
+        self.errors["open"] += 1
+        self._on_file, self._db = False, memory_copy(self.path)
+        self._migrate()
+        self._failed(exc)
+        return self._db
+
+    def _reopen_file(self) -> None:
+        with self._lock:  # raises while the disk still refuses
+            old = self._db
+            try:
+                self._db = self._open()  # which sets self._db before it may fail
+            except BaseException:
+                self._db = old
+                raise
+            self._on_file, self._dir_id = True, dir_identity(self.state_dir)
+        old.close()
 
     @classmethod
     def from_config(cls, cfg: Config, clock: Callable[[], float] = time.time) -> EventStore:
@@ -195,14 +221,16 @@ class EventStore:
     def _write(self, records: Sequence[tuple[Event, str, int]], cursors: Mapping[str, str]) -> None:
         if records or cursors:
             self.held.add(records, cursors)
-        if not self.held.rows and not self.held.cursors:
+        if not self.held.rows and not self.held.cursors and self._on_file:
             return
         now = self._now()
         if now < self._retry_at:
             return
         rows, curs = self.held.take()
         try:
-            if self._dir_changed():
+            if not self._on_file:
+                self._reopen_file()
+            elif self._dir_changed():
                 # Re-persist what the lost file held (recent rows, the cursors) first.
                 rows = [*self._written[-REWRITE_KEEP:], *rows]
                 curs = {**self._cursors, **curs}
@@ -292,7 +320,7 @@ class EventStore:
 
     def pending(self) -> bool:
         """Whether writes wait in memory (the caller's tick should call `write([])`)."""
-        return bool(self.held.rows or self.held.cursors)
+        return bool(self.held.rows or self.held.cursors) or not self._on_file
 
     def samples(self) -> list[Sample]:
         """The store's own metrics (see METRICS)."""
@@ -424,26 +452,7 @@ class EventStore:
                 " FROM events WHERE last_time >= ? ORDER BY time, id",
                 (since,),
             ).fetchall()
-        out = []
-        for kind, source, t, code, bus, message, severity, attrs, count in rows:
-            try:
-                sev = Severity.parse(severity)
-            except KeyError:
-                sev = Severity.INFO
-            out.append(
-                Event(
-                    kind=kind,
-                    source=source,
-                    time=t,
-                    code=code,
-                    pci_bus_id=bus,
-                    message=message,
-                    severity=sev,
-                    attrs=tuple(sorted(json.loads(attrs).items())),
-                    count=count,
-                )
-            )
-        return out
+        return [event_of(row) for row in rows]
 
     def clears_since(self, since: float) -> list[Clear]:
         """Clears recorded at or after `since` (read again only once the files changed)."""

@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from gpuwatchd.model import Clear, Event, MetricSpec, XidFields
+from gpuwatchd.model import Clear, Event, MetricSpec, Severity, XidFields
 
 __all__ = [
     "ATTRIBUTION_KEYS",
@@ -17,6 +17,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "STORE_OPS",
     "clear_of",
+    "event_of",
     "row_json",
     "upsert_event",
 ]
@@ -205,3 +206,23 @@ def row_json(row: dict[str, Any]) -> dict[str, Any]:
 
 def _iso(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def event_of(row: Sequence[Any]) -> Event:
+    """An Event from (kind, source, time, code, pci_bus_id, message, severity, attrs, count)."""
+    kind, source, t, code, bus, message, severity, attrs, count = row
+    try:
+        sev = Severity.parse(severity)
+    except KeyError:
+        sev = Severity.INFO
+    return Event(
+        kind=kind,
+        source=source,
+        time=t,
+        code=code,
+        pci_bus_id=bus,
+        message=message,
+        severity=sev,
+        attrs=tuple(sorted(json.loads(attrs).items())),
+        count=count,
+    )

@@ -199,3 +199,30 @@ def test_a_row_that_breaks_a_constraint_is_rejected_not_retried_forever(
     assert sorted(r["code"] for r in store.recent()) == [48, 95]
     assert store.errors["reject"] == 1 and len(store.held) == 0 and store.problem == ""
     store.close()
+
+
+def test_a_disk_that_refuses_at_start_gives_a_store_in_memory_until_it_opens(
+    tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = make(tmp_path, clock)  # an existing store: its cursor stays readable
+    first.write([Record(ev(79), "a")], {"kmsg": "kmsg:boot-a:5"})
+    first.close()
+    real_open = EventStore._open
+
+    def full(self: EventStore) -> sqlite3.Connection:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(EventStore, "_open", full)
+    store = make(tmp_path, clock)  # before: StoreError, and the daemon exited 1
+    assert store.problem and store.pending()
+    assert store.load_cursor("kmsg") == "kmsg:boot-a:5"  # read from the immutable copy
+    store.write([Record(ev(48), "b")], {"kmsg": "kmsg:boot-a:6"})
+    assert len(store.held) == 1
+    monkeypatch.setattr(EventStore, "_open", real_open)
+    clock.now += 60
+    store.write([])  # the tick's retry opens the file and writes what was held
+    assert not store.problem and not store.pending()
+    store.close()
+    again = make(tmp_path, clock)
+    assert again.count() == 2 and again.load_cursor("kmsg") == "kmsg:boot-a:6"
+    again.close()

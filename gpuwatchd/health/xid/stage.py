@@ -153,7 +153,7 @@ class XidStage:
             return
         since = self.clock.time() - self.tracker.settings.escalate_window
         try:
-            events = self.store.events_since(since)
+            events = [e for e in self.store.events_since(since) if e.kind in KINDS]
             rows = self.store.clears_since(since)
         except StoreError as exc:
             log.error("cannot restore Xid state from the store: %s", exc)

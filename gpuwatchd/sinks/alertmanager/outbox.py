@@ -116,6 +116,13 @@ class Outbox:
             self._db.execute("PRAGMA journal_mode = WAL")
             self._db.executescript(_SCHEMA)
             self._db.commit()
+        except sqlite3.OperationalError as exc:  # a full disk at start: memory until it opens
+            self._db = sqlite3.connect(":memory:", check_same_thread=False)
+            self._db.executescript(_SCHEMA)
+            self._file = sqlite3.connect(path, timeout=10.0, check_same_thread=False)
+            self._retry_at = time.monotonic() + WRITE_BACK_EVERY
+            self.in_memory = True
+            log.error("alert outbox: cannot open %s (%s); keeping alerts in memory", path, exc)
         except sqlite3.Error as exc:
             raise StoreError(f"alert outbox {path}: {exc}") from exc
 
@@ -164,6 +171,9 @@ class Outbox:
         assert self._file is not None
         self._retry_at = time.monotonic() + WRITE_BACK_EVERY
         try:
+            self._file.execute("PRAGMA busy_timeout = 10000")
+            self._file.execute("PRAGMA journal_mode = WAL")
+            self._file.executescript(_SCHEMA)  # the file may be new: created full at start
             with self._file:
                 for table in _TABLES:
                     self._file.execute(f"DELETE FROM {table}")
