@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from gpuwatchd.bootid import read_boot_id
 from gpuwatchd.clock import Clock
 from gpuwatchd.model import Event, GpuInventory, MetricSpec, Sample
+from gpuwatchd.sources.kmsg.filereader import FileReader
 from gpuwatchd.sources.kmsg.journal import JournalReader
 from gpuwatchd.sources.kmsg.parse import (
     GPU,
@@ -28,7 +29,6 @@ from gpuwatchd.sources.kmsg.parse import (
     parse_line,
 )
 from gpuwatchd.sources.kmsg.readers import (
-    FileReader,
     KmsgReader,
     LineReader,
     ReaderError,
@@ -64,7 +64,8 @@ METRICS = (
         "gpuwatchd_kmsg_records_lost_total",
         "counter",
         "kernel log records lost before they were read: /dev/kmsg sequence gaps, or journal"
-        " entries rotated away unread (all transports: an upper bound)",
+        " entries rotated away unread (all transports: an upper bound), or one per copytruncate"
+        " of a log file (its copy-to-truncate window is unreadable)",
         ("backend",),
     ),
     MetricSpec(
