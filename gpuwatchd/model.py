@@ -303,6 +303,7 @@ class WorkloadProcess:
     local_rank: str = ""
     gpu_instance: str = ""  # MIG: the process runs on this GPU/compute instance (uuid is its)
     compute_instance: str = ""
+    start_ticks: int | None = None  # /proc/PID/stat start time: pid + start is one process
 
 
 @dataclass(frozen=True, slots=True)
