@@ -25,7 +25,7 @@ from collections.abc import Callable
 from gpuwatchd.sources.kmsg.parse import MAX_RECORD
 from gpuwatchd.sources.kmsg.readers import MAX_LINES, Line, ReaderError
 
-__all__ = ["ROTATED_GRACE", "FileReader"]
+__all__ = ["FileReader", "ROTATED_GRACE"]
 
 ROTATED_GRACE = 5.0  # seconds a renamed file must stay unchanged before it is let go
 TAIL = 64  # bytes before the offset kept to tell a rewritten file from a grown one

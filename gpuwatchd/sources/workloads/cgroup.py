@@ -10,7 +10,7 @@ import os
 import re
 from typing import NamedTuple
 
-__all__ = ["CLOCK_TICKS", "Attribution", "attribute", "parse_cgroup", "start_ticks"]
+__all__ = ["Attribution", "CLOCK_TICKS", "attribute", "parse_cgroup", "start_ticks"]
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # the unit of /proc/PID/stat's start time
 
