@@ -22,6 +22,7 @@ from gpuwatchd.config import Config
 from gpuwatchd.health.engine import HealthEngine
 from gpuwatchd.health.stuck import ALERTNAME
 from gpuwatchd.model import Event, Sample
+from gpuwatchd.sinks.alertmanager.outbox import Outbox
 from gpuwatchd.sources.nvml.replay import ReplayClient
 from gpuwatchd.sources.nvml.source import NvmlSource
 from gpuwatchd.sources.runner import Runner
@@ -105,3 +106,23 @@ def test_a_wall_clock_step_changes_no_timer(step: float) -> None:
         nvml.close()
     assert not failed, f"collectors reported failed after the step: {failed}"
     assert fired_at == 300.0, f"stuck GPU reported after {fired_at}s, 300s expected"
+
+
+def test_a_wall_clock_stepped_back_does_not_hold_the_resend(tmp_path: Path) -> None:
+    """An alert sent just before the wall clock went back an hour is resent on time.
+
+    Alertmanager expires an alert not resent within its endsAt (4 resend
+    intervals); a resend waiting out the step would let it expire.
+    """
+    outbox = Outbox(str(tmp_path / "outbox.db"))
+    try:
+        t = 1_700_000_000.0
+        outbox.sync([({"alertname": "GpuXidCritical", "severity": "critical"}, {}, t)], t)
+        url = "http://am.example:9093"
+        outbox.mark_sent(url, outbox.due(url, t, 60.0), t)
+        assert outbox.due(url, t + 30, 60.0) == []  # not yet
+        stepped = t + 30 - 3600
+        assert len(outbox.due(url, stepped, 60.0)) == 1
+        assert outbox.next_due(url, stepped, 60.0) == 0.0
+    finally:
+        outbox.close()

@@ -316,24 +316,30 @@ class Outbox:
     def due(
         self, receiver: str, now: float, resend_interval: float, limit: int = 256
     ) -> list[StoredAlert]:
-        """Alerts `receiver` has not acknowledged at their version, or whose resend is due."""
+        """Alerts `receiver` has not acknowledged at their version, or whose resend is due.
+
+        A mark from the future (the wall clock was stepped back) is due: else
+        the resend would wait out the step and Alertmanager expire the alert.
+        """
         return self._locked_select(
             "LEFT JOIN alert_delivery d ON d.fingerprint = a.fingerprint AND d.receiver = ?"
             " WHERE d.version IS NULL OR d.version < a.version"
-            " OR (d.sent_at <= ? AND (a.resolved_at IS NULL OR a.resolved_at >= ?))"
+            " OR ((d.sent_at <= ? OR d.sent_at > ?)"
+            " AND (a.resolved_at IS NULL OR a.resolved_at >= ?))"
             " ORDER BY a.updated_at, a.fingerprint LIMIT ?",
-            (receiver, now - resend_interval, now - RESOLVED_RETENTION, limit),
+            (receiver, now - resend_interval, now, now - RESOLVED_RETENTION, limit),
         )
 
     def next_due(self, receiver: str, now: float, resend_interval: float) -> float:
         """Seconds until something is due for `receiver` (0 if something is due now)."""
         with self._lock:
             row = self._db.execute(
-                "SELECT MIN(CASE WHEN d.version IS NULL OR d.version < a.version THEN 0"
+                "SELECT MIN(CASE WHEN d.version IS NULL OR d.version < a.version"
+                " OR d.sent_at > ? THEN 0"
                 " ELSE d.sent_at + ? - ? END) FROM alert_outbox a LEFT JOIN alert_delivery d"
                 " ON d.fingerprint = a.fingerprint AND d.receiver = ?"
                 " WHERE a.resolved_at IS NULL OR a.resolved_at >= ?",
-                (resend_interval, now, receiver, now - RESOLVED_RETENTION),
+                (now, resend_interval, now, receiver, now - RESOLVED_RETENTION),
             ).fetchone()
         value = row[0] if row else None
         return max(0.0, float(value)) if value is not None else resend_interval

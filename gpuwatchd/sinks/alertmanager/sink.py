@@ -288,8 +288,9 @@ class AlertSink:
 
     def _deliver(self, r: _Receiver, now: float) -> float:
         """Send every due batch to `r`; return seconds until the next attempt."""
-        if now < r.retry_at:
-            return r.retry_at - now
+        mono = self._clock.monotonic()  # the backoff is a duration: a wall step must not stretch it
+        if mono < r.retry_at:
+            return r.retry_at - mono
         resend = self._am.resend_interval
         for _ in range(1000):  # a bound, not a limit reached in practice
             if self._deadline is not None and time.monotonic() >= self._deadline:
@@ -302,7 +303,7 @@ class AlertSink:
                 r.failures += 1
                 delay = min(self._am.retry_max_seconds, 2.0 ** min(r.failures - 1, 16))
                 delay = delay / 2 + random.uniform(0, delay / 2)  # equal jitter
-                r.retry_at = now + delay
+                r.retry_at = mono + delay
                 return delay
             self._outbox.mark_sent(r.url, accepted, now)
             r.failures = 0
