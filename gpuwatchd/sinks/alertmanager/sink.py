@@ -72,6 +72,14 @@ METRICS: tuple[MetricSpec, ...] = (
         ("reason",),
     ),
     MetricSpec(
+        "gpuwatchd_alertmanager_deliveries_rejected_total",
+        "counter",
+        "POSTs an Alertmanager answered with a client error (HTTP 4xx: an alert, the"
+        " credentials or the URL is wrong); the alerts of a 400 or 422 are dropped, of other"
+        " answers kept and retried. Also counted as result=failure in notifications_total.",
+        ("alertmanager",),
+    ),
+    MetricSpec(
         "gpuwatchd_alertmanager_last_success_timestamp_seconds",
         "gauge",
         "Unix time of the last POST that Alertmanager accepted.",
@@ -97,6 +105,9 @@ class _Receiver:
         self.results = {"success": 0, "failure": 0}
         self.last_success = 0.0
         self.last_error = ""
+        self.rejected = 0  # POSTs answered 4xx
+        self.last_rejection = ""
+        self.last_rejection_at = 0.0
 
 
 class AlertSink:
@@ -353,6 +364,9 @@ class AlertSink:
             log.warning("Alertmanager %s unreachable: %s (will retry)", r.url, result.error)
         r.results["success" if result.ok else "failure"] += 1
         r.last_error = result.error
+        if result.status is not None and 400 <= result.status < 500:
+            r.rejected += 1  # an answer, not an outage: the failure counters alone hide it
+            r.last_rejection, r.last_rejection_at = result.error, self._clock.time()
         if result.ok:
             if r.failures:
                 log.info("Alertmanager %s reachable again", r.url)
@@ -384,6 +398,13 @@ class AlertSink:
                         result=result,
                     )
                 )
+            out.append(
+                Sample.of(
+                    "gpuwatchd_alertmanager_deliveries_rejected_total",
+                    r.rejected,
+                    alertmanager=r.url,
+                )
+            )
             if r.last_success:
                 out.append(
                     Sample.of(
@@ -443,6 +464,9 @@ class AlertSink:
                     "consecutive_failures": r.failures,
                     "last_error": r.last_error,
                     "last_success": _iso(r.last_success) if r.last_success else None,
+                    "rejected_deliveries": r.rejected,
+                    "last_rejection": r.last_rejection or None,
+                    "last_rejection_at": _iso(r.last_rejection_at) if r.last_rejection else None,
                 }
                 for r in self._receivers
             ],
