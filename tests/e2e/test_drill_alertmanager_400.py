@@ -13,6 +13,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -48,8 +49,8 @@ def test_rejected_deliveries_are_counted_and_shown(tmp_path: Path, rejecting_am:
     try:
         drill.feed(79, 0)
 
-        def alertmanagers() -> list[dict[str, object]]:
-            return json.loads(drill.get("/status")[1])["alerts"]["alertmanagers"]
+        def alertmanagers() -> list[dict[str, Any]]:
+            return list(json.loads(drill.get("/status")[1])["alerts"]["alertmanagers"])
 
         drill.wait_for(
             lambda: alertmanagers()[0].get("rejected_deliveries", 0) >= 1, 15, "a rejection"

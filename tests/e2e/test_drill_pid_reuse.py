@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, DaemonProcess
 
 CAPTURE = FIXTURES / "nvml" / "h200x2-probe.json"  # GPU 0 at 0000:00:06.0
 PID = 4242
@@ -53,7 +54,9 @@ def wait(pred, timeout: float = 15.0):  # type: ignore[no-untyped-def]
     return pred()
 
 
-def test_a_reused_pid_is_blamed_on_the_right_job(start_daemon, tmp_path: Path) -> None:
+def test_a_reused_pid_is_blamed_on_the_right_job(
+    start_daemon: Callable[..., DaemonProcess], tmp_path: Path
+) -> None:
     capture = json.loads(CAPTURE.read_text())
     capture["devices"][0]["calls"]["compute_running_processes"] = [
         {"value": [{"pid": PID, "used_memory": 2 << 30}], "us": 20.0}
@@ -89,7 +92,7 @@ def test_a_reused_pid_is_blamed_on_the_right_job(start_daemon, tmp_path: Path) -
         f.write(xid_line(time.time()))  # from the new process
 
     def events() -> list[dict[str, dict[str, str]]]:
-        return json.loads(d.get("/events?code=31")[1])["events"]
+        return list(json.loads(d.get("/events?code=31")[1])["events"])
 
     [new] = wait(events)
     assert (new["attrs"]["slurm_job"], new["attrs"]["workload_id"]) == ("222", "222")

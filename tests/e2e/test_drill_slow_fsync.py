@@ -91,7 +91,11 @@ def test_alerts_go_out_while_every_fsync_takes_three_seconds(
             drill.feed(code, gpu)
             written = time.monotonic()
             key = (code, f"{BUS[gpu]}.0")
-            drill.wait_for(lambda k=key: k in drill.in_alertmanager(alertmanager), 30, str(key))
+
+            def arrived(k: tuple[int, str] = key) -> bool:
+                return k in drill.in_alertmanager(alertmanager)
+
+            drill.wait_for(arrived, 30, str(key))
             late[(code, gpu)] = time.monotonic() - written
         assert max(late.values()) < LIMIT, f"seconds from line to Alertmanager: {late}"
         # the outbox was synced meanwhile, and the shim really slowed that

@@ -6,12 +6,17 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any, cast
 
 from gpuwatchd.clock import SystemClock
 from gpuwatchd.config import Config
 from gpuwatchd.sinks.alertmanager.sink import AlertSink
 from tests.health.snapshots import GPU0, GPU1
 from tests.sinks.test_alertmanager import wait_for, xid_finding
+
+
+def alerts(sink: AlertSink) -> list[dict[str, Any]]:
+    return cast(list[dict[str, Any]], sink.status()["alerts"])
 
 
 def test_update_never_waits_for_fsync_and_skips_no_alert_set(tmp_path: Path) -> None:
@@ -35,10 +40,7 @@ def test_update_never_waits_for_fsync_and_skips_no_alert_set(tmp_path: Path) -> 
         assert time.monotonic() - start < 0.5, "update() waited for the disk"
 
         def states() -> dict[str, str]:
-            return {
-                al["labels"]["xid"]: al["status"]  # type: ignore[index]
-                for al in sink.status()["alerts"]  # type: ignore[union-attr]
-            }
+            return {al["labels"]["xid"]: al["status"] for al in alerts(sink)}
 
         # the short-lived alert was recorded (fired, then resolved), not skipped
         assert wait_for(lambda: states() == {"79": "resolved", "48": "firing"}, 5.0), states()
@@ -49,6 +51,6 @@ def test_update_never_waits_for_fsync_and_skips_no_alert_set(tmp_path: Path) -> 
     # stop() syncs what is left: a reopened outbox holds both
     again = AlertSink(Config(), str(tmp_path / "state.db"), SystemClock(), "n1")
     try:
-        assert {al["labels"]["xid"] for al in again.status()["alerts"]} == {"79", "48"}  # type: ignore[index,union-attr]
+        assert {al["labels"]["xid"] for al in alerts(again)} == {"79", "48"}
     finally:
         again.stop(flush_timeout=1.0)
