@@ -28,7 +28,7 @@ class SystemClock:
 
 
 class FakeClock:
-    """A clock that only moves when told to."""
+    """A clock that only moves when told to; `step_wall` moves wall time alone (NTP steps)."""
 
     def __init__(self, start: float = 1_700_000_000.0) -> None:
         self._wall = start
@@ -47,3 +47,8 @@ class FakeClock:
         with self._lock:
             self._wall += seconds
             self._mono += seconds
+
+    def step_wall(self, seconds: float) -> None:
+        """Step the wall clock (either way) without time passing."""
+        with self._lock:
+            self._wall += seconds

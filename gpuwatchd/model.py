@@ -325,11 +325,12 @@ class SourceSnapshot:
     samples: tuple[Sample, ...]
     ok: bool
     error: str = ""
-    timestamp: float = 0.0
+    timestamp: float = 0.0  # wall time of the poll: for display and storage
     duration_seconds: float = 0.0
     last_success: float = 0.0
     status: Mapping[str, object] = field(default_factory=dict)
     inventory: GpuInventory | None = None  # the NVML source's GPUs; None from other sources
+    monotonic: float = 0.0  # monotonic time of the poll: ages and durations (0: unknown)
 
 
 # Bounded enough for alert labels (one value per job); the other workload
@@ -351,6 +352,7 @@ class WorkloadProcess:
     local_rank: str = ""
     gpu_instance: str = ""  # MIG: the process runs on this GPU/compute instance (uuid is its)
     compute_instance: str = ""
+    start_ticks: int | None = None  # /proc/PID/stat start time: pid + start is one process
 
 
 @dataclass(frozen=True, slots=True)

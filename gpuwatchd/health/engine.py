@@ -125,7 +125,7 @@ class HealthEngine:
         self._listeners: list[Listener] = []
         self._clear_hooks: list[Callable[[Clear], None]] = []
         self.history = History(cfg.health.rate_window_seconds)
-        self._pending: dict[Key, float] = {}
+        self._pending: dict[Key, tuple[float, float]] = {}  # first seen: wall, monotonic
         self._open: dict[Key, Finding] = {}
         # every rule from the start, so the counter exists at 0 before anything fails
         self._rule_errors: dict[str, int] = dict.fromkeys(
@@ -134,6 +134,7 @@ class HealthEngine:
             0,
         )
         self._started = clock.time()
+        self._started_mono = clock.monotonic()
         self._expected = set(expected_sources)
         self._ready = not self._expected
         self._last_sent: tuple[Finding, ...] | None = None
@@ -200,7 +201,7 @@ class HealthEngine:
             with self._lock:
                 same = self._last_inputs.get(source.source) == key
                 self._last_inputs[source.source] = key
-                if same and now - self._last_eval < 1.0:
+                if same and 0 <= now - self._last_eval < 1.0:
                     return
         self.evaluate(snap)
 
@@ -214,14 +215,15 @@ class HealthEngine:
             self.evaluations += 1
             view = View(snap)
             self._last_view = view
-            self.history.observe(view, now)
+            mono = self._clock.monotonic()  # durations; `now` (wall) is for display
+            self.history.observe(view, now, mono)
             self._save_baseline()
             xids = self._active_xids(now)
-            raw = self._run_rules(Inputs(view, self.history, self.cfg, now, xids))
-            current = self._transition(raw, now)
+            raw = self._run_rules(Inputs(view, self.history, self.cfg, now, xids, mono))
+            current = self._transition(raw, now, mono)
             if not self._ready:
                 seen = set(snap.sources)
-                waited = now - self._started >= self.cfg.health.startup_grace_seconds
+                waited = mono - self._started_mono >= self.cfg.health.startup_grace_seconds
                 self._ready = self._expected <= seen or waited
             self._publish(current, view, now)
             if self._state is not None:
@@ -302,7 +304,7 @@ class HealthEngine:
             out.extend(f for f in found if f.alertname not in disabled)
         return out
 
-    def _transition(self, raw: Sequence[Finding], now: float) -> tuple[Finding, ...]:
+    def _transition(self, raw: Sequence[Finding], now: float, mono: float) -> tuple[Finding, ...]:
         worst: dict[Key, Finding] = {}
         for f in raw:
             k = _key(f)
@@ -317,8 +319,8 @@ class HealthEngine:
                 if self._log_transitions:
                     log.info("resolved: %s %s", old.alertname, _fmt(old.subject + old.labels))
         for k, f in worst.items():
-            first = self._pending.setdefault(k, now)
-            if now - first < self._for.get(f.alertname, 0.0):
+            first, first_mono = self._pending.setdefault(k, (now, mono))
+            if mono - first_mono < self._for.get(f.alertname, 0.0):
                 continue
             prev = self._open.get(k)
             if prev is not None:

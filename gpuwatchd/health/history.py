@@ -123,9 +123,10 @@ class History:
         self.gpus_seen: dict[str, Gpu] = {}
         self.max_gpus = 0
         self.fail_since: dict[str, float] = {}
+        self.fail_since_mono: dict[str, float] = {}  # the same, in monotonic time when known
         self._seen_at: dict[str, float] = {}
 
-    def observe(self, view: View, now: float) -> None:
+    def observe(self, view: View, now: float, mono: float = 0.0) -> None:
         """Fold every source snapshot not seen before into the memory."""
         for name, snap in view.snapshot.sources.items():
             if self._seen_at.get(name) == snap.timestamp:
@@ -133,8 +134,11 @@ class History:
             self._seen_at[name] = snap.timestamp
             if snap.ok:
                 self.fail_since.pop(name, None)
+                self.fail_since_mono.pop(name, None)
             else:
                 self.fail_since.setdefault(name, snap.timestamp or now)
+                if snap.monotonic or mono:
+                    self.fail_since_mono.setdefault(name, snap.monotonic or mono)
             self._observe_samples(snap.samples, snap.timestamp or now)
             if name == "nvml" and snap.ok:
                 self.gpus_seen.update(view.gpus)
@@ -192,7 +196,11 @@ class History:
             return rise
         return None
 
-    def failing_for(self, source: str, now: float) -> float:
+    def failing_for(self, source: str, now: float, mono: float = 0.0) -> float:
+        """Seconds `source` has failed: from monotonic times when `mono` is given."""
+        since_mono = self.fail_since_mono.get(source)
+        if mono and since_mono is not None:
+            return mono - since_mono
         since = self.fail_since.get(source)
         return 0.0 if since is None else now - since
 

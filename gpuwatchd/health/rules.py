@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from gpuwatchd.config import Config
 from gpuwatchd.health.alerts import ALERTS, GPU_LABELS, AlertInfo, summary
 from gpuwatchd.health.history import Gpu, History, View
-from gpuwatchd.model import Action, Finding, Labels, Severity, labels_of
+from gpuwatchd.model import Action, Finding, Labels, Severity, SourceSnapshot, labels_of
 from gpuwatchd.pci import UNKNOWN_BUS
 
 __all__ = [
@@ -65,8 +65,19 @@ class Inputs:
     view: View
     history: History
     cfg: Config
-    now: float
+    now: float  # wall time: for display
     xids: Sequence[XidCondition] = field(default_factory=tuple)
+    mono: float = 0.0  # monotonic time: ages and durations (0: unknown, wall is used)
+
+    def age(self, snap: SourceSnapshot) -> float:
+        """Seconds since `snap` was polled; a wall clock step does not change it."""
+        if self.mono and snap.monotonic:
+            return self.mono - snap.monotonic
+        return self.now - snap.timestamp if snap.timestamp else 0.0
+
+    def failing_for(self, source: str) -> float:
+        """Seconds `source` has been failing (monotonic when known)."""
+        return self.history.failing_for(source, self.now, self.mono)
 
 
 Rule = Callable[[Inputs], list[Finding]]
@@ -349,7 +360,7 @@ def gpu_presence(inp: Inputs) -> list[Finding]:
     if nvml is None:
         return out
     if not nvml.ok:
-        failing = hist.failing_for("nvml", inp.now)
+        failing = inp.failing_for("nvml")
         if expected and failing >= h.collector_failure_seconds:
             out.append(
                 finding(
@@ -390,8 +401,8 @@ def collectors(inp: Inputs) -> list[Finding]:
     for name, snap in inp.view.snapshot.sources.items():
         if name == "nvml" and gpus_expected:
             continue  # NvmlUnresponsive covers it
-        failing = inp.history.failing_for(name, inp.now)
-        stale = inp.now - snap.timestamp if snap.timestamp else 0.0
+        failing = inp.failing_for(name)
+        stale = inp.age(snap)
         if not snap.ok and failing >= h.collector_failure_seconds:
             why = f"failing for {failing:.0f}s: {snap.error or 'error'}"
         elif stale > max(h.collector_failure_seconds, 3 * _interval(inp.cfg, name), STALE_MIN):

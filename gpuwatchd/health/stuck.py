@@ -118,18 +118,31 @@ def matches(r: GpuReading, t: StuckThresholds) -> bool:
 
 @dataclass(frozen=True)
 class StuckState:
-    """Per GPU: when the pattern started and when it was last seen."""
+    """Per GPU: when the pattern started (wall, shown) and, on the step clock, since when
+    it holds and when it was last seen."""
 
     since: Mapping[str, float] = field(default_factory=dict)
     last: Mapping[str, float] = field(default_factory=dict)
+    held_from: Mapping[str, float] = field(default_factory=dict)
 
 
 def step(
-    state: StuckState, readings: Iterable[GpuReading], now: float, t: StuckThresholds
+    state: StuckState,
+    readings: Iterable[GpuReading],
+    now: float,
+    t: StuckThresholds,
+    mono: float | None = None,
 ) -> tuple[StuckState, list[Finding]]:
-    """Fold one set of readings taken at `now` into the state; return the findings."""
+    """Fold one set of readings taken at `now` into the state; return the findings.
+
+    Durations are measured on `mono` (the poll's monotonic time) when given,
+    so a step of the wall clock neither silences nor hastens the detector;
+    `now` (wall) only dates the finding.
+    """
+    at = now if mono is None else mono
     since: dict[str, float] = {}
     last: dict[str, float] = {}
+    held_from: dict[str, float] = {}
     findings: list[Finding] = []
     if not t.enabled:
         return StuckState(), findings
@@ -137,16 +150,18 @@ def step(
         if not matches(r, t):
             continue  # the pattern broke (or was not readable): its clock restarts
         start = state.since.get(r.gpu)
+        held = state.held_from.get(r.gpu)
         seen = state.last.get(r.gpu)
-        if start is None or seen is None or now - seen > t.max_gap_seconds:
-            start = now
-        since[r.gpu], last[r.gpu] = start, now
-        if now - start >= t.min_duration_seconds:
-            findings.append(_finding(r, start, now, t))
-    return StuckState(MappingProxyType(since), MappingProxyType(last)), findings
+        if start is None or held is None or seen is None or not 0 <= at - seen <= t.max_gap_seconds:
+            start, held = now, at
+        since[r.gpu], last[r.gpu], held_from[r.gpu] = start, at, held
+        if at - held >= t.min_duration_seconds:
+            findings.append(_finding(r, start, at - held, t))
+    state = StuckState(MappingProxyType(since), MappingProxyType(last), MappingProxyType(held_from))
+    return state, findings
 
 
-def _finding(r: GpuReading, start: float, now: float, t: StuckThresholds) -> Finding:
+def _finding(r: GpuReading, start: float, held: float, t: StuckThresholds) -> Finding:
     power = f"{r.power_watts:.0f} W"
     if r.power_limit_watts:
         power += f" ({100 * (r.power_watts or 0) / r.power_limit_watts:.0f}% of its limit)"
@@ -154,7 +169,7 @@ def _finding(r: GpuReading, start: float, now: float, t: StuckThresholds) -> Fin
     reason = (
         f"GPU {r.gpu} has been {100 * (r.utilization or 0):.0f}% busy at {power} with "
         f"{100 * (r.memory_utilization or 0):.0f}% memory utilisation for "
-        f"{_duration(now - start)}: a kernel is spinning without doing work, as a NCCL "
+        f"{_duration(held)}: a kernel is spinning without doing work, as a NCCL "
         f"collective waiting for a missing peer does. Processes: {procs}."
     )
     return Finding(
@@ -271,7 +286,9 @@ class StuckDetector:
         if stamp == self._seen:
             return list(self._findings)
         now = stamp or self._clock.time()
-        self._state, self._findings = step(self._state, readings, now, self.thresholds)
+        nvml = snapshot.sources.get("nvml")
+        mono = nvml.monotonic if nvml is not None and nvml.monotonic else None
+        self._state, self._findings = step(self._state, readings, now, self.thresholds, mono)
         self._seen = stamp
         return list(self._findings)
 

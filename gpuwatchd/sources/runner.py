@@ -182,6 +182,7 @@ class Runner:
             last_success=slot.last_success,
             status=status,
             inventory=inventory,
+            monotonic=t0,
         )
         events = tuple(i for i in items if isinstance(i, Event))
         try:

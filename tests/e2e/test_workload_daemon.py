@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -76,9 +77,11 @@ def test_workload_in_status_metrics_and_xid_event(start_daemon, tmp_path, rank5)
     metrics = d.get("/metrics")[1].decode()
     assert 'gpuwatchd_gpu_workload_info{container="",gpu="0"' in metrics
 
+    # the driver names the task by its comm; another name would mean the pid was reused
+    comm = Path(f"/proc/{rank5.pid}/comm").read_text().strip()
     with open(kern, "a") as f:
         f.write(
-            f"NVRM: Xid (PCI:0000:00:06): 31, pid={rank5.pid}, name=python3, channel 0x0000000a,"
+            f"NVRM: Xid (PCI:0000:00:06): 31, pid={rank5.pid}, name={comm}, channel 0x0000000a,"
             " intr 00000000. MMU Fault: ENGINE GRAPHICS GPC0 GPCCLIENT_T1_6 faulted @"
             " 0x7f_00000000. Fault is of type FAULT_PDE ACCESS_TYPE_VIRT_WRITE\n"
         )

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd.sources.workloads.cgroup import attribute, parse_cgroup
+from gpuwatchd.sources.workloads.cgroup import attribute, parse_cgroup, start_ticks
 
 CID = "3f1c" * 16
 
@@ -102,3 +102,12 @@ def test_our_own_process_on_the_real_proc() -> None:
     a = attribute("/proc", os.getpid(), comm)
     assert a.status in {"kubernetes", "slurm", "container", "systemd", "host"}
     assert a.cgroup.startswith("/")
+
+
+def test_start_ticks_reads_field_22_past_a_comm_with_parentheses(tmp_path: Path) -> None:
+    d = tmp_path / "77"
+    d.mkdir()
+    (d / "stat").write_text("77 (a) b (c) S 1 77 77 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 123456 0 0\n")
+    assert start_ticks(str(tmp_path), 77) == 123456
+    assert start_ticks(str(tmp_path), 78) is None
+    assert start_ticks("/proc", os.getpid()) is not None

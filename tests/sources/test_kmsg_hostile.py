@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from gpuwatchd.sources.kmsg.filereader import FileReader
 from gpuwatchd.sources.kmsg.parse import MAX_RECORD, KmsgParser, parse_line
-from gpuwatchd.sources.kmsg.readers import FileReader
 
 GOOD = (
     "[ 1843.308145] NVRM: Xid (PCI:0000:18:00): 79, pid=1234, name=python3,"
@@ -65,7 +65,7 @@ def test_file_reader_keeps_one_record_of_an_endless_line(tmp_path: Path) -> None
     for _ in range(2000):
         if not reader.read(0):
             break
-    assert len(reader._buf) <= MAX_RECORD + 1
+    assert len(reader._cur.buf) <= MAX_RECORD + 1
     with open(log, "ab") as f:
         f.write(b"\n" + GOOD.encode() + b"\n")
     lines = reader.read(0)

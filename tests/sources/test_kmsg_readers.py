@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.config import Config, KmsgConfig, PathsConfig, SourcesConfig
+from gpuwatchd.sources.kmsg.filereader import FileReader
 from gpuwatchd.sources.kmsg.journal import JournalReader
 from gpuwatchd.sources.kmsg.readers import (
-    FileReader,
     KmsgReader,
     ReaderError,
     journal_line,

@@ -2,7 +2,8 @@
 
 Pure matching over the workloads source's last poll (and the processes
 that exited shortly before). The report's own cgroup attribution, read
-when the line arrived, breaks ties when the pid is gone. With MIG on, the
+when the line arrived, breaks ties when the pid is gone; its start time
+tells the reporting process from a later one on the same pid. With MIG on, the
 driver may log an Xid without `GPU-I:`/`GPU-CI:` (seen on an H100 for an
 MMU fault, Xid 31); the pid then places it on the MIG device NVML lists
 that process under.
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from gpuwatchd.model import Event, Workload
+from gpuwatchd.model import Event, Workload, WorkloadProcess
 from gpuwatchd.pci import normalize_bus_id
 
 __all__ = ["attach_mig", "attach_workload", "match_workload"]
@@ -22,6 +23,18 @@ __all__ = ["attach_mig", "attach_workload", "match_workload"]
 def _pid(ev: Event) -> int | None:
     text = ev.attr("pid")
     return int(text) if text.isdigit() else None
+
+
+def _same_process(ev: Event, proc: WorkloadProcess) -> bool:
+    """Whether `proc` is the process the report named, not another one on its pid later."""
+    start, newcomer = ev.attr("pid_start"), ev.attr("reused_pid_start")
+    if proc.start_ticks is None:
+        return not newcomer  # cannot tell the two apart: no attribution rather than a wrong one
+    if start.isdigit():
+        return proc.start_ticks == int(start)
+    if newcomer.isdigit():
+        return proc.start_ticks < int(newcomer)
+    return True
 
 
 def _on_gpu(ev: Event, workloads: Sequence[Workload]) -> list[Workload]:
@@ -39,7 +52,8 @@ def match_workload(ev: Event, workloads: Sequence[Workload]) -> Workload | None:
     pid = _pid(ev)
     if pid is not None:
         for w in workloads:
-            if w.process(pid) is not None:
+            proc = w.process(pid)
+            if proc is not None and _same_process(ev, proc):
                 return w
         job, pod_uid = ev.attr("slurm_job"), ev.attr("pod_uid")
         for w in workloads:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -98,12 +99,24 @@ class SyncResult:
         return len(self.refused)
 
 
-class Outbox:
-    """Alert rows plus per-receiver delivery marks; every method is thread-safe."""
+def _fsync(fd: int) -> None:
+    os.fsync(fd)  # looked up at call time, so a test can slow it
 
-    def __init__(self, path: str, max_alerts: int = 10000) -> None:
+
+class Outbox:
+    """Alert rows plus per-receiver delivery marks; every method is thread-safe.
+
+    Commits do not wait for the disk (synchronous=NORMAL): `make_durable()`
+    syncs what was committed so far, from the sink's own thread, so a slow
+    fsync delays neither the consumer nor a delivery.
+    """
+
+    def __init__(
+        self, path: str, max_alerts: int = 10000, sync: Callable[[int], None] = _fsync
+    ) -> None:
         self.max_alerts = max_alerts
         self.path = path
+        self._sync = sync
         self._lock = threading.Lock()
         self._file: sqlite3.Connection | None = None  # the file while we write to memory
         self._retry_at = 0.0
@@ -114,6 +127,7 @@ class Outbox:
             self._db = sqlite3.connect(path, timeout=10.0, check_same_thread=False)
             self._db.execute("PRAGMA busy_timeout = 10000")
             self._db.execute("PRAGMA journal_mode = WAL")
+            self._db.execute("PRAGMA synchronous = NORMAL")
             self._db.executescript(_SCHEMA)
             self._db.commit()
         except sqlite3.OperationalError as exc:  # a full disk at start: memory until it opens
@@ -131,6 +145,30 @@ class Outbox:
             if self._file is not None and self._file is not self._db:
                 self._file.close()
             self._db.close()
+
+    def make_durable(self) -> None:
+        """fsync what was committed so far (the write-ahead log holds every commit).
+
+        Called without the lock: commits and reads go on meanwhile, and one
+        sync covers every commit before it (a group commit).
+        """
+        if self.in_memory:
+            return
+        for name in (self.path + "-wal", self.path):
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue  # no log right now: the commits are in the database file
+            except OSError as exc:
+                log.warning("alert outbox: cannot sync %s: %s", name, exc)
+                return
+            try:
+                self._sync(fd)
+            except OSError as exc:
+                log.warning("alert outbox: cannot sync %s: %s", name, exc)
+            finally:
+                os.close(fd)
+            return
 
     def _write(self, body: Callable[[], object]) -> None:
         """Run `body` in one transaction; a disk that refuses moves the outbox to memory.
@@ -288,24 +326,30 @@ class Outbox:
     def due(
         self, receiver: str, now: float, resend_interval: float, limit: int = 256
     ) -> list[StoredAlert]:
-        """Alerts `receiver` has not acknowledged at their version, or whose resend is due."""
+        """Alerts `receiver` has not acknowledged at their version, or whose resend is due.
+
+        A mark from the future (the wall clock was stepped back) is due: else
+        the resend would wait out the step and Alertmanager expire the alert.
+        """
         return self._locked_select(
             "LEFT JOIN alert_delivery d ON d.fingerprint = a.fingerprint AND d.receiver = ?"
             " WHERE d.version IS NULL OR d.version < a.version"
-            " OR (d.sent_at <= ? AND (a.resolved_at IS NULL OR a.resolved_at >= ?))"
+            " OR ((d.sent_at <= ? OR d.sent_at > ?)"
+            " AND (a.resolved_at IS NULL OR a.resolved_at >= ?))"
             " ORDER BY a.updated_at, a.fingerprint LIMIT ?",
-            (receiver, now - resend_interval, now - RESOLVED_RETENTION, limit),
+            (receiver, now - resend_interval, now, now - RESOLVED_RETENTION, limit),
         )
 
     def next_due(self, receiver: str, now: float, resend_interval: float) -> float:
         """Seconds until something is due for `receiver` (0 if something is due now)."""
         with self._lock:
             row = self._db.execute(
-                "SELECT MIN(CASE WHEN d.version IS NULL OR d.version < a.version THEN 0"
+                "SELECT MIN(CASE WHEN d.version IS NULL OR d.version < a.version"
+                " OR d.sent_at > ? THEN 0"
                 " ELSE d.sent_at + ? - ? END) FROM alert_outbox a LEFT JOIN alert_delivery d"
                 " ON d.fingerprint = a.fingerprint AND d.receiver = ?"
                 " WHERE a.resolved_at IS NULL OR a.resolved_at >= ?",
-                (resend_interval, now, receiver, now - RESOLVED_RETENTION),
+                (now, resend_interval, now, receiver, now - RESOLVED_RETENTION),
             ).fetchone()
         value = row[0] if row else None
         return max(0.0, float(value)) if value is not None else resend_interval

@@ -17,21 +17,20 @@ from __future__ import annotations
 import json
 import logging
 import random
-import re
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config
-from gpuwatchd.config.validate import check_alertmanager, check_paths, raise_all
-from gpuwatchd.errors import ConfigError
-from gpuwatchd.health.alerts import ALERTS, GPU_LABELS, WORKLOAD_ANNOTATIONS, summary
+from gpuwatchd.health.alerts import WORKLOAD_ANNOTATIONS, summary
 from gpuwatchd.logs import escape_control
 from gpuwatchd.model import Finding, MetricSpec, Sample, Severity
+from gpuwatchd.sinks.alertmanager.labels import alert_labels, printable, valid, validate_config
 from gpuwatchd.sinks.alertmanager.outbox import RESOLVED_RETENTION, Outbox, StoredAlert
+from gpuwatchd.sinks.alertmanager.writer import AlertSet, OutboxWriter
 
 if TYPE_CHECKING:
     from gpuwatchd.sinks.alertmanager.client import AlertmanagerClient
@@ -46,7 +45,6 @@ __all__ = [
 log = logging.getLogger("gpuwatchd.alertmanager")
 
 MAX_BATCH = 256
-_LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 _REJECTED = (400, 422)  # the alert itself is bad; anything else is worth a retry
 
 METRICS: tuple[MetricSpec, ...] = (
@@ -74,52 +72,20 @@ METRICS: tuple[MetricSpec, ...] = (
         ("reason",),
     ),
     MetricSpec(
+        "gpuwatchd_alertmanager_deliveries_rejected_total",
+        "counter",
+        "POSTs an Alertmanager answered with a client error (HTTP 4xx: an alert, the"
+        " credentials or the URL is wrong); the alerts of a 400 or 422 are dropped, of other"
+        " answers kept and retried. Also counted as result=failure in notifications_total.",
+        ("alertmanager",),
+    ),
+    MetricSpec(
         "gpuwatchd_alertmanager_last_success_timestamp_seconds",
         "gauge",
         "Unix time of the last POST that Alertmanager accepted.",
         ("alertmanager",),
     ),
 )
-
-
-def validate_config(cfg: Config, file: str = "") -> None:
-    """Raise ConfigError for URLs, labels or credential files that cannot work."""
-    errors: list[ConfigError] = []
-    for check in (check_alertmanager, check_paths):
-        try:
-            check(cfg, file)
-        except ConfigError as exc:
-            errors.append(exc)
-    raise_all(errors)
-
-
-def alert_labels(finding: Finding, node: str, static: Mapping[str, str]) -> dict[str, str]:
-    """The label set of a finding's alert; the same set the Prometheus rules produce.
-
-    Only the alert name's declared labels (alerts.ALERTS[...].labels) are
-    kept from the finding; other detail belongs in the description.
-    """
-    info = ALERTS.get(finding.alertname)
-    keep = set(info.labels) if info is not None else set(GPU_LABELS)
-    labels = {k: v for k, v in static.items() if v}
-    labels.update((k, v) for k, v in (*finding.subject, *finding.labels) if v and k in keep)
-    labels.update(alertname=finding.alertname, severity=str(finding.severity), node=node)
-    return labels
-
-
-def _valid(mapping: Mapping[str, str]) -> bool:
-    for key, value in mapping.items():
-        if not _LABEL_NAME.match(key) or key.startswith("__") or not isinstance(value, str):
-            return False
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return False
-    return bool(mapping.get("alertname"))
-
-
-def _printable(text: str) -> str:
-    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def _iso(t: float) -> str:
@@ -139,6 +105,9 @@ class _Receiver:
         self.results = {"success": 0, "failure": 0}
         self.last_success = 0.0
         self.last_error = ""
+        self.rejected = 0  # POSTs answered 4xx
+        self.last_rejection = ""
+        self.last_rejection_at = 0.0
 
 
 class AlertSink:
@@ -151,6 +120,7 @@ class AlertSink:
         clock: Clock,
         node: str,
         listen_port: int = 0,
+        fsync: Callable[[int], None] | None = None,
     ) -> None:
         validate_config(cfg)
         self.cfg = cfg
@@ -158,11 +128,14 @@ class AlertSink:
         self._clock = clock
         self._node = node
         self.version = 0  # bumped whenever what samples() returns may have changed
-        self._outbox = Outbox(db_path, self._am.max_alerts)
+        if fsync is None:
+            self._outbox = Outbox(db_path, self._am.max_alerts)
+        else:
+            self._outbox = Outbox(db_path, self._am.max_alerts, fsync)
         self._receivers = [_Receiver(u) for u in dict.fromkeys(self._am.urls)]
         self._stop = threading.Event()
         self._dropped = {"queue_full": 0, "invalid": 0, "rejected": 0}
-        self._current: list[tuple[dict[str, str], dict[str, str], float]] = []
+        self._current: AlertSet = []
         self._refused: set[str] = set()  # wanted alerts the outbox had no room for
         self._sync_lock = threading.Lock()
         self._refused_seen: set[str] = set()  # each counted once in queue_full
@@ -177,6 +150,9 @@ class AlertSink:
 
             self._client = AlertmanagerClient(self._am)
         self._deadline: float | None = None  # monotonic; bounds HTTP during flush/stop
+        self._writer = OutboxWriter(self._outbox, self._apply, self._sync_lock)
+        self._samples_lock = threading.Lock()
+        self._samples: list[Sample] = self._compute_samples()
 
     # --- input ---------------------------------------------------------------
 
@@ -189,22 +165,23 @@ class AlertSink:
                 continue
             labels = alert_labels(f, self._node, self._am.static_labels)
             ann = self._annotations(f)
-            if not (_valid(labels) and _valid({"alertname": "x", **ann})):
+            if not (valid(labels) and valid({"alertname": "x", **ann})):
                 with self._lock:
                     self._dropped["invalid"] += 1
                 log.error("alert with invalid labels not sent: %s %s", labels, sorted(ann))
                 continue
             current.append((labels, ann, f.since or now))
-        with self._sync_lock:  # one sync at a time, always of the newest set
-            self._current = current
-            self._sync(current, now)
+        self._writer.submit(current, now)  # in memory: the disk is the sink's threads' wait
+
+    def _apply(self, current: AlertSet, now: float) -> None:
+        """Make the outbox hold `current` (the writer holds the sync lock)."""
+        self._current = current
+        self._sync(current, now)
         if self._refused:
             for r in self._receivers:
                 r.wake.set()  # a sender re-offers them when the outbox has room again
 
-    def _sync(
-        self, current: list[tuple[dict[str, str], dict[str, str], float]], now: float
-    ) -> None:
+    def _sync(self, current: AlertSet, now: float) -> None:
         result = self._outbox.sync(current, now)
         for a in result.fired:
             log.warning("alert firing: %s: %s", _name(a), a.annotations.get("description", ""))
@@ -246,12 +223,13 @@ class AlertSink:
             ann["runbook_url"] = f"{self._am.runbook_base_url.rstrip('/')}/{f.alertname}.md"
         # Text from kernel log lines and process names can carry undecodable bytes and
         # control characters: never lose an alert for that, never pass them on. Bounded.
-        return {k: escape_control(_printable(v), 4096) for k, v in ann.items() if v}
+        return {k: escape_control(printable(v), 4096) for k, v in ann.items() if v}
 
     # --- delivery ------------------------------------------------------------
 
     def start(self) -> None:
-        """Start one sender thread per configured Alertmanager."""
+        """Start the outbox writer and one sender thread per configured Alertmanager."""
+        self._writer.start("alert-sink")
         for i, r in enumerate(self._receivers):
             r.thread = threading.Thread(
                 target=self._loop, args=(r,), name=f"alertmanager-{i}", daemon=True
@@ -266,12 +244,14 @@ class AlertSink:
         end = time.monotonic() + flush_timeout
         self._deadline = end
         self._stop.set()
+        self._writer.drain()
         for r in self._receivers:
             r.wake.set()
         for r in self._receivers:
             if r.thread is not None:
                 r.thread.join(max(0.0, end - time.monotonic()))
         self.flush(max(0.1, end - time.monotonic()))
+        self._writer.stop(max(0.1, end - time.monotonic()))
         self._outbox.close()
 
     def flush(self, timeout: float = 5.0) -> bool:
@@ -281,6 +261,7 @@ class AlertSink:
         """
         end = time.monotonic() + timeout
         self._deadline = end if self._deadline is None else min(self._deadline, end)
+        self._writer.drain()
         ok = True
         try:
             for r in self._receivers:
@@ -318,8 +299,9 @@ class AlertSink:
 
     def _deliver(self, r: _Receiver, now: float) -> float:
         """Send every due batch to `r`; return seconds until the next attempt."""
-        if now < r.retry_at:
-            return r.retry_at - now
+        mono = self._clock.monotonic()  # the backoff is a duration: a wall step must not stretch it
+        if mono < r.retry_at:
+            return r.retry_at - mono
         resend = self._am.resend_interval
         for _ in range(1000):  # a bound, not a limit reached in practice
             if self._deadline is not None and time.monotonic() >= self._deadline:
@@ -332,7 +314,7 @@ class AlertSink:
                 r.failures += 1
                 delay = min(self._am.retry_max_seconds, 2.0 ** min(r.failures - 1, 16))
                 delay = delay / 2 + random.uniform(0, delay / 2)  # equal jitter
-                r.retry_at = now + delay
+                r.retry_at = mono + delay
                 return delay
             self._outbox.mark_sent(r.url, accepted, now)
             r.failures = 0
@@ -382,6 +364,9 @@ class AlertSink:
             log.warning("Alertmanager %s unreachable: %s (will retry)", r.url, result.error)
         r.results["success" if result.ok else "failure"] += 1
         r.last_error = result.error
+        if result.status is not None and 400 <= result.status < 500:
+            r.rejected += 1  # an answer, not an outage: the failure counters alone hide it
+            r.last_rejection, r.last_rejection_at = result.error, self._clock.time()
         if result.ok:
             if r.failures:
                 log.info("Alertmanager %s reachable again", r.url)
@@ -391,7 +376,11 @@ class AlertSink:
     # --- output --------------------------------------------------------------
 
     def samples(self) -> list[Sample]:
-        """The sink's metrics (see METRICS)."""
+        """The sink's metrics (see METRICS), as of the last change: never waits for the disk."""
+        with self._samples_lock:
+            return list(self._samples)
+
+    def _compute_samples(self) -> list[Sample]:
         alerts = self._outbox.alerts()
         firing: dict[str, int] = {"warning": 0, "critical": 0}
         for a in alerts:
@@ -409,6 +398,13 @@ class AlertSink:
                         result=result,
                     )
                 )
+            out.append(
+                Sample.of(
+                    "gpuwatchd_alertmanager_deliveries_rejected_total",
+                    r.rejected,
+                    alertmanager=r.url,
+                )
+            )
             if r.last_success:
                 out.append(
                     Sample.of(
@@ -432,7 +428,9 @@ class AlertSink:
         return out
 
     def _changed(self) -> None:
-        self.version += 1  # an int bump: atomic under the GIL, read by the consumer thread
+        with self._samples_lock:  # computed on the sink's threads, read by the consumer
+            self._samples = self._compute_samples()
+            self.version += 1
 
     def status(self) -> dict[str, object]:
         """JSON-able view for /status and /alerts."""
@@ -458,12 +456,17 @@ class AlertSink:
             "node": self._node,
             "generated_at": _iso(now),
             "resolved_kept_seconds": RESOLVED_RETENTION,
+            "outbox_syncs": self._writer.syncs,
+            "outbox_slowest_sync_seconds": round(self._writer.slowest_sync, 3),
             "alertmanagers": [
                 {
                     "url": r.url,
                     "consecutive_failures": r.failures,
                     "last_error": r.last_error,
                     "last_success": _iso(r.last_success) if r.last_success else None,
+                    "rejected_deliveries": r.rejected,
+                    "last_rejection": r.last_rejection or None,
+                    "last_rejection_at": _iso(r.last_rejection_at) if r.last_rejection else None,
                 }
                 for r in self._receivers
             ],

@@ -1,6 +1,7 @@
 """Where kernel log lines come from: /dev/kmsg, the systemd journal, or a file/pipe.
 
-The journal reader lives in journal.py; `journal_line` (its record format) is here.
+The journal reader lives in journal.py (`journal_line`, its record format, is
+here), the file reader in filereader.py.
 
 Each reader implements `LineReader`: `read(timeout)` waits at most
 `timeout` seconds for input and returns what is there, each line with a
@@ -11,11 +12,8 @@ backoff.
 
 from __future__ import annotations
 
-import errno
 import os
 import select
-import stat
-import time
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
@@ -23,7 +21,6 @@ from gpuwatchd.errors import SourceError
 from gpuwatchd.sources.kmsg.parse import MAX_RECORD
 
 __all__ = [
-    "FileReader",
     "KmsgReader",
     "Line",
     "LineReader",
@@ -243,144 +240,3 @@ def _as_int(value: object, default: int) -> int:
         return int(value)  # type: ignore[call-overload, no-any-return]
     except (TypeError, ValueError):
         return default
-
-
-# --- plain file or pipe ---------------------------------------------------------
-
-
-class FileReader:
-    """Follow a text file (`dmesg -w > file`, syslog) or a FIFO, across rotation.
-
-    Rotation by rename is seen as a new inode at the path (the rest of the
-    old file is read first); truncation (copytruncate) as a file shorter
-    than our offset. Cursor: `file:<dev>:<inode>:<offset>`.
-    """
-
-    name = "file"
-
-    def __init__(
-        self,
-        path: str,
-        cursor: str | None = None,
-        sleep: Callable[[float], None] = time.sleep,
-        step: float = 0.1,
-        max_lines: int = MAX_LINES,
-    ) -> None:
-        self.path = path
-        self._sleep = sleep
-        self._step = step
-        self._max = max_lines
-        self._buf = b""
-        self._open()
-        if cursor and cursor.startswith("file:") and not self._fifo:
-            try:
-                _, dev, ino, off = cursor.split(":")
-                if (int(dev), int(ino)) == self._id and os.fstat(self._fd).st_size >= int(off):
-                    self._offset = os.lseek(self._fd, int(off), os.SEEK_SET)
-            except (ValueError, OSError):
-                pass
-
-    def _open(self) -> None:
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-            st = os.fstat(fd)
-            self._fifo = stat.S_ISFIFO(st.st_mode)
-            if self._fifo:
-                # Also holding the write end keeps poll() from reporting POLLHUP
-                # in a tight loop whenever no writer is attached.
-                try:
-                    rw = os.open(self.path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
-                    os.close(fd)
-                    fd = rw
-                except OSError:
-                    pass
-        except PermissionError:
-            raise ReaderError("permission", f"cannot read {self.path}: permission denied") from None
-        except FileNotFoundError:
-            raise ReaderError("missing", f"{self.path} does not exist") from None
-        except OSError as exc:
-            raise ReaderError("open", f"cannot open {self.path}: {exc.strerror or exc}") from None
-        self._fd = fd
-        self._id = (st.st_dev, st.st_ino)
-        self._offset = 0
-        self._buf = b""
-        self._skipped = 0
-        self._poll = select.poll()
-        self._poll.register(fd, select.POLLIN)
-
-    def read(self, timeout: float) -> list[Line]:
-        deadline = time.monotonic() + timeout
-        while True:
-            lines = self._drain()
-            if lines:
-                return lines
-            if self._rotated():
-                continue
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return []
-            if self._fifo:
-                self._poll.poll(int(left * 1000))
-            else:
-                self._sleep(min(self._step, left))
-
-    def _drain(self) -> list[Line]:
-        lines: list[Line] = []
-        while len(lines) < self._max:
-            try:
-                chunk = os.read(self._fd, 65536)
-            except BlockingIOError:
-                break
-            except OSError as exc:
-                if exc.errno == errno.EINTR:
-                    continue
-                raise ReaderError("read", f"reading {self.path}: {exc.strerror or exc}") from None
-            if not chunk:
-                break
-            data = self._buf + chunk
-            *complete, rest = data.split(b"\n")
-            for raw in complete:
-                self._offset += len(raw) + 1 + self._skipped
-                self._skipped = 0
-                text = raw[: MAX_RECORD + 1].decode("utf-8", "replace")
-                lines.append(Line(text, self._cursor_at(self._offset)))
-            # An endless line keeps only a record's worth (the parser cuts and
-            # counts it); the rest is skipped but still counted in the offset.
-            if len(rest) > MAX_RECORD + 1:
-                self._skipped += len(rest) - (MAX_RECORD + 1)
-                rest = rest[: MAX_RECORD + 1]
-            self._buf = rest
-        return lines
-
-    def _rotated(self) -> bool:
-        """Reopen when the path now names another file or was truncated."""
-        if self._fifo:
-            return False
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return False  # between rename and re-create: keep the old one
-        if (st.st_dev, st.st_ino) != self._id:
-            os.close(self._fd)
-            self._open()
-            return True
-        if st.st_size < self._offset + len(self._buf) + self._skipped:
-            os.lseek(self._fd, 0, os.SEEK_SET)
-            self._offset, self._buf, self._skipped = 0, b"", 0
-            return True
-        return False
-
-    def _cursor_at(self, offset: int) -> str:
-        return f"file:{self._id[0]}:{self._id[1]}:{offset}"
-
-    def cursor(self) -> str:
-        return "" if self._fifo else self._cursor_at(self._offset)
-
-    def take_lost(self) -> int:
-        return 0
-
-    def close(self) -> None:
-        try:
-            os.close(self._fd)
-        except OSError:
-            pass

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from gpuwatchd.bootid import read_boot_id
 from gpuwatchd.clock import Clock
 from gpuwatchd.model import Event, GpuInventory, MetricSpec, Sample
+from gpuwatchd.sources.kmsg.filereader import FileReader
 from gpuwatchd.sources.kmsg.journal import JournalReader
 from gpuwatchd.sources.kmsg.parse import (
     GPU,
@@ -28,7 +29,6 @@ from gpuwatchd.sources.kmsg.parse import (
     parse_line,
 )
 from gpuwatchd.sources.kmsg.readers import (
-    FileReader,
     KmsgReader,
     LineReader,
     ReaderError,
@@ -64,7 +64,8 @@ METRICS = (
         "gpuwatchd_kmsg_records_lost_total",
         "counter",
         "kernel log records lost before they were read: /dev/kmsg sequence gaps, or journal"
-        " entries rotated away unread (all transports: an upper bound)",
+        " entries rotated away unread (all transports: an upper bound), or one per copytruncate"
+        " of a log file (its copy-to-truncate window is unreadable)",
         ("backend",),
     ),
     MetricSpec(
@@ -346,6 +347,13 @@ class KmsgSource:
             return self._boot_wall + rec.boot_seconds
         return now
 
+    def _since_boot(self, rec: KmsgRecord) -> float | None:
+        """Seconds after boot at which the record was logged (its process alive), if known."""
+        if rec.wall_time is not None:
+            return rec.wall_time - self._boot_wall
+        # a file may hold another boot's records: their kernel times say nothing of this boot
+        return rec.boot_seconds if self.backend != "file" else None
+
     def _attribution(self, rec: KmsgRecord, when: float, now: float) -> dict[str, str]:
         if rec.pid is None:
             return {"attribution": "no pid in the report"} if rec.kind == XID else {}
@@ -353,7 +361,7 @@ class KmsgSource:
         if now - when > ATTRIBUTE_MAX_AGE:
             out["attribution"] = "report too old to attribute (the pid may be reused)"
             return out
-        who = attribute(self.cfg.paths.procfs, rec.pid, rec.process)
+        who = attribute(self.cfg.paths.procfs, rec.pid, rec.process, self._since_boot(rec))
         out.update(who.attrs())
         if self.cfg.sources.workloads.rank_env and who.status not in ("process gone", "pid reused"):
             out.update(read_torch_env(self.cfg.paths.procfs, rec.pid))  # only the rank names

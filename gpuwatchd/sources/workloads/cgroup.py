@@ -10,7 +10,9 @@ import os
 import re
 from typing import NamedTuple
 
-__all__ = ["Attribution", "attribute", "parse_cgroup"]
+__all__ = ["Attribution", "CLOCK_TICKS", "attribute", "parse_cgroup", "start_ticks"]
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # the unit of /proc/PID/stat's start time
 
 _POD = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
 _CONTAINER = re.compile(
@@ -32,11 +34,14 @@ class Attribution(NamedTuple):
     slurm_uid: str = ""
     unit: str = ""
     cgroup: str = ""
+    pid_start: str = ""  # /proc/PID/stat start time (ticks after boot): pid + start = one process
 
     def attrs(self) -> tuple[tuple[str, str], ...]:
         """Non-empty fields as event attributes."""
         pairs = [("attribution", self.status)]
         pairs += [(k, v) for k, v in self._asdict().items() if k != "status" and v]
+        if self.status == "pid reused":  # the start is the newcomer's, not the reporter's
+            pairs = [("reused_pid_start", v) if k == "pid_start" else (k, v) for k, v in pairs]
         return tuple(pairs)
 
 
@@ -87,8 +92,30 @@ def parse_cgroup(text: str) -> Attribution:
     return Attribution("host", cgroup=path)
 
 
-def attribute(procfs: str, pid: int, expect_comm: str = "") -> Attribution:
-    """Attribute a live pid; says "process gone" or "pid reused" when it cannot."""
+def start_ticks(procfs: str, pid: int) -> int | None:
+    """When the process now at `pid` started, in clock ticks after boot (stat field 22)."""
+    try:
+        with open(os.path.join(procfs, str(pid), "stat"), "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    # comm (field 2) may hold spaces and parentheses: count fields after its last ")"
+    rest = text.rpartition(b")")[2].split()
+    try:
+        return int(rest[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def attribute(
+    procfs: str, pid: int, expect_comm: str = "", started_by: float | None = None
+) -> Attribution:
+    """Attribute a live pid; says "process gone" or "pid reused" when it cannot.
+
+    `started_by`: seconds after boot at which the reporting process was
+    alive (the kernel record's time); a process at `pid` that started later
+    is another one that reuses the pid.
+    """
     base = os.path.join(procfs, str(pid))
     try:
         with open(os.path.join(base, "cgroup"), encoding="utf-8", errors="replace") as f:
@@ -97,6 +124,11 @@ def attribute(procfs: str, pid: int, expect_comm: str = "") -> Attribution:
         return Attribution("process gone")
     except OSError as exc:
         return Attribution(f"unreadable: {exc.strerror or exc}")
+    start = start_ticks(procfs, pid)
+    # a tick of slack: the record's time and the start time are rounded differently
+    newcomer = Attribution("pid reused", pid_start=str(start) if start is not None else "")
+    if start is not None and started_by is not None and start > (started_by + 1) * CLOCK_TICKS:
+        return newcomer
     if expect_comm:
         try:
             with open(os.path.join(base, "comm"), encoding="utf-8", errors="replace") as f:
@@ -106,5 +138,6 @@ def attribute(procfs: str, pid: int, expect_comm: str = "") -> Attribution:
         # The driver prints the task's comm (at most 15 bytes); another name
         # means the pid now belongs to a different process.
         if comm and comm[:15] != expect_comm[:15]:
-            return Attribution("pid reused")
-    return parse_cgroup(text)
+            return newcomer
+    found = parse_cgroup(text)
+    return found._replace(pid_start=str(start)) if start is not None else found

@@ -25,7 +25,7 @@ from gpuwatchd.model import (
     WorkloadProcess,
     workloads_from_status,
 )
-from gpuwatchd.sources.workloads.cgroup import Attribution, attribute
+from gpuwatchd.sources.workloads.cgroup import Attribution, attribute, start_ticks
 from gpuwatchd.sources.workloads.environ import read_torch_env, torch_job_id
 from gpuwatchd.sources.workloads.podresources import PodDevice, PodResourcesClient
 from gpuwatchd.sources.workloads.slurm import SlurmJobs
@@ -84,12 +84,15 @@ class _GpuProcesses(NamedTuple):
 class _Proc:
     """What one pid is, read once while it stays on a GPU."""
 
-    __slots__ = ("attribution", "env", "seen")
+    __slots__ = ("attribution", "env", "seen", "start")
 
-    def __init__(self, attribution: Attribution, env: Mapping[str, str], seen: float) -> None:
+    def __init__(
+        self, attribution: Attribution, env: Mapping[str, str], seen: float, start: int | None
+    ) -> None:
         self.attribution = attribution
         self.env = env
         self.seen = seen
+        self.start = start  # with the pid, names the process (pids are reused)
 
 
 class WorkloadSource:
@@ -117,7 +120,7 @@ class WorkloadSource:
         self.keep_seconds = keep_seconds
         self._procs: dict[int, _Proc] = {}
         self._workloads: tuple[Workload, ...] = ()
-        self._exited: dict[int, tuple[float, Workload]] = {}
+        self._exited: dict[tuple[int, int | None], tuple[float, Workload]] = {}
         self._errors = {"kubelet": 0, "slurm": 0}
         self._kubelet_error = ""
         self._slurm_budget = SLURM_LOOKUPS_PER_POLL
@@ -155,15 +158,15 @@ class WorkloadSource:
         gpus = self._gpus(status)
         devices = self._pod_devices(gpus)
         groups: dict[tuple[str, str], dict[str, Any]] = {}
-        seen: set[int] = set()
+        seen: set[tuple[int, int | None]] = set()
         self._slurm_budget = SLURM_LOOKUPS_PER_POLL
         for gpu, uuid, bus, migs, procs in gpus:
             for device in (uuid, *migs):  # a pod may hold the GPU or one of its MIG devices
                 for pod_dev in devices.get(device, ()):
                     self._group(groups, _k8s_fields(pod_dev), gpu_uuid=device)
             for pid, used, mig, gi, ci in procs:
-                seen.add(pid)
                 info = self._proc(pid, now)
+                seen.add((pid, info.start))
                 device = mig or uuid
                 fields = self._fields_of(info, devices.get(device, []), pid, now)
                 wp = WorkloadProcess(
@@ -177,6 +180,7 @@ class WorkloadSource:
                     local_rank=info.env.get("local_rank", ""),
                     gpu_instance=gi,
                     compute_instance=ci,
+                    start_ticks=info.start,
                 )
                 group = self._group(groups, fields, gpu_uuid=device)
                 group["processes"].append(wp)
@@ -225,11 +229,12 @@ class WorkloadSource:
         return found
 
     def _proc(self, pid: int, now: float) -> _Proc:
+        start = start_ticks(self.procfs, pid)
         info = self._procs.get(pid)
-        if info is None:
+        if info is None or info.start != start:  # new, or the pid now names another process
             env: dict[str, str] = read_torch_env(self.procfs, pid) if self.rank_env else {}
             env["_comm"] = _comm(self.procfs, pid)
-            info = self._procs[pid] = _Proc(attribute(self.procfs, pid), env, now)
+            info = self._procs[pid] = _Proc(attribute(self.procfs, pid), env, now, start)
         info.seen = now
         return info
 
@@ -276,18 +281,26 @@ class WorkloadSource:
             group["gpus"].append(gpu_uuid)
         return group
 
-    def _forget(self, seen: set[int], workloads: tuple[Workload, ...], now: float) -> None:
-        """Keep exited processes' workloads for keep_seconds (an Xid may name them late)."""
+    def _forget(
+        self, seen: set[tuple[int, int | None]], workloads: tuple[Workload, ...], now: float
+    ) -> None:
+        """Keep exited processes' workloads for keep_seconds (an Xid may name them late).
+
+        A process is its pid and start time: one that exited stays here even
+        when its pid already names a new process.
+        """
         for w in self._workloads:
             for p in w.processes:
-                if p.pid not in seen:
-                    self._exited[p.pid] = (now, dataclasses.replace(w, processes=(p,)))
-        for pid in [p for p in self._procs if p not in seen]:
+                if (p.pid, p.start_ticks) not in seen:
+                    key = (p.pid, p.start_ticks)
+                    self._exited[key] = (now, dataclasses.replace(w, processes=(p,)))
+        live = {pid for pid, _ in seen}
+        for pid in [p for p in self._procs if p not in live]:
             del self._procs[pid]
-        for pid in seen:
-            self._exited.pop(pid, None)
-        for pid in [p for p, (t, _) in self._exited.items() if now - t > self.keep_seconds]:
-            del self._exited[pid]
+        for key in seen:
+            self._exited.pop(key, None)
+        for key in [k for k, (t, _) in self._exited.items() if now - t > self.keep_seconds]:
+            del self._exited[key]
         while len(self._exited) > MAX_EXITED:  # oldest first: insertion order
             del self._exited[next(iter(self._exited))]
 

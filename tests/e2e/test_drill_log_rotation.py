@@ -1,0 +1,134 @@
+"""Drill: a kernel log file rotated under a writer that never pauses.
+
+A real writer process appends numbered lines as fast as it can (each a
+single O_APPEND write, like a syslog daemon) while the file is rotated by
+rename (the writer goes on writing to the renamed file for a while, as it
+does until logrotate's HUP) or by copytruncate. The reader must hand out
+every line once: nothing lost to a rename, no duplicate, and a loss that
+cannot be read (copytruncate's copy-to-truncate window) counted.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from gpuwatchd.sources.kmsg.filereader import FileReader
+
+# Writes `line N` until told to stop; on SIGHUP reopens the path (a syslog daemon).
+WRITER = r"""
+import os, signal, sys, time
+path, stop = sys.argv[1], sys.argv[2]
+fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+def reopen(*_):
+    global fd
+    new = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd, old = new, fd
+    os.close(old)
+signal.signal(signal.SIGHUP, reopen)
+n = 0
+while not os.path.exists(stop):
+    os.write(fd, b"[ 1.0] line %d\n" % n)
+    n += 1
+    if n % 20 == 0:
+        time.sleep(0.001)
+os.write(fd, b"[ 1.0] line %d\n" % n)
+print(n + 1)
+"""
+
+
+def follow(reader: FileReader, seen: list[int], seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for line in reader.read(0.05):
+            seen.append(int(line.text.rsplit(" ", 1)[1]))
+
+
+def run_drill(tmp_path: Path, rotate: str) -> tuple[int, list[int], int]:
+    log = tmp_path / "kern.log"
+    stop = tmp_path / "stop"
+    log.touch()
+    reader = FileReader(str(log), step=0.01, grace=0.5)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(log), str(stop)], stdout=subprocess.PIPE, text=True
+    )
+    seen: list[int] = []
+    lost = 0
+    try:
+        follow(reader, seen, 0.3)
+        for n in range(2):
+            if rotate == "rename":
+                log.rename(tmp_path / f"kern.log.{n + 1}")
+                log.touch()
+                # the writer goes on appending to the renamed file until its HUP
+                follow(reader, seen, 0.4)
+                writer.send_signal(1)
+            else:
+                shutil.copyfile(log, tmp_path / f"kern.log.{n + 1}")
+                os.truncate(log, 0)
+            follow(reader, seen, 0.3)
+        stop.touch()
+        written = int(writer.communicate(timeout=10)[0])
+        follow(reader, seen, 0.8)
+        lost = reader.take_lost()
+    finally:
+        writer.kill()
+        writer.wait()
+        reader.close()
+    return written, seen, lost
+
+
+def test_rename_rotation_loses_nothing_and_repeats_nothing(tmp_path: Path) -> None:
+    written, seen, lost = run_drill(tmp_path, "rename")
+    assert len(seen) == len(set(seen)), "a line was handed out twice"
+    missing = sorted(set(range(written)) - set(seen))
+    assert not missing, f"{len(missing)} of {written} lines lost, from line {missing[0]}"
+    assert lost == 0
+
+
+def test_copytruncate_counts_what_it_cannot_read(tmp_path: Path) -> None:
+    written, seen, lost = run_drill(tmp_path, "copytruncate")
+    assert len(seen) == len(set(seen)), "a line was handed out twice"
+    missing = set(range(written)) - set(seen)
+    # Lines written between the copy and the truncate are in neither file; each
+    # truncation is counted as a possible loss. Everything else is read.
+    assert lost == 2
+    assert len(missing) < written // 20, f"{len(missing)} of {written} lines lost"
+
+
+def test_copytruncate_window_loss_is_counted(tmp_path: Path) -> None:
+    log = tmp_path / "kern.log"
+    log.write_text("a\nb\n")
+    reader = FileReader(str(log), step=0.01)
+    assert [line.text for line in reader.read(0)] == ["a", "b"]
+    with log.open("a") as f:
+        f.write("c\n")  # appended after our last read: only the copy holds it
+    shutil.copyfile(log, tmp_path / "kern.log-20261126")
+    with log.open("a") as f:
+        f.write("lost\n")  # between copy and truncate: in neither file
+    os.truncate(log, 0)
+    with log.open("a") as f:
+        f.write("d\n")
+    assert [line.text for line in reader.read(0.2)] == ["c", "d"]
+    assert reader.take_lost() == 1
+    reader.close()
+
+
+def test_a_file_renamed_away_and_back_is_not_read_again(tmp_path: Path) -> None:
+    log = tmp_path / "kern.log"
+    log.write_text("one\ntwo\n")
+    reader = FileReader(str(log), step=0.01, grace=0.0)
+    assert [line.text for line in reader.read(0)] == ["one", "two"]
+    log.rename(tmp_path / "kern.log.tmp")
+    log.write_text("other\n")
+    assert [line.text for line in reader.read(0.2)] == ["other"]
+    log.rename(tmp_path / "kern.log.other")
+    (tmp_path / "kern.log.tmp").rename(log)
+    with log.open("a") as f:
+        f.write("three\n")
+    assert [line.text for line in reader.read(0.2)] == ["three"]
+    reader.close()

@@ -1,0 +1,108 @@
+"""Drill: a pid reused by another job must not carry the first job's Xid, or the reverse.
+
+The daemon runs on the NVML replay with its proc root pointed at a /proc tree
+built here: pid 4242 is rank 3 of Slurm job 111, then exits and the pid is
+taken by rank 7 of job 222 (same command name, `python3`; only the start time
+in /proc/PID/stat tells them apart). An Xid of the new process must name job
+222; an Xid of the old one that arrives after the pid was taken must name job
+111 (from the recently exited processes), never 222.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tests.conftest import FIXTURES, DaemonProcess
+
+CAPTURE = FIXTURES / "nvml" / "h200x2-probe.json"  # GPU 0 at 0000:00:06.0
+PID = 4242
+HZ = os.sysconf("SC_CLK_TCK")
+
+
+def fake_process(procfs: Path, job: str, rank: str, started: float) -> None:
+    """/proc/PID of a Slurm task: cgroup, environ, comm, and stat with its start time."""
+    d = procfs / str(PID)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "cgroup").write_text(f"0::/system.slice/slurmstepd.scope/job_{job}/step_0/user/task_0\n")
+    (d / "environ").write_bytes(f"RANK={rank}\0LOCAL_RANK={rank}\0WORLD_SIZE=8\0".encode())
+    (d / "comm").write_text("python3\n")
+    fields = ["S", "1", str(PID), str(PID), "0", "-1", "4194560"] + ["0"] * 12
+    fields += [str(int(started * HZ)), "1000000", "100"]  # field 22: start time in ticks
+    (d / "stat").write_text(f"{PID} (python3) " + " ".join(fields) + "\n")
+
+
+def xid_line(logged: float) -> str:
+    stamp = time.strftime("%b %d %H:%M:%S", time.localtime(logged))
+    return (
+        f"{stamp} node1 kernel: NVRM: Xid (PCI:0000:00:06): 31, pid={PID}, name=python3,"
+        " channel 0x0000000a, intr 00000000. MMU Fault: ENGINE GRAPHICS GPC0 GPCCLIENT_T1_6"
+        " faulted @ 0x7f_00000000. Fault is of type FAULT_PDE ACCESS_TYPE_VIRT_WRITE\n"
+    )
+
+
+def wait(pred, timeout: float = 15.0):  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.1)
+    return pred()
+
+
+def test_a_reused_pid_is_blamed_on_the_right_job(
+    start_daemon: Callable[..., DaemonProcess], tmp_path: Path
+) -> None:
+    capture = json.loads(CAPTURE.read_text())
+    capture["devices"][0]["calls"]["compute_running_processes"] = [
+        {"value": [{"pid": PID, "used_memory": 2 << 30}], "us": 20.0}
+    ]
+    replay = tmp_path / "with-process.json"
+    replay.write_text(json.dumps(capture))
+    procfs = tmp_path / "proc"
+    boot = time.time() - time.monotonic()  # CLOCK_MONOTONIC, what the kernel stamps with
+    fake_process(procfs, "111", "3", time.monotonic() - 600)
+    kern = tmp_path / "kern.log"
+    kern.write_text("")
+    cfg = (
+        f"paths:\n  procfs: {procfs}\n"
+        "sources:\n  nvml:\n    interval: 0.3\n"
+        f"  kmsg: {{backend: file, file: {kern}}}\n"
+        "  workloads: {slurm: false}\n"
+        "  udev:\n    enabled: false\n  shm:\n    enabled: false\n"
+        "  infiniband:\n    enabled: false\n"
+    )
+    d = start_daemon(cfg, "--nvml-replay", str(replay))
+
+    def jobs() -> list[str]:
+        found = json.loads(d.get("/status")[1])["sources"].get("workloads", {})
+        return [str(w.get("slurm_job")) for w in found.get("workloads", [])]
+
+    assert wait(lambda: jobs() == ["111"]), d.output()[-3000:]
+    # job 111 ends; job 222 starts on the same pid five seconds ago
+    taken = time.monotonic() - 5
+    fake_process(procfs, "222", "7", taken)
+    assert wait(lambda: jobs() == ["222"], 5.0), f"the workload still says {jobs()}"
+
+    with open(kern, "a") as f:
+        f.write(xid_line(time.time()))  # from the new process
+
+    def events() -> list[dict[str, dict[str, str]]]:
+        return list(json.loads(d.get("/events?code=31")[1])["events"])
+
+    [new] = wait(events)
+    assert (new["attrs"]["slurm_job"], new["attrs"]["workload_id"]) == ("222", "222")
+    assert new["attrs"]["rank"] == "7"
+
+    with open(kern, "a") as f:
+        f.write(xid_line(boot + taken - 20))  # the old process's, read after the pid was taken
+    got = wait(lambda: len(events()) == 2 and events())
+    assert got, d.output()[-3000:]
+    old = next(e for e in got if e["attrs"] is not new["attrs"] and e != new)
+    assert old["attrs"]["attribution"] == "pid reused"
+    assert old["attrs"].get("workload_id") == "111", old["attrs"]
+    assert old["attrs"].get("rank") == "3" and old["attrs"].get("slurm_job") == "111"
