@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import parse_qs
 
 from gpuwatchd.sinks.exposition import CONTENT_TYPE, Registry, render
 
-__all__ = ["App", "REASONS", "Route", "StartResponse", "json_route", "make_app"]
+__all__ = ["App", "LogLimiter", "REASONS", "Route", "StartResponse", "json_route", "make_app"]
 
 log = logging.getLogger("gpuwatchd.http")
 
@@ -35,6 +36,37 @@ REASONS = {
     500: "Internal Server Error",
     503: "Service Unavailable",
 }
+
+
+class LogLimiter:
+    """At most one line per `key` every `interval` seconds; the next one says how many it hid.
+
+    Anyone can send bad requests: what they cost in log must not grow with their number.
+    """
+
+    def __init__(self, logger: logging.Logger, interval: float = 60.0, max_keys: int = 64) -> None:
+        self.logger = logger
+        self.interval = interval
+        self.max_keys = max_keys
+        self._last: dict[str, tuple[float, int]] = {}  # key -> (last line, lines hidden since)
+        self._lock = threading.Lock()
+
+    def log(self, level: int, key: str, msg: str, *args: object, exc_info: bool = False) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last, hidden = self._last.get(key, (-self.interval, 0))
+            if now - last < self.interval:
+                self._last[key] = (last, hidden + 1)
+                return
+            if key not in self._last and len(self._last) >= self.max_keys:
+                self._last.pop(next(iter(self._last)))
+            self._last[key] = (now, 0)
+        if hidden:
+            msg += f" ({hidden} more like it in the last {self.interval:.0f}s not logged)"
+        self.logger.log(level, msg, *args, exc_info=exc_info)
+
+
+_handler_errors = LogLimiter(log)
 
 
 def make_app(
@@ -78,7 +110,7 @@ def make_app(
             try:
                 status, ctype, body = routes[path](query)
             except Exception:
-                log.exception("handler for %s", path)
+                _handler_errors.log(logging.ERROR, path, "handler for %s", path, exc_info=True)
                 status, ctype, body = 500, "text/plain", b"internal error\n"
         elif path == "/":
             links = "".join(f'<li><a href="{p}">{p}</a></li>' for p in ["/metrics", *routes])

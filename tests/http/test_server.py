@@ -32,12 +32,13 @@ def _boom(query: Any) -> tuple[int, str, bytes]:
 def running() -> Iterator[Any]:
     started: list[WebServer] = []
 
-    def start(**kw: Any) -> WebServer:
+    def start(routes: dict[str, Any] | None = None, **kw: Any) -> WebServer:
         reg = Registry()
         reg.register(_Gauge())
         routes = {
             "/echo": lambda q: (200, "application/json", repr(sorted(q.items())).encode()),
             "/boom": _boom,
+            **(routes or {}),
         }
         httpd, _ = serve(make_app(reg, routes), "127.0.0.1", 0, **kw)
         started.append(httpd)
@@ -146,23 +147,54 @@ def test_slow_client_times_out_without_blocking_others(
         slow.close()
 
 
-def test_connections_over_the_cap_get_503(running: Any) -> None:
+def test_a_full_table_drops_the_oldest_slow_client_not_a_complete_request(running: Any) -> None:
     httpd = running(max_connections=1)
     held = socket.create_connection(httpd.server_address[:2], timeout=10)
     try:
-        held.sendall(b"GET /metrics HTTP/1.1\r\n")  # occupies the one slot
+        held.sendall(b"GET /metrics HTTP/1.1\r\n")  # takes the one place, head unfinished
         time.sleep(0.1)
+        assert _split(_exchange(httpd, b"GET /metrics HTTP/1.1\r\n\r\n"))[0].endswith("200 OK")
+        assert held.recv(1) == b""  # closed to make room
+    finally:
+        held.close()
+
+
+def test_requests_beyond_the_app_queue_get_503(running: Any) -> None:
+    release = threading.Event()
+    httpd = running(workers=1, max_queued=1, routes={"/block": lambda q: _block(release)})
+    addr = httpd.server_address[:2]
+    busy = [socket.create_connection(addr, timeout=10) for _ in range(2)]
+    try:
+        for s in busy:  # one runs in the only worker, one waits in the queue
+            s.sendall(b"GET /block HTTP/1.1\r\n\r\n")
+            time.sleep(0.1)
         status, headers, _ = _split(_exchange(httpd, b"GET /metrics HTTP/1.1\r\n\r\n"))
         assert status == "HTTP/1.1 503 Service Unavailable" and headers["retry-after"] == "1"
     finally:
-        held.close()
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:  # the slot comes back once the held one is gone
-        if _split(_exchange(httpd, b"GET /metrics HTTP/1.1\r\n\r\n"))[0].endswith("200 OK"):
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail("the connection slot was not released")
+        release.set()
+    for s in busy:
+        with s:
+            assert _split(b"".join(iter(lambda s=s: s.recv(65536), b"")))[0].endswith("200 OK")
+    assert _split(_exchange(httpd, b"GET /metrics HTTP/1.1\r\n\r\n"))[0].endswith("200 OK")
+
+
+def test_a_table_full_of_requests_in_the_app_answers_503(running: Any) -> None:
+    release = threading.Event()
+    httpd = running(max_connections=1, routes={"/block": lambda q: _block(release)})
+    with socket.create_connection(httpd.server_address[:2], timeout=10) as first:
+        first.sendall(b"GET /block HTTP/1.1\r\n\r\n")
+        time.sleep(0.1)
+        try:
+            status, headers, _ = _split(_exchange(httpd, b"GET /metrics HTTP/1.1\r\n\r\n"))
+            assert status == "HTTP/1.1 503 Service Unavailable" and headers["retry-after"] == "1"
+        finally:
+            release.set()
+        assert _split(b"".join(iter(lambda: first.recv(65536), b"")))[0].endswith("200 OK")
+
+
+def _block(release: threading.Event) -> tuple[int, str, bytes]:
+    release.wait(10)
+    return 200, "text/plain", b"done\n"
 
 
 def _ctx_switches(tid: int) -> int:
