@@ -197,6 +197,51 @@ def _block(release: threading.Event) -> tuple[int, str, bytes]:
     return 200, "text/plain", b"done\n"
 
 
+def test_a_client_trickling_after_the_response_is_closed_within_the_linger(
+    running: Any,
+) -> None:
+    httpd = running()
+    with socket.create_connection(httpd.server_address[:2], timeout=10) as s:
+        s.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
+        t0 = time.monotonic()
+        with pytest.raises(OSError):  # reset once the server has closed
+            while time.monotonic() - t0 < 4.0:
+                s.sendall(b"X")  # a byte every 0.2 s after the response: not a reason to stay
+                time.sleep(0.2)
+        assert time.monotonic() - t0 < http_server._LINGER_SECONDS + 1.0
+
+
+def test_oversized_heads_over_tls_get_their_431(tmp_path: Any) -> None:
+    import ssl
+
+    import trustme
+
+    from gpuwatchd.http import webconfig
+
+    ca = trustme.CA()
+    pem, ca_pem = tmp_path / "server.pem", tmp_path / "ca.pem"
+    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(pem)
+    ca.cert_pem.write_to_path(ca_pem)
+    (tmp_path / "web.yml").write_text(f"tls_server_config:\n  cert_file: {pem}\n  key_file: {pem}\n")
+    web = webconfig.load(str(tmp_path / "web.yml"))
+    httpd, _ = serve(make_app(Registry(), {}), "127.0.0.1", 0, web)
+    ctx = ssl.create_default_context(cafile=str(ca_pem))
+    raw = b"GET / HTTP/1.1\r\nX-Pad: " + b"a" * (4 * http_server.MAX_HEAD_BYTES) + b"\r\n\r\n"
+    try:
+        for _ in range(10):  # the answer must survive the unread rest of the head
+            plain = socket.create_connection(httpd.server_address[:2], timeout=10)
+            with ctx.wrap_socket(plain, server_hostname="127.0.0.1") as s:
+                try:
+                    s.sendall(raw)
+                except OSError:
+                    pass  # the server stopped reading; its answer is still there
+                reply = b"".join(iter(lambda s=s: s.recv(65536), b""))
+            assert reply.startswith(b"HTTP/1.1 431 "), reply[:80]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 def _ctx_switches(tid: int) -> int:
     with open(f"/proc/self/task/{tid}/status") as f:
         return sum(int(ln.split()[1]) for ln in f if "ctxt_switches" in ln)
