@@ -72,9 +72,7 @@ def parse_head(head: bytes, peer: str) -> dict[str, Any]:
     return environ
 
 
-def response(
-    status: str, headers: list[tuple[str, str]], body: bytes, head: bool = False
-) -> bytes:
+def response(status: str, headers: list[tuple[str, str]], body: bytes, head: bool = False) -> bytes:
     """The whole response; for HEAD the Content-Length a GET would carry, and no body."""
     names = {k.lower() for k, _ in headers}
     lines = [f"HTTP/1.1 {status}"]

@@ -40,11 +40,25 @@ from collections.abc import Iterable
 from typing import Any
 
 from gpuwatchd.http.app import REASONS, App, LogLimiter, StartResponse
+from gpuwatchd.http.connection import (
+    APP,
+    HANDSHAKE,
+    HEAD,
+    IN,
+    LINGER,
+    OUT,
+    WRITE,
+    Connection,
+    connection_budget,
+    drain,
+    raise_fd_limit,
+    san_allowed,
+    tls_want,
+)
 from gpuwatchd.http.request import MAX_HEAD_BYTES, BadRequest, head_length, parse_head, response
 from gpuwatchd.http.webconfig import (
     IO_TIMEOUT,
     BasicAuth,
-    TlsSettings,
     WebConfig,
     WebConfigWatcher,
 )
@@ -66,36 +80,11 @@ _limited = LogLimiter(log)
 MAX_CONNECTIONS = 4096  # held at once, also bounded by the open-files limit
 WORKERS = 4  # threads running the app
 MAX_QUEUED = 64  # complete requests waiting for a worker; more are answered 503
-FD_RESERVE = 128  # descriptors left to the rest of the daemon (store, sources, logs)
 _MAX_REFUSALS = 64  # 503s being written beyond the table; more are just closed
 _LINGER_SECONDS = 1.0
 _LINGER_BYTES = 65536
 _ACCEPT_BATCH = 64  # accepts per wake-up, so a flood cannot starve the others
 _ACCEPT_PAUSE = 0.1  # after EMFILE and nothing to evict
-
-_IN, _OUT = select.EPOLLIN, select.EPOLLOUT
-_HANDSHAKE, _HEAD, _APP, _WRITE, _LINGER = range(5)
-
-
-class _Conn:
-    """One client connection and where its exchange stands."""
-
-    __slots__ = ("sock", "fd", "peer", "web", "state", "buf", "out", "deadline", "mask",
-                 "drained", "closed", "refusal")  # fmt: skip
-
-    def __init__(self, sock: socket.socket, peer: str, web: WebConfig | None) -> None:
-        self.sock = sock
-        self.fd = sock.fileno()
-        self.peer = peer
-        self.web = web  # the web config of a TLS connection; None for plain HTTP
-        self.state = _HEAD
-        self.buf = b""
-        self.out = memoryview(b"")
-        self.deadline = 0.0
-        self.mask = 0
-        self.drained = 0
-        self.closed = False
-        self.refusal = False
 
 
 class WebServer:
@@ -117,17 +106,17 @@ class WebServer:
         self.server_address: tuple[Any, ...] = self.socket.getsockname()
         self.app = app
         self.watcher = watcher
-        self.max_connections = max(1, min(max_connections, _fd_budget()))
+        self.max_connections = max(1, connection_budget(max_connections))
         self._pool = WorkerPool(workers, max_queued)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._ep = select.epoll()
-        self._ep.register(self.socket.fileno(), _IN)
-        self._ep.register(self._wake_r, _IN)
-        self._conns: dict[int, _Conn] = {}
-        self._incoming: dict[int, _Conn] = {}  # no complete head yet, oldest first
-        self._timers: list[tuple[float, int, _Conn]] = []
+        self._ep.register(self.socket.fileno(), IN)
+        self._ep.register(self._wake_r, IN)
+        self._conns: dict[int, Connection] = {}
+        self._incoming: dict[int, Connection] = {}  # no complete head yet, oldest first
+        self._timers: list[tuple[float, int, Connection]] = []
         self._seq = itertools.count()
-        self._done: deque[tuple[_Conn, bytes]] = deque()  # responses from the workers
+        self._done: deque[tuple[Connection, bytes]] = deque()  # responses from the workers
         self._refusing = 0
         self._accept_resume = 0.0  # accepting paused until then (EMFILE)
         self._lock = threading.Lock()
@@ -182,7 +171,7 @@ class WebServer:
                 if fd == listen_fd:
                     self._accept()
                 elif fd == self._wake_r:
-                    _drain(self._wake_r)
+                    drain(self._wake_r)
                     if self._shut:
                         return
                     self._finish_jobs()
@@ -208,33 +197,33 @@ class WebServer:
         now = time.monotonic()
         if self._accept_resume and now >= self._accept_resume:
             self._accept_resume = 0.0
-            self._ep.modify(self.socket.fileno(), _IN)
+            self._ep.modify(self.socket.fileno(), IN)
         heap = self._timers
         while heap and heap[0][0] <= now:
             deadline, _, conn = heapq.heappop(heap)
             if conn.closed or conn.deadline != deadline:
                 continue
-            if conn.state == _HEAD:
+            if conn.state == HEAD:
                 self._answer(conn, BadRequest(408, "request head not received in time"))
             else:  # a handshake, a response or a linger that ran out of time
                 self._close(conn)
 
-    def _guarded(self, conn: _Conn, mask: int) -> None:
+    def _guarded(self, conn: Connection, mask: int) -> None:
         try:
             self._on_event(conn, mask)
         except Exception:  # one connection's surprise must not end the loop
             _limited.log(logging.ERROR, "loop", "connection from %s", conn.peer, exc_info=True)
             self._close(conn)
 
-    def _on_event(self, conn: _Conn, mask: int) -> None:
+    def _on_event(self, conn: Connection, mask: int) -> None:
         state = conn.state
-        if state == _HANDSHAKE:
+        if state == HANDSHAKE:
             self._handshake(conn)
-        elif state == _HEAD:
+        elif state == HEAD:
             self._read_head(conn)
-        elif state == _WRITE:
+        elif state == WRITE:
             self._write(conn)
-        elif state == _LINGER:
+        elif state == LINGER:
             self._linger(conn)
         elif mask & (select.EPOLLHUP | select.EPOLLERR):  # gone while the app runs
             self._close(conn)
@@ -276,7 +265,7 @@ class WebServer:
                 log.debug("TLS setup for %s failed: %s", peer, exc)
                 sock.close()
                 return
-        conn = _Conn(sock, peer, web if tls else None)
+        conn = Connection(sock, peer, web if tls else None)
         self._conns[conn.fd] = conn
         self._ep.register(conn.fd, 0)
         if refusal:
@@ -286,8 +275,8 @@ class WebServer:
             return
         self._incoming[conn.fd] = conn
         self._set_deadline(conn, time.monotonic() + IO_TIMEOUT)
-        conn.state = _HANDSHAKE if tls else _HEAD
-        self._want(conn, _IN)
+        conn.state = HANDSHAKE if tls else HEAD
+        self._want(conn, IN)
 
     def _evict_oldest(self) -> bool:
         """Close the oldest connection without a complete head; False if there is none."""
@@ -298,12 +287,12 @@ class WebServer:
 
     # --- one connection --------------------------------------------------------------
 
-    def _handshake(self, conn: _Conn) -> None:
+    def _handshake(self, conn: Connection) -> None:
         assert isinstance(conn.sock, ssl.SSLSocket) and conn.web is not None
         try:
             conn.sock.do_handshake()
         except OSError as exc:
-            want = _tls_want(exc)
+            want = tls_want(exc)
             if want:
                 self._want(conn, want)
             else:
@@ -311,22 +300,24 @@ class WebServer:
                 self._close(conn)
             return
         tls = conn.web.tls
-        if tls and tls.client_allowed_sans and not _san_allowed(conn.sock, tls):
-            _limited.log(logging.WARNING, "san", "client %s: certificate SAN not allowed", conn.peer)
+        if tls and tls.client_allowed_sans and not san_allowed(conn.sock, tls):
+            _limited.log(
+                logging.WARNING, "san", "client %s: certificate SAN not allowed", conn.peer
+            )
             self._close(conn)
             return
-        conn.state = _HEAD
+        conn.state = HEAD
         self._read_head(conn)  # the request may have come with the last handshake flight
 
-    def _read_head(self, conn: _Conn) -> None:
+    def _read_head(self, conn: Connection) -> None:
         while True:
             try:
                 chunk = conn.sock.recv(8192)
             except BlockingIOError:
-                self._want(conn, _IN)
+                self._want(conn, IN)
                 return
             except OSError as exc:
-                want = _tls_want(exc) if conn.web is not None else 0
+                want = tls_want(exc) if conn.web is not None else 0
                 if want:
                     self._want(conn, want)
                 else:
@@ -350,16 +341,16 @@ class WebServer:
             self._dispatch(conn, environ)
             return
 
-    def _dispatch(self, conn: _Conn, environ: dict[str, Any]) -> None:
+    def _dispatch(self, conn: Connection, environ: dict[str, Any]) -> None:
         self._incoming.pop(conn.fd, None)
-        conn.state, conn.deadline, conn.buf = _APP, 0.0, b""
+        conn.state, conn.deadline, conn.buf = APP, 0.0, b""
         self._want(conn, 0)  # hang-ups and errors are still reported
         environ["wsgi.url_scheme"] = "https" if conn.web is not None else "http"
         if not self._pool.submit(lambda: self._run_app(conn, environ)):
             busy = response("503 Service Unavailable", [("Retry-After", "1")], b"busy\n")
             self._send(conn, busy)
 
-    def _run_app(self, conn: _Conn, environ: dict[str, Any]) -> None:
+    def _run_app(self, conn: Connection, environ: dict[str, Any]) -> None:
         """On a worker: the app's response, handed back to the loop."""
         sent: list[tuple[str, list[tuple[str, str]]]] = []
 
@@ -389,27 +380,27 @@ class WebServer:
             if not conn.closed:
                 self._send(conn, data)
 
-    def _answer(self, conn: _Conn, exc: BadRequest) -> None:
+    def _answer(self, conn: Connection, exc: BadRequest) -> None:
         """The server's own error response (400, 408, 431), over TLS if the port is TLS."""
         self._incoming.pop(conn.fd, None)
-        log.debug("bad request from %s: %s", conn.peer, exc)
+        _limited.log(logging.DEBUG, str(exc.status), "bad request from %s: %s", conn.peer, exc)
         body = f"{exc}\n".encode()
         self._send(conn, response(f"{exc.status} {REASONS[exc.status]}", [], body))
 
-    def _send(self, conn: _Conn, data: bytes) -> None:
-        conn.state, conn.out = _WRITE, memoryview(data)
+    def _send(self, conn: Connection, data: bytes) -> None:
+        conn.state, conn.out = WRITE, memoryview(data)
         self._set_deadline(conn, time.monotonic() + IO_TIMEOUT)
         self._write(conn)
 
-    def _write(self, conn: _Conn) -> None:
+    def _write(self, conn: Connection) -> None:
         while conn.out:
             try:
                 sent = conn.sock.send(conn.out)
             except BlockingIOError:
-                self._want(conn, _OUT)
+                self._want(conn, OUT)
                 return
             except OSError as exc:
-                want = _tls_want(exc) if conn.web is not None else 0
+                want = tls_want(exc) if conn.web is not None else 0
                 if want:
                     self._want(conn, want)
                 else:
@@ -423,16 +414,16 @@ class WebServer:
         except OSError:
             self._close(conn)
             return
-        conn.state = _LINGER
+        conn.state = LINGER
         self._set_deadline(conn, time.monotonic() + _LINGER_SECONDS)
         self._linger(conn)
 
-    def _linger(self, conn: _Conn) -> None:
+    def _linger(self, conn: Connection) -> None:
         while True:
             try:
                 chunk = conn.sock.recv(8192)
             except BlockingIOError:
-                self._want(conn, _IN)
+                self._want(conn, IN)
                 return
             except OSError:
                 self._close(conn)
@@ -444,16 +435,16 @@ class WebServer:
 
     # --- bookkeeping -----------------------------------------------------------------
 
-    def _want(self, conn: _Conn, mask: int) -> None:
+    def _want(self, conn: Connection, mask: int) -> None:
         if conn.mask != mask:
             self._ep.modify(conn.fd, mask)
             conn.mask = mask
 
-    def _set_deadline(self, conn: _Conn, when: float) -> None:
+    def _set_deadline(self, conn: Connection, when: float) -> None:
         conn.deadline = when
         heapq.heappush(self._timers, (when, next(self._seq), conn))
 
-    def _close(self, conn: _Conn) -> None:
+    def _close(self, conn: Connection) -> None:
         if conn.closed:
             return
         conn.closed = True
@@ -466,63 +457,6 @@ class WebServer:
         except OSError:
             pass
         conn.sock.close()
-
-
-def _drain(fd: int) -> None:
-    try:
-        while os.read(fd, 4096):
-            pass
-    except BlockingIOError:
-        pass
-
-
-def _tls_want(exc: OSError) -> int:
-    """What a non-blocking TLS call waits for (EPOLLIN or EPOLLOUT); 0 for a real error."""
-    if isinstance(exc, ssl.SSLWantReadError):
-        return _IN
-    if isinstance(exc, ssl.SSLWantWriteError):
-        return _OUT
-    return 0
-
-
-def _fd_budget() -> int:
-    """Connections the open-files limit leaves room for."""
-    import resource
-
-    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return MAX_CONNECTIONS
-    return max(16, soft - FD_RESERVE)
-
-
-def raise_fd_limit() -> int:
-    """Raise the soft open-files limit to the hard one; log if it stays low. Returns it."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (OSError, ValueError) as exc:
-            log.debug("cannot raise the open-files limit to %s: %s", hard, exc)
-    if soft != resource.RLIM_INFINITY and soft < 1024 + FD_RESERVE:
-        log.warning(
-            "open-files limit is %d: the HTTP server holds at most %d connections "
-            "(raise LimitNOFILE / ulimit -n)",
-            soft,
-            max(16, soft - FD_RESERVE),
-        )
-    return int(soft)
-
-
-def _san_allowed(conn: ssl.SSLSocket, tls: TlsSettings) -> bool:
-    cert = conn.getpeercert()
-    if not cert:
-        return True  # no certificate: client_auth_type alone decides
-    entries = cert.get("subjectAltName", ())
-    sans = {str(e[1]) for e in entries if isinstance(e, tuple) and len(e) == 2}
-    return bool(sans & set(tls.client_allowed_sans))
 
 
 def _with_headers(app: App, watcher: WebConfigWatcher) -> App:

@@ -23,7 +23,10 @@ import pytest
 import trustme
 
 REPLAY = Path(__file__).resolve().parents[1] / "fixtures" / "nvml" / "h100-idle-record.json"
-SOURCES = f"sources:\n  nvml: {{replay: {REPLAY}}}\n  kmsg: {{enabled: false}}\n  udev: {{enabled: false}}\n"
+SOURCES = (
+    f"sources:\n  nvml: {{replay: {REPLAY}}}\n  kmsg: {{enabled: false}}\n"
+    "  udev: {enabled: false}\n"
+)
 PASSWORD = "drill-password"
 
 

@@ -222,7 +222,9 @@ def test_oversized_heads_over_tls_get_their_431(tmp_path: Any) -> None:
     pem, ca_pem = tmp_path / "server.pem", tmp_path / "ca.pem"
     ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(pem)
     ca.cert_pem.write_to_path(ca_pem)
-    (tmp_path / "web.yml").write_text(f"tls_server_config:\n  cert_file: {pem}\n  key_file: {pem}\n")
+    (tmp_path / "web.yml").write_text(
+        f"tls_server_config:\n  cert_file: {pem}\n  key_file: {pem}\n"
+    )
     web = webconfig.load(str(tmp_path / "web.yml"))
     httpd, _ = serve(make_app(Registry(), {}), "127.0.0.1", 0, web)
     ctx = ssl.create_default_context(cafile=str(ca_pem))
