@@ -102,7 +102,7 @@ def events_route(store: EventStore, max_limit: int = 1000) -> Route:
             code = _int(_first(query, "code")) if _first(query, "code") else None
             since = _epoch(_first(query, "since")) if _first(query, "since") else None
         except ValueError:
-            return 400, "text/plain", BAD_QUERY
+            return 400, "text/plain", _BAD_QUERY
         events = store.recent(
             max(1, min(limit, max_limit)),
             kind=_first(query, "kind") or None,
@@ -116,7 +116,7 @@ def events_route(store: EventStore, max_limit: int = 1000) -> Route:
     return route
 
 
-BAD_QUERY = b"limit and code must be integers (up to 18 digits), since a finite number\n"
+_BAD_QUERY = b"limit and code must be integers (up to 18 digits), since a finite number\n"
 
 
 def _one_event(store: EventStore, ident: str) -> tuple[int, str, bytes]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import unquote
 
-__all__ = ["MAX_HEADERS", "MAX_HEAD_BYTES", "BadRequest", "head_length", "parse_head", "response"]
+__all__ = ["BadRequest", "MAX_HEADERS", "MAX_HEAD_BYTES", "head_length", "parse_head", "response"]
 
 MAX_HEAD_BYTES = 16384  # request line and headers together
 MAX_HEADERS = 100
