@@ -119,7 +119,9 @@ def client_hello() -> bytes:
     return outgoing.read()
 
 
-def attacker(port: int, ca: str, count: int, ready: Any, stop: Any, out: Any) -> None:
+def attacker(
+    port: int, ca: str, count: int, kinds: tuple[str, ...], ready: Any, stop: Any, out: Any
+) -> None:
     """Hold `count` slow connections of the four kinds, reopening what the server closes."""
     raise_nofile()
     ctx = ssl.create_default_context(cafile=ca)
@@ -145,7 +147,7 @@ def attacker(port: int, ca: str, count: int, ready: Any, stop: Any, out: Any) ->
             failed += 1
 
     for i in range(count):
-        open_one(KINDS[i % len(KINDS)])
+        open_one(kinds[i % len(kinds)])
     ready.set()
     next_trickle = time.monotonic() + TRICKLE_SECONDS
     while not stop.is_set():
@@ -180,7 +182,9 @@ def measure(port: int, ca: Path, ctx: ssl.SSLContext, args: argparse.Namespace) 
     base = [scrape(port, ctx) for _ in range(args.baseline)]
     mpc = mp.get_context("fork")
     ready, stop, out = mpc.Event(), mpc.Event(), mpc.Queue()
-    proc = mpc.Process(target=attacker, args=(port, str(ca), args.clients, ready, stop, out))
+    proc = mpc.Process(
+        target=attacker, args=(port, str(ca), args.clients, tuple(args.kinds), ready, stop, out)
+    )
     proc.start()
     t0 = time.monotonic()
     ready.wait(120)
@@ -218,6 +222,8 @@ def main() -> int:
     ap.add_argument("--scrapes", type=int, default=200)
     ap.add_argument("--baseline", type=int, default=50)
     ap.add_argument("--interval", type=float, default=0.05, help="seconds between scrapes")
+    ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    ap.add_argument("--only", choices=("gpuwatchd", "node_exporter"), help="one server")
     ap.add_argument("--section", default="", help="docs/benchmarks.md section name")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
@@ -234,10 +240,11 @@ def main() -> int:
     cmd = [sys.executable, "-m", "gpuwatchd", "run", "--config", str(tmp / "config.yaml"),
            "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp / "state"),
            "--log-level", "warning"]  # fmt: skip
-    with started(cmd, port, ctx):
-        fig["gpuwatchd"] = measure(port, ca, ctx, args)
+    if args.only != "node_exporter":
+        with started(cmd, port, ctx):
+            fig["gpuwatchd"] = measure(port, ca, ctx, args)
     exe = next((shutil.which(n) for n in NODE_EXPORTER if shutil.which(n)), None)
-    if exe:
+    if exe and args.only != "gpuwatchd":
         port = free_port()
         light = ["--collector.disable-defaults", "--collector.loadavg", "--collector.meminfo"]
         cmd = [exe, f"--web.listen-address=127.0.0.1:{port}", f"--web.config.file={web}", *light]
