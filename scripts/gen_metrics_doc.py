@@ -35,6 +35,7 @@ PRODUCERS: tuple[tuple[str, str, str], ...] = (
     ("gpuwatchd.sinks.remediation.sink", "METRICS", "remediation"),
     ("gpuwatchd.sinks.prometheus", "DAEMON_METRICS", "daemon"),
     ("gpuwatchd.pipeline", "PIPELINE_METRICS", "consumer"),
+    ("gpuwatchd.http.counters", "HTTP_METRICS", "http"),
 )
 
 # The nearest dcgm-exporter field (DCGM_FI_*) for metrics that have one. Units and

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import parse_qs
 
+from gpuwatchd.http.counters import BAD_REQUESTS
 from gpuwatchd.sinks.exposition import CONTENT_TYPE, Registry, render
 
 __all__ = ["App", "LogLimiter", "REASONS", "Route", "StartResponse", "json_route", "make_app"]
@@ -77,15 +78,17 @@ def make_app(
     """A WSGI app: /metrics plus the given JSON routes; anything else is 404.
 
     With `generation` (the snapshot's counter), the exposition is rendered once
-    per snapshot and reused by every scrape until the next publish.
+    per snapshot and reused by every scrape until the next publish (or the next
+    bad request, whose count is part of it).
     """
-    cache: list[tuple[int, bytes]] = []
+    registry.register(BAD_REQUESTS)
+    cache: list[tuple[tuple[int, int], bytes]] = []
     cache_lock = threading.Lock()
 
     def exposition() -> bytes:
         if generation is None:
             return render(registry)
-        gen = generation()
+        gen = (generation(), BAD_REQUESTS.total())
         with cache_lock:
             if cache and cache[0][0] == gen:
                 return cache[0][1]
@@ -98,6 +101,7 @@ def make_app(
         path = environ.get("PATH_INFO", "/") or "/"
         method = environ.get("REQUEST_METHOD", "GET")
         if method not in ("GET", "HEAD"):
+            BAD_REQUESTS.add("method")
             return _reply(start_response, 405, "text/plain", b"method not allowed\n")
         query = parse_qs(environ.get("QUERY_STRING", ""))
         base, _, item = path.rpartition("/")
@@ -109,6 +113,8 @@ def make_app(
         elif path in routes:
             try:
                 status, ctype, body = routes[path](query)
+                if status == 400:
+                    BAD_REQUESTS.add("invalid_parameter")
             except Exception:
                 _handler_errors.log(logging.ERROR, path, "handler for %s", path, exc_info=True)
                 status, ctype, body = 500, "text/plain", b"internal error\n"

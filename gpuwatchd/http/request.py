@@ -17,11 +17,15 @@ MAX_HEADERS = 100
 
 
 class BadRequest(Exception):
-    """A request the server answers itself with `status` (400, 408, 431)."""
+    """A request the server answers itself with `status` (400, 408, 431).
 
-    def __init__(self, status: int, why: str) -> None:
+    `reason` is one of gpuwatchd.http.counters.BAD_REQUEST_REASONS.
+    """
+
+    def __init__(self, status: int, why: str, reason: str = "malformed") -> None:
         super().__init__(why)
         self.status = status
+        self.reason = reason
 
 
 def head_length(buf: bytes) -> int:
@@ -33,11 +37,11 @@ def head_length(buf: bytes) -> int:
     ends = [i for i in (crlf, lf) if i >= 0]
     if not ends:
         if len(buf) > MAX_HEAD_BYTES:
-            raise BadRequest(431, "request head too large")
+            raise BadRequest(431, "request head too large", "too_large")
         return -1
     end = min(ends)
     if end > MAX_HEAD_BYTES:
-        raise BadRequest(431, "request head too large")
+        raise BadRequest(431, "request head too large", "too_large")
     return end
 
 
@@ -50,10 +54,12 @@ def parse_head(head: bytes, peer: str) -> dict[str, Any]:
         raise BadRequest(400, "malformed request line")
     method, target, version = parts
     if len(lines) - 1 > MAX_HEADERS:
-        raise BadRequest(431, "too many headers")
+        raise BadRequest(431, "too many headers", "too_large")
     # Origin form only; the query never changes the path.
     if not target.startswith("/"):
-        raise BadRequest(400, "the request target must be a path starting with /")
+        raise BadRequest(
+            400, "the request target must be a path starting with /", "not_origin_form"
+        )
     path, _, query = target.partition("?")
     environ: dict[str, Any] = {
         "REQUEST_METHOD": method,

@@ -55,6 +55,7 @@ from gpuwatchd.http.connection import (
     san_allowed,
     tls_want,
 )
+from gpuwatchd.http.counters import BAD_REQUESTS
 from gpuwatchd.http.request import MAX_HEAD_BYTES, BadRequest, head_length, parse_head, response
 from gpuwatchd.http.webconfig import (
     IO_TIMEOUT,
@@ -204,7 +205,7 @@ class WebServer:
             if conn.closed or conn.deadline != deadline:
                 continue
             if conn.state == HEAD:
-                self._answer(conn, BadRequest(408, "request head not received in time"))
+                self._answer(conn, BadRequest(408, "request head not received in time", "timeout"))
             else:  # a handshake, a response or a linger that ran out of time
                 self._close(conn)
 
@@ -383,6 +384,7 @@ class WebServer:
     def _answer(self, conn: Connection, exc: BadRequest) -> None:
         """The server's own error response (400, 408, 431), over TLS if the port is TLS."""
         self._incoming.pop(conn.fd, None)
+        BAD_REQUESTS.add(exc.reason)
         _limited.log(logging.DEBUG, str(exc.status), "bad request from %s: %s", conn.peer, exc)
         body = f"{exc}\n".encode()
         self._send(conn, response(f"{exc.status} {REASONS[exc.status]}", [], body))

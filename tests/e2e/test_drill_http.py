@@ -163,3 +163,6 @@ def test_junk_ids_are_400_and_cost_little_log(start_daemon: Any) -> None:
     assert _raw(d.port, b"GET /events?code=79 HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 200 ")
     logged = d.output()[before:]
     assert "Traceback" not in logged and len(logged) < 2000, logged[:2000]
+    metrics = _raw(d.port, b"GET /metrics HTTP/1.1\r\n\r\n").decode()
+    line = 'gpuwatchd_http_bad_requests_total{reason="invalid_parameter"} '
+    assert float(metrics.split(line, 1)[1].split()[0]) == 20 * len(JUNK)

@@ -12,6 +12,7 @@ import pytest
 
 from gpuwatchd.http import server as http_server
 from gpuwatchd.http.app import make_app
+from gpuwatchd.http.counters import BAD_REQUESTS
 from gpuwatchd.http.server import WebServer, serve
 from gpuwatchd.http.webconfig import WebConfig, WebConfigWatcher
 from gpuwatchd.sinks.exposition import Family, Registry
@@ -105,12 +106,14 @@ def test_malformed_requests_get_400(running: Any, raw: bytes) -> None:
 
 
 def test_oversized_head_gets_431(running: Any) -> None:
+    before = BAD_REQUESTS.count("too_large")
     raw = b"GET /metrics HTTP/1.1\r\nX-Pad: " + b"a" * (http_server.MAX_HEAD_BYTES + 10)
     status, _, _ = _split(_exchange(running(), raw + b"\r\n\r\n"))
     assert status.startswith("HTTP/1.1 431")
     many = b"".join(b"X-%d: 1\r\n" % i for i in range(150))
     status, _, _ = _split(_exchange(running(), b"GET / HTTP/1.1\r\n" + many + b"\r\n"))
     assert status.startswith("HTTP/1.1 431")
+    assert BAD_REQUESTS.count("too_large") == before + 2
 
 
 def test_handler_exception_is_a_500_and_the_server_goes_on(running: Any) -> None:
@@ -297,6 +300,7 @@ def test_request_body_is_drained_so_the_response_arrives(running: Any) -> None:
 _FD_EXHAUSTION = """
 import os, resource, sys
 from gpuwatchd.http.app import make_app
+from gpuwatchd.http.counters import BAD_REQUESTS
 from gpuwatchd.http.server import serve
 from gpuwatchd.sinks.exposition import Registry
 httpd, _ = serve(make_app(Registry(), {}), "127.0.0.1", 0)
