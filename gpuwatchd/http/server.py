@@ -42,6 +42,7 @@ from typing import Any
 from gpuwatchd.http.app import REASONS, App, LogLimiter, StartResponse
 from gpuwatchd.http.connection import (
     APP,
+    FD_RESERVE,
     HANDSHAKE,
     HEAD,
     IN,
@@ -66,6 +67,7 @@ from gpuwatchd.http.webconfig import (
 from gpuwatchd.http.workers import WorkerPool
 
 __all__ = [
+    "FD_RESERVE",
     "MAX_CONNECTIONS",
     "MAX_HEAD_BYTES",
     "MAX_QUEUED",
@@ -147,7 +149,10 @@ class WebServer:
             self._shut = True
             serving = self._serving
             if self._wake_w >= 0:
-                os.write(self._wake_w, b"x")
+                try:
+                    os.write(self._wake_w, b"x")
+                except BlockingIOError:
+                    pass  # full of wake-ups already: the loop will read them and see _shut
         if serving:
             self._stopped.wait()
 

@@ -297,6 +297,31 @@ def test_request_body_is_drained_so_the_response_arrives(running: Any) -> None:
     assert _split(reply)[0] == "HTTP/1.1 200 OK"
 
 
+_FD_LIMIT = """
+import logging, resource
+from gpuwatchd.http.app import make_app
+from gpuwatchd.http.server import serve
+from gpuwatchd.sinks.exposition import Registry
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 512))
+httpd, _ = serve(make_app(Registry(), {}), "127.0.0.1", 0)
+print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], httpd.max_connections, flush=True)
+"""
+
+
+def test_the_open_files_limit_is_raised_and_bounds_the_table() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", _FD_LIMIT], cwd=root, capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout.split() == ["512", str(512 - http_server.FD_RESERVE)], out.stderr
+    assert "open-files limit is 512" in out.stderr
+
+
 _FD_EXHAUSTION = """
 import os, resource, sys
 from gpuwatchd.http.app import make_app
