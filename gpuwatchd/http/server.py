@@ -174,18 +174,26 @@ class WebServer:
         listen_fd = self.socket.fileno()
         while True:
             for fd, mask in self._ep.poll(self._timeout()):
-                if fd == listen_fd:
-                    self._accept()
-                elif fd == self._wake_r:
+                if fd == self._wake_r:
                     drain(self._wake_r)
                     if self._shut:
                         return
-                    self._finish_jobs()
-                else:
-                    conn = self._conns.get(fd)
+                conn = self._conns.get(fd)
+                try:
+                    if fd == listen_fd:
+                        self._accept()
+                    elif fd == self._wake_r:
+                        self._finish_jobs()
+                    elif conn is not None:
+                        self._on_event(conn, mask)
+                except Exception:  # a surprise in one connection must not end the loop
+                    _limited.log(logging.ERROR, "loop", "HTTP event loop", exc_info=True)
                     if conn is not None:
-                        self._guarded(conn, mask)
-            self._expire()
+                        self._close(conn)
+            try:
+                self._expire()
+            except Exception:
+                _limited.log(logging.ERROR, "loop", "HTTP event loop", exc_info=True)
 
     def _timeout(self) -> float:
         """Seconds to the next deadline; -1 (sleep until woken) with none."""
@@ -213,13 +221,6 @@ class WebServer:
                 self._answer(conn, BadRequest(408, "request head not received in time", "timeout"))
             else:  # a handshake, a response or a linger that ran out of time
                 self._close(conn)
-
-    def _guarded(self, conn: Connection, mask: int) -> None:
-        try:
-            self._on_event(conn, mask)
-        except Exception:  # one connection's surprise must not end the loop
-            _limited.log(logging.ERROR, "loop", "connection from %s", conn.peer, exc_info=True)
-            self._close(conn)
 
     def _on_event(self, conn: Connection, mask: int) -> None:
         state = conn.state
