@@ -50,7 +50,7 @@ class Connection:
     """A client connection and where its exchange stands."""
 
     __slots__ = ("sock", "fd", "peer", "web", "state", "buf", "out", "deadline", "mask",
-                 "drained", "closed", "refusal")  # fmt: skip
+                 "drained", "closed", "refusal", "greeted")  # fmt: skip
 
     def __init__(self, sock: socket.socket, peer: str, web: WebConfig | None) -> None:
         self.sock = sock
@@ -65,6 +65,7 @@ class Connection:
         self.drained = 0  # bytes read while lingering
         self.closed = False
         self.refusal = False  # a 503 beyond the table's size
+        self.greeted = False  # the TLS handshake has had its first (costly) step
 
 
 def drain(fd: int) -> None:

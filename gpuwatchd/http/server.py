@@ -1,26 +1,15 @@
 """The HTTP server: one event-loop thread for the sockets, a small pool for the app.
 
-Written on plain sockets rather than `http.server`/`wsgiref` (several MiB of
-the daemon's memory for a handful of GET routes). One thread sleeps in
-epoll(2) and does all socket work without blocking: accepting, the TLS
-handshake, reading the request head, writing the response and a short
-linger. A connection that is idle, trickles, or stops halfway through a
-handshake costs a socket and a small object, never a thread, so a thousand
-of them do not deny a scrape. Only a complete request head reaches the app,
-which runs on a few worker threads (bcrypt, the store and rendering may
-take milliseconds).
-
-Each connection has a deadline for its whole exchange, not per read: the
-handshake and the head within IO_TIMEOUT of the accept, the response within
-IO_TIMEOUT, then at most _LINGER_SECONDS (and _LINGER_BYTES) of reading
-what the client still sends, so that closing does not reset the connection
-before the client reads the answer. When the connection table is full, the
-oldest connection that has not yet sent a complete head makes room: slow
-clients cannot take the place a complete request needs. 503 (with
-Retry-After) goes to requests when the app's queue is full. Nothing is ever
-sent in clear text on a TLS port: a TLS client that cannot be answered is
-closed. With no connection open the loop sleeps without a timeout;
-`shutdown()` wakes it through a pipe.
+Plain sockets rather than `http.server`/`wsgiref` (several MiB of memory for a
+few GET routes). One thread sleeps in epoll(2) and does all socket work
+without blocking: accept, TLS handshake, request head, response, a short
+linger. An idle, trickling or half-handshaken client costs a socket, never a
+thread. Only a complete head reaches the app, on a few worker threads. Each
+connection has one deadline for its whole exchange, not per read; when the
+table is full the oldest connection without a complete head makes room; 503
+(Retry-After) is for a full app queue. A TLS port never answers in clear
+text. With nothing open the loop sleeps without a timeout; `shutdown()`
+wakes it through a pipe. Why: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -36,10 +25,10 @@ import ssl
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable
 from typing import Any
 
-from gpuwatchd.http.app import REASONS, App, LogLimiter, StartResponse
+from gpuwatchd.http.app import REASONS, App, LogLimiter
 from gpuwatchd.http.connection import (
     APP,
     FD_RESERVE,
@@ -63,6 +52,7 @@ from gpuwatchd.http.webconfig import (
     BasicAuth,
     WebConfig,
     WebConfigWatcher,
+    with_headers,
 )
 from gpuwatchd.http.workers import WorkerPool
 
@@ -88,6 +78,7 @@ _LINGER_SECONDS = 1.0
 _LINGER_BYTES = 65536
 _ACCEPT_BATCH = 64  # accepts per wake-up, so a flood cannot starve the others
 _ACCEPT_PAUSE = 0.1  # after EMFILE and nothing to evict
+_GREETING_SLICE = 0.01  # seconds of TLS first flights per turn of the loop
 
 
 class WebServer:
@@ -173,27 +164,40 @@ class WebServer:
     def _loop(self) -> None:
         listen_fd = self.socket.fileno()
         while True:
+            greetings: list[Connection] = []
             for fd, mask in self._ep.poll(self._timeout()):
                 if fd == self._wake_r:
                     drain(self._wake_r)
                     if self._shut:
                         return
                 conn = self._conns.get(fd)
-                try:
-                    if fd == listen_fd:
-                        self._accept()
-                    elif fd == self._wake_r:
-                        self._finish_jobs()
-                    elif conn is not None:
-                        self._on_event(conn, mask)
-                except Exception:  # a surprise in one connection must not end the loop
-                    _limited.log(logging.ERROR, "loop", "HTTP event loop", exc_info=True)
-                    if conn is not None:
-                        self._close(conn)
-            try:
-                self._expire()
-            except Exception:
-                _limited.log(logging.ERROR, "loop", "HTTP event loop", exc_info=True)
+                if conn is not None and conn.state == HANDSHAKE and not conn.greeted:
+                    greetings.append(conn)  # the costly step: after the cheap ones
+                    continue
+                if fd == listen_fd:
+                    self._step(None, self._accept)
+                elif fd == self._wake_r:
+                    self._step(None, self._finish_jobs)
+                elif conn is not None and not conn.closed:
+                    self._step(conn, self._on_event, conn, mask)
+            # A burst of ClientHellos (each a signature) gets a slice of time per turn;
+            # the rest stay readable and come back at the next poll, after which the
+            # requests and handshakes further along go first.
+            budget = time.monotonic() + _GREETING_SLICE
+            for conn in greetings:
+                if time.monotonic() > budget:
+                    break
+                if not conn.closed:
+                    self._step(conn, self._handshake, conn)
+            self._step(None, self._expire)
+
+    def _step(self, conn: Connection | None, step: Callable[..., None], *args: Any) -> None:
+        try:
+            step(*args)
+        except Exception:  # a surprise in one connection must not end the loop
+            _limited.log(logging.ERROR, "loop", "HTTP event loop", exc_info=True)
+            if conn is not None:
+                self._close(conn)
 
     def _timeout(self) -> float:
         """Seconds to the next deadline; -1 (sleep until woken) with none."""
@@ -296,6 +300,7 @@ class WebServer:
 
     def _handshake(self, conn: Connection) -> None:
         assert isinstance(conn.sock, ssl.SSLSocket) and conn.web is not None
+        conn.greeted = True
         try:
             conn.sock.do_handshake()
         except OSError as exc:
@@ -467,18 +472,6 @@ class WebServer:
         conn.sock.close()
 
 
-def _with_headers(app: App, watcher: WebConfigWatcher) -> App:
-    def wrapped(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
-        extra = list(watcher.current().headers)
-
-        def start(status: str, headers: list[tuple[str, str]], *exc: Any) -> Any:
-            return start_response(status, headers + extra, *exc)
-
-        return app(environ, start if extra else start_response)
-
-    return wrapped
-
-
 def serve(
     app: App,
     host: str,
@@ -494,7 +487,7 @@ def serve(
     """
     raise_fd_limit()
     watcher = WebConfigWatcher(web or WebConfig())
-    wrapped: App = BasicAuth(_with_headers(app, watcher), watcher)
+    wrapped: App = BasicAuth(with_headers(app, watcher), watcher)
     httpd = WebServer(wrapped, host, port, watcher, max_connections, workers, max_queued)
     thread = threading.Thread(target=httpd.serve_forever, name="http", daemon=True)
     thread.start()
