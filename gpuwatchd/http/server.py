@@ -285,7 +285,10 @@ class WebServer:
             self._send(conn, response("503 Service Unavailable", [("Retry-After", "1")], b"busy\n"))
             return
         self._incoming[conn.fd] = conn
-        self._set_deadline(conn, time.monotonic() + IO_TIMEOUT)
+        # Spread over the second half of IO_TIMEOUT (golden-ratio steps): clients that
+        # connected together do not all time out, and come back, together.
+        spread = 0.5 + 0.5 * ((next(self._seq) * 0.6180339887) % 1.0)
+        self._set_deadline(conn, time.monotonic() + IO_TIMEOUT * spread)
         conn.state = HANDSHAKE if tls else HEAD
         self._want(conn, IN)
 
