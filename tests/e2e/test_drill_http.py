@@ -121,9 +121,10 @@ def test_slow_clients_do_not_deny_authenticated_scrapes(
         for s in held + trickling:
             s.close()
     assert statuses == [(200, True)] * 20
-    # The goal is 100 ms; the bound leaves room for a loaded 2-core test machine.
+    # The goal is 100 ms; the bound on the slowest leaves room for a loaded test machine
+    # (before the fix every one of these scrapes failed).
     assert statistics.median(latencies) < 0.1, latencies
-    assert max(latencies) < 0.5, latencies
+    assert max(latencies) < 1.0, latencies
 
 
 def test_the_query_never_chooses_the_route(start_daemon: Any) -> None:
