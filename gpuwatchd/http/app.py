@@ -78,24 +78,25 @@ def make_app(
     """A WSGI app: /metrics plus the given JSON routes; anything else is 404.
 
     With `generation` (the snapshot's counter), the exposition is rendered once
-    per snapshot and reused by every scrape until the next publish (or the next
-    bad request, whose count is part of it).
+    per snapshot and reused by every scrape until the next publish. The HTTP
+    layer's own counters are written fresh after it: junk requests change them
+    at will, and must not cost every scrape a full render.
     """
-    registry.register(BAD_REQUESTS)
-    cache: list[tuple[tuple[int, int], bytes]] = []
+    cache: list[tuple[int, bytes]] = []
     cache_lock = threading.Lock()
 
     def exposition() -> bytes:
+        own = "".join(line for fam in BAD_REQUESTS.collect() for line in fam.lines()).encode()
         if generation is None:
-            return render(registry)
-        gen = (generation(), BAD_REQUESTS.total())
+            return render(registry) + own
+        gen = generation()
         with cache_lock:
             if cache and cache[0][0] == gen:
-                return cache[0][1]
+                return cache[0][1] + own
         body = render(registry)
         with cache_lock:
             cache[:] = [(gen, body)]
-        return body
+        return body + own
 
     def app(environ: dict[str, Any], start_response: StartResponse) -> Sequence[bytes]:
         path = environ.get("PATH_INFO", "/") or "/"

@@ -37,7 +37,7 @@ HTTP_METRICS: tuple[MetricSpec, ...] = (
 
 
 class BadRequestCounter:
-    """Thread-safe counts per reason; a Registry collector."""
+    """Thread-safe counts per reason; `collect()` gives its family."""
 
     def __init__(self) -> None:
         self._counts = dict.fromkeys(BAD_REQUEST_REASONS, 0)
@@ -51,10 +51,6 @@ class BadRequestCounter:
     def count(self, reason: str) -> int:
         with self._lock:
             return self._counts[reason]
-
-    def total(self) -> int:
-        with self._lock:
-            return sum(self._counts.values())
 
     def collect(self) -> list[Family]:
         fam = Family(
