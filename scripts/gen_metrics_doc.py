@@ -36,6 +36,7 @@ PRODUCERS: tuple[tuple[str, str, str], ...] = (
     ("gpuwatchd.sinks.prometheus", "DAEMON_METRICS", "daemon"),
     ("gpuwatchd.pipeline", "PIPELINE_METRICS", "consumer"),
     ("gpuwatchd.runmarker", "METRICS", "daemon"),
+    ("gpuwatchd.http.counters", "HTTP_METRICS", "http"),
 )
 
 # The nearest dcgm-exporter field (DCGM_FI_*) for metrics that have one. Units and

@@ -10,13 +10,15 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import parse_qs
 
+from gpuwatchd.http.counters import BAD_REQUESTS
 from gpuwatchd.sinks.exposition import CONTENT_TYPE, Registry, render
 
-__all__ = ["App", "REASONS", "Route", "StartResponse", "json_route", "make_app"]
+__all__ = ["App", "LogLimiter", "REASONS", "Route", "StartResponse", "json_route", "make_app"]
 
 log = logging.getLogger("gpuwatchd.http")
 
@@ -37,6 +39,37 @@ REASONS = {
 }
 
 
+class LogLimiter:
+    """At most one line per `key` every `interval` seconds; the next one says how many it hid.
+
+    Anyone can send bad requests: what they cost in log must not grow with their number.
+    """
+
+    def __init__(self, logger: logging.Logger, interval: float = 60.0, max_keys: int = 64) -> None:
+        self.logger = logger
+        self.interval = interval
+        self.max_keys = max_keys
+        self._last: dict[str, tuple[float, int]] = {}  # key -> (last line, lines hidden since)
+        self._lock = threading.Lock()
+
+    def log(self, level: int, key: str, msg: str, *args: object, exc_info: bool = False) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last, hidden = self._last.get(key, (-self.interval, 0))
+            if now - last < self.interval:
+                self._last[key] = (last, hidden + 1)
+                return
+            if key not in self._last and len(self._last) >= self.max_keys:
+                self._last.pop(next(iter(self._last)))
+            self._last[key] = (now, 0)
+        if hidden:
+            msg += f" ({hidden} more like it in the last {self.interval:.0f}s not logged)"
+        self.logger.log(level, msg, *args, exc_info=exc_info)
+
+
+_handler_errors = LogLimiter(log)
+
+
 def make_app(
     registry: Registry,
     routes: Mapping[str, Route],
@@ -45,27 +78,31 @@ def make_app(
     """A WSGI app: /metrics plus the given JSON routes; anything else is 404.
 
     With `generation` (the snapshot's counter), the exposition is rendered once
-    per snapshot and reused by every scrape until the next publish.
+    per snapshot and reused by every scrape until the next publish. The HTTP
+    layer's own counters are written fresh after it: junk requests change them
+    at will, and must not cost every scrape a full render.
     """
     cache: list[tuple[int, bytes]] = []
     cache_lock = threading.Lock()
 
     def exposition() -> bytes:
+        own = "".join(line for fam in BAD_REQUESTS.collect() for line in fam.lines()).encode()
         if generation is None:
-            return render(registry)
+            return render(registry) + own
         gen = generation()
         with cache_lock:
             if cache and cache[0][0] == gen:
-                return cache[0][1]
+                return cache[0][1] + own
         body = render(registry)
         with cache_lock:
             cache[:] = [(gen, body)]
-        return body
+        return body + own
 
     def app(environ: dict[str, Any], start_response: StartResponse) -> Sequence[bytes]:
         path = environ.get("PATH_INFO", "/") or "/"
         method = environ.get("REQUEST_METHOD", "GET")
         if method not in ("GET", "HEAD"):
+            BAD_REQUESTS.add("method")
             return _reply(start_response, 405, "text/plain", b"method not allowed\n")
         query = parse_qs(environ.get("QUERY_STRING", ""))
         base, _, item = path.rpartition("/")
@@ -77,8 +114,10 @@ def make_app(
         elif path in routes:
             try:
                 status, ctype, body = routes[path](query)
+                if status == 400:
+                    BAD_REQUESTS.add("invalid_parameter")
             except Exception:
-                log.exception("handler for %s", path)
+                _handler_errors.log(logging.ERROR, path, "handler for %s", path, exc_info=True)
                 status, ctype, body = 500, "text/plain", b"internal error\n"
         elif path == "/":
             links = "".join(f'<li><a href="{p}">{p}</a></li>' for p in ["/metrics", *routes])

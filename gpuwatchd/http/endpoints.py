@@ -7,6 +7,7 @@ view. A route is `query -> (status, content type, body)`.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -71,6 +72,25 @@ def _first(query: Mapping[str, list[str]], key: str) -> str:
     return values[0]
 
 
+# SQLite integers are signed 64-bit: a longer number cannot name a stored row.
+_MAX_DIGITS = 18
+
+
+def _int(text: str) -> int:
+    """A non-negative decimal integer in ASCII digits that SQLite can hold, else ValueError."""
+    if not (text.isascii() and text.isdigit() and len(text) <= _MAX_DIGITS):
+        raise ValueError(text)
+    return int(text)
+
+
+def _epoch(text: str) -> float:
+    """A finite number of seconds, else ValueError."""
+    value = float(text) if text.isascii() else math.nan
+    if not math.isfinite(value):
+        raise ValueError(text)
+    return value
+
+
 def events_route(store: EventStore, max_limit: int = 1000) -> Route:
     """GET /events?limit=N&kind=xid&code=79&gpu=<bus|uuid|index>&since=<epoch>; /events/ID."""
 
@@ -78,11 +98,11 @@ def events_route(store: EventStore, max_limit: int = 1000) -> Route:
         if _first(query, "id"):
             return _one_event(store, _first(query, "id"))
         try:
-            limit = int(_first(query, "limit") or 100)
-            code = int(_first(query, "code")) if _first(query, "code") else None
-            since = float(_first(query, "since")) if _first(query, "since") else None
+            limit = _int(_first(query, "limit") or "100")
+            code = _int(_first(query, "code")) if _first(query, "code") else None
+            since = _epoch(_first(query, "since")) if _first(query, "since") else None
         except ValueError:
-            return 400, "text/plain", b"limit and code must be integers, since a number\n"
+            return 400, "text/plain", _BAD_QUERY
         events = store.recent(
             max(1, min(limit, max_limit)),
             kind=_first(query, "kind") or None,
@@ -96,11 +116,16 @@ def events_route(store: EventStore, max_limit: int = 1000) -> Route:
     return route
 
 
+_BAD_QUERY = b"limit and code must be integers (up to 18 digits), since a finite number\n"
+
+
 def _one_event(store: EventStore, ident: str) -> tuple[int, str, bytes]:
     """One event; a job hang's forensics (stacks, NCCL RAS answer) as JSON, not a string."""
-    if not ident.isdigit():
-        return 400, "text/plain", b"the event id is a number\n"
-    event = store.event(int(ident))
+    try:
+        event_id = _int(ident)
+    except ValueError:
+        return 400, "text/plain", b"the event id is a number (up to 18 digits)\n"
+    event = store.event(event_id)
     if event is None:
         return 404, "text/plain", b"no such event\n"
     attrs = event.get("attrs") or {}

@@ -1,18 +1,22 @@
-"""The HTTP server: a small HTTP/1.1 front for the WSGI app, with web-config TLS and auth.
+"""The HTTP server: one event-loop thread for the sockets, a small pool for the app.
 
-Written on plain sockets rather than `http.server`/`wsgiref`: the daemon answers
-GET and HEAD on a handful of paths, and the stdlib server (with the email and
-http.client packages it imports) cost several MiB of the daemon's memory.
-Every connection gets its own thread, which also runs the TLS handshake, so
-one silent client never stalls the accept loop; the number of connections
-served at once is capped, the whole request head must arrive within
-IO_TIMEOUT, and one response is sent per connection (Connection: close).
-The accept loop sleeps in poll(2) with no timeout; `shutdown()` wakes it
-through a pipe.
+Plain sockets rather than `http.server`/`wsgiref` (several MiB of memory for a
+few GET routes). One thread sleeps in epoll(2) and does all socket work
+without blocking: accept, TLS handshake, request head, response, a short
+linger. An idle, trickling or half-handshaken client costs a socket, never a
+thread. Only a complete head reaches the app, on a few worker threads. Each
+connection has one deadline for its whole exchange, not per read; when the
+table is full the oldest connection without a complete head makes room; 503
+(Retry-After) is for a full app queue. A TLS port never answers in clear
+text. With nothing open the loop sleeps without a timeout; `shutdown()`
+wakes it through a pipe. Why: docs/architecture.md.
 """
 
 from __future__ import annotations
 
+import errno
+import heapq
+import itertools
 import logging
 import os
 import select
@@ -20,39 +24,65 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Callable
 from typing import Any
-from urllib.parse import unquote
 
-from gpuwatchd.http.app import REASONS, App, StartResponse
+from gpuwatchd.http.app import REASONS, App, LogLimiter
+from gpuwatchd.http.connection import (
+    APP,
+    FD_RESERVE,
+    HANDSHAKE,
+    HEAD,
+    IN,
+    LINGER,
+    OUT,
+    WRITE,
+    Connection,
+    connection_budget,
+    drain,
+    raise_fd_limit,
+    san_allowed,
+    tls_want,
+)
+from gpuwatchd.http.counters import BAD_REQUESTS
+from gpuwatchd.http.request import MAX_HEAD_BYTES, BadRequest, head_length, parse_head, response
 from gpuwatchd.http.webconfig import (
     IO_TIMEOUT,
     BasicAuth,
-    TlsSettings,
     WebConfig,
     WebConfigWatcher,
+    with_headers,
 )
+from gpuwatchd.http.workers import WorkerPool
 
-__all__ = ["MAX_CONNECTIONS", "MAX_HEAD_BYTES", "WebServer", "serve"]
+__all__ = [
+    "FD_RESERVE",
+    "MAX_CONNECTIONS",
+    "MAX_HEAD_BYTES",
+    "MAX_QUEUED",
+    "WORKERS",
+    "WebServer",
+    "raise_fd_limit",
+    "serve",
+]
 
 log = logging.getLogger("gpuwatchd.http")
+_limited = LogLimiter(log)
 
-MAX_CONNECTIONS = 64  # served at once; more are answered 503 and closed
-MAX_HEAD_BYTES = 16384  # request line and headers together
-_MAX_HEADERS = 100
-_MAX_REFUSALS = 8  # 503s being sent at once; beyond both caps a connection is just closed
-_REFUSAL_TIMEOUT = 1.0
+MAX_CONNECTIONS = 4096  # held at once, also bounded by the open-files limit
+WORKERS = 4  # threads running the app
+MAX_QUEUED = 64  # complete requests waiting for a worker; more are answered 503
+_MAX_REFUSALS = 64  # 503s being written beyond the table; more are just closed
 _LINGER_SECONDS = 1.0
-
-
-class _BadRequest(Exception):
-    def __init__(self, status: int, why: str) -> None:
-        super().__init__(why)
-        self.status = status
+_LINGER_BYTES = 65536
+_ACCEPT_BATCH = 64  # accepts per wake-up, so a flood cannot starve the others
+_ACCEPT_PAUSE = 0.1  # after EMFILE and nothing to evict
+_GREETING_SLICE = 0.01  # seconds of TLS first flights per turn of the loop
 
 
 class WebServer:
-    """Listens on one address; `serve_forever()` accepts until `shutdown()`."""
+    """Listens on one address; `serve_forever()` serves until `shutdown()`."""
 
     def __init__(
         self,
@@ -61,263 +91,388 @@ class WebServer:
         port: int,
         watcher: WebConfigWatcher,
         max_connections: int = MAX_CONNECTIONS,
+        workers: int = WORKERS,
+        max_queued: int = MAX_QUEUED,
     ) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.socket = socket.create_server((host, port), family=family, backlog=128)
+        self.socket = socket.create_server((host, port), family=family, backlog=1024)
         self.socket.setblocking(False)
         self.server_address: tuple[Any, ...] = self.socket.getsockname()
         self.app = app
         self.watcher = watcher
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self._refusals = threading.BoundedSemaphore(_MAX_REFUSALS)
-        self._wake_r, self._wake_w = os.pipe()
+        self.max_connections = max(1, connection_budget(max_connections))
+        self._pool = WorkerPool(workers, max_queued)
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._ep = select.epoll()
+        self._ep.register(self.socket.fileno(), IN)
+        self._ep.register(self._wake_r, IN)
+        self._conns: dict[int, Connection] = {}
+        self._incoming: dict[int, Connection] = {}  # no complete head yet, oldest first
+        self._timers: list[tuple[float, int, Connection]] = []
+        self._seq = itertools.count()
+        self._done: deque[tuple[Connection, bytes]] = deque()  # responses from the workers
+        self._refusing = 0
+        self._accept_resume = 0.0  # accepting paused until then (EMFILE)
         self._lock = threading.Lock()
         self._shut = False  # set by shutdown(); serve_forever() returns, or never starts
         self._serving = False
         self._stopped = threading.Event()
 
+    # --- lifecycle -------------------------------------------------------------------
+
     def serve_forever(self) -> None:
-        """Accept connections, each served on its own thread, until `shutdown()`."""
+        """Serve connections until `shutdown()`."""
         with self._lock:
             if self._shut:
                 return
             self._serving = True
-        poller = select.poll()
-        poller.register(self.socket, select.POLLIN)
-        poller.register(self._wake_r, select.POLLIN)
-        warned = 0.0
         try:
-            while True:
-                ready = {fd for fd, _ in poller.poll()}
-                if self._wake_r in ready or self._shut:
-                    return
-                try:
-                    conn, addr = self.socket.accept()
-                except (BlockingIOError, InterruptedError, ConnectionAbortedError):
-                    continue
-                except OSError as exc:  # EMFILE and the like: back off, keep serving
-                    if time.monotonic() - warned > 60:  # at most a line a minute
-                        warned = time.monotonic()
-                        log.warning("accept failed: %s (retrying)", exc)
-                    time.sleep(0.1)
-                    continue
-                self._start(conn, addr)
+            self._loop()
         finally:
+            for conn in list(self._conns.values()):
+                self._close(conn)
+            self._pool.stop()
             self._stopped.set()
 
     def shutdown(self) -> None:
-        """Stop `serve_forever()` and wait for it to return; connections in flight finish."""
+        """Stop `serve_forever()` and wait for it to return; open connections are closed."""
         with self._lock:
             self._shut = True
             serving = self._serving
-        os.write(self._wake_w, b"x")
+            if self._wake_w >= 0:
+                try:
+                    os.write(self._wake_w, b"x")
+                except BlockingIOError:
+                    pass  # full of wake-ups already: the loop will read them and see _shut
         if serving:
             self._stopped.wait()
 
     def server_close(self) -> None:
-        """Close the listening socket and the wake-up pipe."""
-        self.socket.close()
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-    def _start(self, conn: socket.socket, addr: Any) -> None:
-        conn.setblocking(True)
-        if self._slots.acquire(blocking=False):
-            target, slots = self._connection, self._slots
-        elif self._refusals.acquire(blocking=False):
-            target, slots = self._refuse, self._refusals
-        else:
-            conn.close()  # flooded: not even a 503
-            return
-        try:
-            threading.Thread(
-                target=target, args=(conn, addr), name="http-conn", daemon=True
-            ).start()
-        except RuntimeError:  # no thread to be had: drop the connection rather than die
-            slots.release()
-            conn.close()
-
-    def _refuse(self, conn: socket.socket, addr: Any) -> None:
-        """503 to a client over the connection cap, after reading its request (else: RST)."""
-        try:
-            conn.settimeout(_REFUSAL_TIMEOUT)
-            try:
-                conn.recv(MAX_HEAD_BYTES)
-            except TimeoutError:
-                pass
-            conn.sendall(_response("503 Service Unavailable", [("Retry-After", "1")], b"busy\n"))
-            conn.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
-        finally:
-            conn.close()
-            self._refusals.release()
-
-    def _connection(self, conn: socket.socket, addr: Any) -> None:
-        peer = str(addr[0]) if isinstance(addr, tuple) else str(addr)
-        try:
-            conn.settimeout(IO_TIMEOUT)  # a client that stops talking frees its thread
-            web = self.watcher.current()
-            sock = self._tls(conn, web, peer) if web.context is not None else conn
-            if sock is not None:
+        """Close the listening socket, the poller and the wake-up pipe."""
+        with self._lock:
+            self.socket.close()
+            self._ep.close()
+            for fd in (self._wake_r, self._wake_w):
                 try:
-                    self._exchange(sock, peer)
-                    if sock is conn:
-                        _linger(conn)
-                finally:
-                    if sock is not conn:
-                        sock.close()
-        except OSError as exc:
-            log.debug("connection from %s: %s", peer, exc)
-        finally:
-            conn.close()
-            self._slots.release()
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._wake_r = self._wake_w = -1
 
-    @staticmethod
-    def _tls(conn: socket.socket, web: WebConfig, peer: str) -> ssl.SSLSocket | None:
-        assert web.context is not None
-        try:
-            tls_conn = web.context.wrap_socket(conn, server_side=True)
-        except (OSError, ssl.SSLError) as exc:
-            log.debug("TLS handshake with %s failed: %s", peer, exc)
-            return None
-        if web.tls and web.tls.client_allowed_sans and not _san_allowed(tls_conn, web.tls):
-            log.warning("client %s: certificate SAN not allowed", peer)
-            tls_conn.close()
-            return None
-        return tls_conn
+    # --- the loop --------------------------------------------------------------------
 
-    def _exchange(self, sock: socket.socket, peer: str) -> None:
+    def _loop(self) -> None:
+        listen_fd = self.socket.fileno()
+        while True:
+            greetings: list[Connection] = []
+            for fd, mask in self._ep.poll(self._timeout()):
+                if fd == self._wake_r:
+                    drain(self._wake_r)
+                    if self._shut:
+                        return
+                conn = self._conns.get(fd)
+                if conn is not None and conn.state == HANDSHAKE and not conn.greeted:
+                    greetings.append(conn)  # the costly step: after the cheap ones
+                    continue
+                if fd == listen_fd:
+                    self._step(None, self._accept)
+                elif fd == self._wake_r:
+                    self._step(None, self._finish_jobs)
+                elif conn is not None and not conn.closed:
+                    self._step(conn, self._on_event, conn, mask)
+            # A burst of ClientHellos (each a signature) gets a slice of time per turn;
+            # the rest stay readable and come back at the next poll, after which the
+            # requests and handshakes further along go first.
+            budget = time.monotonic() + _GREETING_SLICE
+            for conn in greetings:
+                if time.monotonic() > budget:
+                    break
+                if not conn.closed:
+                    self._step(conn, self._handshake, conn)
+            self._step(None, self._expire)
+
+    def _step(self, conn: Connection | None, step: Callable[..., None], *args: Any) -> None:
         try:
-            environ = _parse_head(_read_head(sock), peer)
-        except _BadRequest as exc:
-            log.debug("bad request from %s: %s", peer, exc)
-            body = f"{exc}\n".encode()
-            sock.sendall(_response(f"{exc.status} {REASONS[exc.status]}", [], body))
+            step(*args)
+        except Exception:  # a surprise in one connection must not end the loop
+            _limited.log(logging.ERROR, "loop", "HTTP event loop", exc_info=True)
+            if conn is not None:
+                self._close(conn)
+
+    def _timeout(self) -> float:
+        """Seconds to the next deadline; -1 (sleep until woken) with none."""
+        heap = self._timers
+        while heap and (heap[0][2].closed or heap[0][2].deadline != heap[0][0]):
+            heapq.heappop(heap)
+        due = [heap[0][0]] if heap else []
+        if self._accept_resume:
+            due.append(self._accept_resume)
+        if not due:
+            return -1
+        return max(0.0, min(due) - time.monotonic()) + 0.001  # epoll rounds down to ms
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        if self._accept_resume and now >= self._accept_resume:
+            self._accept_resume = 0.0
+            self._ep.modify(self.socket.fileno(), IN)
+        heap = self._timers
+        while heap and heap[0][0] <= now:
+            deadline, _, conn = heapq.heappop(heap)
+            if conn.closed or conn.deadline != deadline:
+                continue
+            if conn.state == HEAD:
+                self._answer(conn, BadRequest(408, "request head not received in time", "timeout"))
+            else:  # a handshake, a response or a linger that ran out of time
+                self._close(conn)
+
+    def _on_event(self, conn: Connection, mask: int) -> None:
+        state = conn.state
+        if state == HANDSHAKE:
+            self._handshake(conn)
+        elif state == HEAD:
+            self._read_head(conn)
+        elif state == WRITE:
+            self._write(conn)
+        elif state == LINGER:
+            self._linger(conn)
+        elif mask & (select.EPOLLHUP | select.EPOLLERR):  # gone while the app runs
+            self._close(conn)
+
+    # --- accepting -------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        for _ in range(_ACCEPT_BATCH):
+            try:
+                sock, addr = self.socket.accept()
+            except BlockingIOError:
+                return
+            except (InterruptedError, ConnectionAbortedError):
+                continue
+            except OSError as exc:  # EMFILE and the like: make room or back off
+                if exc.errno in (errno.EMFILE, errno.ENFILE) and self._evict_oldest():
+                    continue
+                _limited.log(logging.WARNING, "accept", "accept failed: %s (retrying)", exc)
+                self._accept_resume = time.monotonic() + _ACCEPT_PAUSE
+                self._ep.modify(self.socket.fileno(), 0)
+                return
+            self._admit(sock, str(addr[0]) if isinstance(addr, tuple) else str(addr))
+
+    def _admit(self, sock: socket.socket, peer: str) -> None:
+        sock.setblocking(False)
+        web = self.watcher.current()
+        tls = web.context is not None
+        refusal = len(self._conns) >= self.max_connections and not self._evict_oldest()
+        if refusal and (tls or self._refusing >= _MAX_REFUSALS):
+            sock.close()  # never a clear-text 503 on a TLS port
             return
+        if tls:
+            assert web.context is not None
+            try:
+                sock = web.context.wrap_socket(
+                    sock, server_side=True, do_handshake_on_connect=False
+                )
+            except (OSError, ValueError) as exc:
+                log.debug("TLS setup for %s failed: %s", peer, exc)
+                sock.close()
+                return
+        conn = Connection(sock, peer, web if tls else None)
+        self._conns[conn.fd] = conn
+        self._ep.register(conn.fd, 0)
+        if refusal:
+            conn.refusal = True
+            self._refusing += 1
+            self._send(conn, response("503 Service Unavailable", [("Retry-After", "1")], b"busy\n"))
+            return
+        self._incoming[conn.fd] = conn
+        # Spread over the second half of IO_TIMEOUT (golden-ratio steps): clients that
+        # connected together do not all time out, and come back, together.
+        spread = 0.5 + 0.5 * ((next(self._seq) * 0.6180339887) % 1.0)
+        self._set_deadline(conn, time.monotonic() + IO_TIMEOUT * spread)
+        conn.state = HANDSHAKE if tls else HEAD
+        self._want(conn, IN)
+
+    def _evict_oldest(self) -> bool:
+        """Close the oldest connection without a complete head; False if there is none."""
+        if not self._incoming:
+            return False
+        self._close(next(iter(self._incoming.values())))
+        return True
+
+    # --- one connection --------------------------------------------------------------
+
+    def _handshake(self, conn: Connection) -> None:
+        assert isinstance(conn.sock, ssl.SSLSocket) and conn.web is not None
+        conn.greeted = True
+        try:
+            conn.sock.do_handshake()
+        except OSError as exc:
+            want = tls_want(exc)
+            if want:
+                self._want(conn, want)
+            else:
+                log.debug("TLS handshake with %s failed: %s", conn.peer, exc)
+                self._close(conn)
+            return
+        tls = conn.web.tls
+        if tls and tls.client_allowed_sans and not san_allowed(conn.sock, tls):
+            _limited.log(
+                logging.WARNING, "san", "client %s: certificate SAN not allowed", conn.peer
+            )
+            self._close(conn)
+            return
+        conn.state = HEAD
+        self._read_head(conn)  # the request may have come with the last handshake flight
+
+    def _read_head(self, conn: Connection) -> None:
+        while True:
+            try:
+                chunk = conn.sock.recv(8192)
+            except BlockingIOError:
+                self._want(conn, IN)
+                return
+            except OSError as exc:
+                want = tls_want(exc) if conn.web is not None else 0
+                if want:
+                    self._want(conn, want)
+                else:
+                    self._close(conn)
+                return
+            if not chunk:
+                if conn.buf:
+                    self._answer(conn, BadRequest(400, "connection closed before the head ended"))
+                else:
+                    self._close(conn)
+                return
+            conn.buf += chunk
+            try:
+                end = head_length(conn.buf)
+                if end < 0:
+                    continue
+                environ = parse_head(conn.buf[:end], conn.peer)
+            except BadRequest as exc:
+                self._answer(conn, exc)
+                return
+            self._dispatch(conn, environ)
+            return
+
+    def _dispatch(self, conn: Connection, environ: dict[str, Any]) -> None:
+        self._incoming.pop(conn.fd, None)
+        conn.state, conn.deadline, conn.buf = APP, 0.0, b""
+        self._want(conn, 0)  # hang-ups and errors are still reported
+        environ["wsgi.url_scheme"] = "https" if conn.web is not None else "http"
+        if not self._pool.submit(lambda: self._run_app(conn, environ)):
+            busy = response("503 Service Unavailable", [("Retry-After", "1")], b"busy\n")
+            self._send(conn, busy)
+
+    def _run_app(self, conn: Connection, environ: dict[str, Any]) -> None:
+        """On a worker: the app's response, handed back to the loop."""
         sent: list[tuple[str, list[tuple[str, str]]]] = []
 
         def start_response(status: str, headers: list[tuple[str, str]], *_exc: Any) -> Any:
             sent[:] = [(status, headers)]
             return None
 
+        method, path = environ["REQUEST_METHOD"], environ["PATH_INFO"]
         try:
-            chunks = b"".join(self.app(environ, start_response))
+            body = b"".join(self.app(environ, start_response))
         except Exception:
-            log.exception("request %s %s", environ["REQUEST_METHOD"], environ["PATH_INFO"])
+            _limited.log(logging.ERROR, "app", "request %s %s", method, path, exc_info=True)
             sent[:] = [("500 Internal Server Error", [("Content-Type", "text/plain")])]
-            chunks = b"internal error\n"
+            body = b"internal error\n"
         status, headers = sent[0] if sent else ("500 Internal Server Error", [])
-        sock.sendall(_response(status, headers, chunks, environ["REQUEST_METHOD"] == "HEAD"))
+        self._done.append((conn, response(status, headers, body, method == "HEAD")))
+        with self._lock:
+            if self._wake_w >= 0:
+                try:
+                    os.write(self._wake_w, b"r")
+                except BlockingIOError:
+                    pass  # the pipe is full: the loop is awake anyway
 
+    def _finish_jobs(self) -> None:
+        while self._done:
+            conn, data = self._done.popleft()
+            if not conn.closed:
+                self._send(conn, data)
 
-def _linger(conn: socket.socket) -> None:
-    """Half-close, then read what the client still sends, so closing does not reset
-    the connection (a reset can destroy the response before the client reads it)."""
-    conn.shutdown(socket.SHUT_WR)
-    conn.settimeout(_LINGER_SECONDS)
-    drained = 0
-    while drained < MAX_HEAD_BYTES:
-        chunk = conn.recv(4096)
-        if not chunk:
-            return
-        drained += len(chunk)
+    def _answer(self, conn: Connection, exc: BadRequest) -> None:
+        """The server's own error response (400, 408, 431), over TLS if the port is TLS."""
+        self._incoming.pop(conn.fd, None)
+        BAD_REQUESTS.add(exc.reason)
+        _limited.log(logging.DEBUG, str(exc.status), "bad request from %s: %s", conn.peer, exc)
+        body = f"{exc}\n".encode()
+        self._send(conn, response(f"{exc.status} {REASONS[exc.status]}", [], body))
 
+    def _send(self, conn: Connection, data: bytes) -> None:
+        conn.state, conn.out = WRITE, memoryview(data)
+        self._set_deadline(conn, time.monotonic() + IO_TIMEOUT)
+        self._write(conn)
 
-def _read_head(sock: socket.socket) -> bytes:
-    """Bytes up to the blank line ending the request head, within IO_TIMEOUT in all."""
-    deadline = time.monotonic() + IO_TIMEOUT
-    buf = b""
-    while b"\r\n\r\n" not in buf and b"\n\n" not in buf:
-        if len(buf) > MAX_HEAD_BYTES:
-            raise _BadRequest(431, "request head too large")
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise _BadRequest(408, "request head not received in time")
-        sock.settimeout(left)
+    def _write(self, conn: Connection) -> None:
+        while conn.out:
+            try:
+                sent = conn.sock.send(conn.out)
+            except BlockingIOError:
+                self._want(conn, OUT)
+                return
+            except OSError as exc:
+                want = tls_want(exc) if conn.web is not None else 0
+                if want:
+                    self._want(conn, want)
+                else:
+                    self._close(conn)
+                return
+            conn.out = conn.out[sent:]
+        # Half-close, then read what the client still sends: closing with unread
+        # data resets the connection, which can destroy the response in flight.
         try:
-            chunk = sock.recv(4096)
-        except TimeoutError:
-            raise _BadRequest(408, "request head not received in time") from None
-        if not chunk:
-            raise _BadRequest(400, "connection closed before the request head ended")
-        buf += chunk
-    sock.settimeout(IO_TIMEOUT)
-    head = buf.split(b"\n\n" if b"\r\n\r\n" not in buf else b"\r\n\r\n", 1)[0]
-    if len(head) > MAX_HEAD_BYTES:
-        raise _BadRequest(431, "request head too large")
-    return head
+            conn.sock.shutdown(socket.SHUT_WR)  # on TLS: drops the TLS layer first
+        except OSError:
+            self._close(conn)
+            return
+        conn.state = LINGER
+        self._set_deadline(conn, time.monotonic() + _LINGER_SECONDS)
+        self._linger(conn)
 
+    def _linger(self, conn: Connection) -> None:
+        while True:
+            try:
+                chunk = conn.sock.recv(8192)
+            except BlockingIOError:
+                self._want(conn, IN)
+                return
+            except OSError:
+                self._close(conn)
+                return
+            conn.drained += len(chunk)
+            if not chunk or conn.drained > _LINGER_BYTES:
+                self._close(conn)
+                return
 
-def _parse_head(head: bytes, peer: str) -> dict[str, Any]:
-    """A WSGI environ from the request line and headers (no body: GET and HEAD only)."""
-    try:
-        text = head.decode("latin-1")
-    except UnicodeDecodeError:  # pragma: no cover - latin-1 decodes every byte
-        raise _BadRequest(400, "undecodable request") from None
-    lines = text.replace("\r\n", "\n").split("\n")
-    parts = lines[0].split(" ")
-    if len(parts) != 3 or not parts[2].startswith("HTTP/1.") or not parts[0].isalpha():
-        raise _BadRequest(400, "malformed request line")
-    method, target, version = parts
-    if len(lines) - 1 > _MAX_HEADERS:
-        raise _BadRequest(431, "too many headers")
-    if "://" in target:  # absolute form: keep the path
-        target = "/" + target.split("://", 1)[1].partition("/")[2]
-    path, _, query = target.partition("?")
-    environ: dict[str, Any] = {
-        "REQUEST_METHOD": method,
-        "PATH_INFO": unquote(path, "latin-1"),
-        "QUERY_STRING": query,
-        "SERVER_PROTOCOL": version,
-        "REMOTE_ADDR": peer,
-    }
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if not sep or not name or name != name.strip():
-            raise _BadRequest(400, "malformed header line")
-        key = "HTTP_" + name.upper().replace("-", "_")
-        value = value.strip()
-        environ[key] = f"{environ[key]},{value}" if key in environ else value
-    return environ
+    # --- bookkeeping -----------------------------------------------------------------
 
+    def _want(self, conn: Connection, mask: int) -> None:
+        if conn.mask != mask:
+            self._ep.modify(conn.fd, mask)
+            conn.mask = mask
 
-def _response(
-    status: str, headers: list[tuple[str, str]], body: bytes, head: bool = False
-) -> bytes:
-    names = {k.lower() for k, _ in headers}
-    lines = [f"HTTP/1.1 {status}"]
-    lines += [f"{k}: {v}" for k, v in headers]
-    if "content-type" not in names:
-        lines.append("Content-Type: text/plain")
-    if "content-length" not in names:
-        lines.append(f"Content-Length: {len(body)}")
-    lines.append("Connection: close")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (b"" if head else body)
+    def _set_deadline(self, conn: Connection, when: float) -> None:
+        conn.deadline = when
+        heapq.heappush(self._timers, (when, next(self._seq), conn))
 
-
-def _san_allowed(conn: ssl.SSLSocket, tls: TlsSettings) -> bool:
-    cert = conn.getpeercert()
-    if not cert:
-        return True  # no certificate: client_auth_type alone decides
-    entries = cert.get("subjectAltName", ())
-    sans = {str(e[1]) for e in entries if isinstance(e, tuple) and len(e) == 2}
-    return bool(sans & set(tls.client_allowed_sans))
-
-
-def _with_headers(app: App, watcher: WebConfigWatcher) -> App:
-    def wrapped(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
-        extra = list(watcher.current().headers)
-
-        def start(status: str, headers: list[tuple[str, str]], *exc: Any) -> Any:
-            return start_response(status, headers + extra, *exc)
-
-        return app(environ, start if extra else start_response)
-
-    return wrapped
+    def _close(self, conn: Connection) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
+        self._conns.pop(conn.fd, None)
+        self._incoming.pop(conn.fd, None)
+        if conn.refusal:
+            self._refusing -= 1
+        try:
+            self._ep.unregister(conn.fd)
+        except OSError:
+            pass
+        conn.sock.close()
 
 
 def serve(
@@ -326,14 +481,17 @@ def serve(
     port: int,
     web: WebConfig | None = None,
     max_connections: int = MAX_CONNECTIONS,
+    workers: int = WORKERS,
+    max_queued: int = MAX_QUEUED,
 ) -> tuple[WebServer, threading.Thread]:
     """Serve `app` with TLS/basic auth from `web` on a daemon thread.
 
     Returns the server (call `shutdown()` then `server_close()`) and its thread.
     """
+    raise_fd_limit()
     watcher = WebConfigWatcher(web or WebConfig())
-    wrapped: App = BasicAuth(_with_headers(app, watcher), watcher)
-    httpd = WebServer(wrapped, host, port, watcher, max_connections)
+    wrapped: App = BasicAuth(with_headers(app, watcher), watcher)
+    httpd = WebServer(wrapped, host, port, watcher, max_connections, workers, max_queued)
     thread = threading.Thread(target=httpd.serve_forever, name="http", daemon=True)
     thread.start()
     return httpd, thread

@@ -33,6 +33,7 @@ __all__ = [
     "WebConfigWatcher",
     "load",
     "ssl_context",
+    "with_headers",
 ]
 
 log = logging.getLogger("gpuwatchd.http")
@@ -406,3 +407,17 @@ def _bcrypt_check(password: bytes, hashed: bytes) -> bool:
         return bool(bcrypt.checkpw(password, hashed))
     except ValueError:  # over 72 bytes, or a malformed hash
         return False
+
+
+def with_headers(app: App, watcher: WebConfigWatcher) -> App:
+    """WSGI middleware: the response headers of `http_server_config.headers`."""
+
+    def wrapped(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        extra = list(watcher.current().headers)
+
+        def start(status: str, headers: list[tuple[str, str]], *exc: Any) -> Any:
+            return start_response(status, headers + extra, *exc)
+
+        return app(environ, start if extra else start_response)
+
+    return wrapped

@@ -12,6 +12,7 @@ import pytest
 
 from gpuwatchd.http import server as http_server
 from gpuwatchd.http.app import make_app
+from gpuwatchd.http.counters import BAD_REQUESTS
 from gpuwatchd.http.server import WebServer, serve
 from gpuwatchd.http.webconfig import WebConfig, WebConfigWatcher
 from gpuwatchd.sinks.exposition import Family, Registry
@@ -32,12 +33,13 @@ def _boom(query: Any) -> tuple[int, str, bytes]:
 def running() -> Iterator[Any]:
     started: list[WebServer] = []
 
-    def start(**kw: Any) -> WebServer:
+    def start(routes: dict[str, Any] | None = None, **kw: Any) -> WebServer:
         reg = Registry()
         reg.register(_Gauge())
         routes = {
             "/echo": lambda q: (200, "application/json", repr(sorted(q.items())).encode()),
             "/boom": _boom,
+            **(routes or {}),
         }
         httpd, _ = serve(make_app(reg, routes), "127.0.0.1", 0, **kw)
         started.append(httpd)
@@ -104,12 +106,14 @@ def test_malformed_requests_get_400(running: Any, raw: bytes) -> None:
 
 
 def test_oversized_head_gets_431(running: Any) -> None:
+    before = BAD_REQUESTS.count("too_large")
     raw = b"GET /metrics HTTP/1.1\r\nX-Pad: " + b"a" * (http_server.MAX_HEAD_BYTES + 10)
     status, _, _ = _split(_exchange(running(), raw + b"\r\n\r\n"))
     assert status.startswith("HTTP/1.1 431")
     many = b"".join(b"X-%d: 1\r\n" % i for i in range(150))
     status, _, _ = _split(_exchange(running(), b"GET / HTTP/1.1\r\n" + many + b"\r\n"))
     assert status.startswith("HTTP/1.1 431")
+    assert BAD_REQUESTS.count("too_large") == before + 2
 
 
 def test_handler_exception_is_a_500_and_the_server_goes_on(running: Any) -> None:
@@ -146,23 +150,101 @@ def test_slow_client_times_out_without_blocking_others(
         slow.close()
 
 
-def test_connections_over_the_cap_get_503(running: Any) -> None:
+def test_a_full_table_drops_the_oldest_slow_client_not_a_complete_request(running: Any) -> None:
     httpd = running(max_connections=1)
     held = socket.create_connection(httpd.server_address[:2], timeout=10)
     try:
-        held.sendall(b"GET /metrics HTTP/1.1\r\n")  # occupies the one slot
+        held.sendall(b"GET /metrics HTTP/1.1\r\n")  # takes the one place, head unfinished
         time.sleep(0.1)
+        assert _split(_exchange(httpd, b"GET /metrics HTTP/1.1\r\n\r\n"))[0].endswith("200 OK")
+        assert held.recv(1) == b""  # closed to make room
+    finally:
+        held.close()
+
+
+def test_requests_beyond_the_app_queue_get_503(running: Any) -> None:
+    release = threading.Event()
+    httpd = running(workers=1, max_queued=1, routes={"/block": lambda q: _block(release)})
+    addr = httpd.server_address[:2]
+    busy = [socket.create_connection(addr, timeout=10) for _ in range(2)]
+    try:
+        for s in busy:  # one runs in the only worker, one waits in the queue
+            s.sendall(b"GET /block HTTP/1.1\r\n\r\n")
+            time.sleep(0.1)
         status, headers, _ = _split(_exchange(httpd, b"GET /metrics HTTP/1.1\r\n\r\n"))
         assert status == "HTTP/1.1 503 Service Unavailable" and headers["retry-after"] == "1"
     finally:
-        held.close()
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:  # the slot comes back once the held one is gone
-        if _split(_exchange(httpd, b"GET /metrics HTTP/1.1\r\n\r\n"))[0].endswith("200 OK"):
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail("the connection slot was not released")
+        release.set()
+    for s in busy:
+        with s:
+            assert _split(b"".join(iter(lambda s=s: s.recv(65536), b"")))[0].endswith("200 OK")
+    assert _split(_exchange(httpd, b"GET /metrics HTTP/1.1\r\n\r\n"))[0].endswith("200 OK")
+
+
+def test_a_table_full_of_requests_in_the_app_answers_503(running: Any) -> None:
+    release = threading.Event()
+    httpd = running(max_connections=1, routes={"/block": lambda q: _block(release)})
+    with socket.create_connection(httpd.server_address[:2], timeout=10) as first:
+        first.sendall(b"GET /block HTTP/1.1\r\n\r\n")
+        time.sleep(0.1)
+        try:
+            status, headers, _ = _split(_exchange(httpd, b"GET /metrics HTTP/1.1\r\n\r\n"))
+            assert status == "HTTP/1.1 503 Service Unavailable" and headers["retry-after"] == "1"
+        finally:
+            release.set()
+        assert _split(b"".join(iter(lambda: first.recv(65536), b"")))[0].endswith("200 OK")
+
+
+def _block(release: threading.Event) -> tuple[int, str, bytes]:
+    release.wait(10)
+    return 200, "text/plain", b"done\n"
+
+
+def test_a_client_trickling_after_the_response_is_closed_within_the_linger(
+    running: Any,
+) -> None:
+    httpd = running()
+    with socket.create_connection(httpd.server_address[:2], timeout=10) as s:
+        s.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
+        t0 = time.monotonic()
+        with pytest.raises(OSError):  # reset once the server has closed
+            while time.monotonic() - t0 < 4.0:
+                s.sendall(b"X")  # a byte every 0.2 s after the response: not a reason to stay
+                time.sleep(0.2)
+        assert time.monotonic() - t0 < http_server._LINGER_SECONDS + 1.0
+
+
+def test_oversized_heads_over_tls_get_their_431(tmp_path: Any) -> None:
+    import ssl
+
+    import trustme
+
+    from gpuwatchd.http import webconfig
+
+    ca = trustme.CA()
+    pem, ca_pem = tmp_path / "server.pem", tmp_path / "ca.pem"
+    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(pem)
+    ca.cert_pem.write_to_path(ca_pem)
+    (tmp_path / "web.yml").write_text(
+        f"tls_server_config:\n  cert_file: {pem}\n  key_file: {pem}\n"
+    )
+    web = webconfig.load(str(tmp_path / "web.yml"))
+    httpd, _ = serve(make_app(Registry(), {}), "127.0.0.1", 0, web)
+    ctx = ssl.create_default_context(cafile=str(ca_pem))
+    raw = b"GET / HTTP/1.1\r\nX-Pad: " + b"a" * (4 * http_server.MAX_HEAD_BYTES) + b"\r\n\r\n"
+    try:
+        for _ in range(10):  # the answer must survive the unread rest of the head
+            plain = socket.create_connection(httpd.server_address[:2], timeout=10)
+            with ctx.wrap_socket(plain, server_hostname="127.0.0.1") as s:
+                try:
+                    s.sendall(raw)
+                except OSError:
+                    pass  # the server stopped reading; its answer is still there
+                reply = b"".join(iter(lambda s=s: s.recv(65536), b""))
+            assert reply.startswith(b"HTTP/1.1 431 "), reply[:80]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
 
 
 def _ctx_switches(tid: int) -> int:
@@ -215,9 +297,35 @@ def test_request_body_is_drained_so_the_response_arrives(running: Any) -> None:
     assert _split(reply)[0] == "HTTP/1.1 200 OK"
 
 
+_FD_LIMIT = """
+import logging, resource
+from gpuwatchd.http.app import make_app
+from gpuwatchd.http.server import serve
+from gpuwatchd.sinks.exposition import Registry
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 512))
+httpd, _ = serve(make_app(Registry(), {}), "127.0.0.1", 0)
+print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], httpd.max_connections, flush=True)
+"""
+
+
+def test_the_open_files_limit_is_raised_and_bounds_the_table() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", _FD_LIMIT], cwd=root, capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout.split() == ["512", str(512 - http_server.FD_RESERVE)], out.stderr
+    assert "open-files limit is 512" in out.stderr
+
+
 _FD_EXHAUSTION = """
 import os, resource, sys
 from gpuwatchd.http.app import make_app
+from gpuwatchd.http.counters import BAD_REQUESTS
 from gpuwatchd.http.server import serve
 from gpuwatchd.sinks.exposition import Registry
 httpd, _ = serve(make_app(Registry(), {}), "127.0.0.1", 0)
