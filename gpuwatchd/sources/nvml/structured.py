@@ -12,7 +12,11 @@ recorder and the replay treat them as ordinary calls:
 - `gpm_support` and `gpm_metrics`: GPM. One sample is taken per call and
   kept; the metrics are computed between it and the previous call's sample,
   which is then freed, so the values cover the poll interval and at most
-  one sample per GPU (and per GPU instance) is ever held;
+  one sample per GPU (and per GPU instance) is ever held. GPM calls of all
+  GPUs take turns (`GPM_TURN`): the per-GPU workers otherwise run them at
+  once, which no NVIDIA tool does (DCGM and nvidia-smi call NVML from one
+  thread), and the one daemon death seen on a 2-GPU node was a SIGSEGV inside
+  libnvidia-ml at the first GPM metrics read (docs/gpu-testing.md);
 - `mig_device(i)`: the i-th MIG device of a GPU in MIG mode with its ids,
   profile name, memory and processes.
 """
@@ -23,7 +27,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["GPM_METRIC_IDS", "GpmSamples", "STRUCTURED_CALLS"]
+__all__ = ["GPM_METRIC_IDS", "GPM_TURN", "GPM_TURN_WAIT", "GpmSamples", "STRUCTURED_CALLS"]
 
 # Our name -> NVML_GPM_METRIC_* id (nvml.h). Ratios are NVML percentages;
 # the *_per_second ones are MiB/s.
@@ -41,6 +45,12 @@ GPM_METRIC_IDS: Mapping[str, int] = {
     "nvlink_rx_per_second": 60,
     "nvlink_tx_per_second": 61,
 }
+
+
+# One GPM call sequence at a time in the process; a GPU whose turn does not come
+# within GPM_TURN_WAIT seconds skips GPM for that poll (its other reads go on).
+GPM_TURN = threading.Lock()
+GPM_TURN_WAIT = 2.0
 
 
 class GpmSamples:
@@ -121,6 +131,15 @@ def gpm_support(nv: Any, handle: Any, state: GpmSamples) -> object:
 
 
 def _gpm(nv: Any, handle: Any, state: GpmSamples, gpu_instance: int | None) -> object:
+    if not GPM_TURN.acquire(timeout=GPM_TURN_WAIT):
+        return {}  # as after a first sample: the next turn covers both intervals
+    try:
+        return _gpm_in_turn(nv, handle, state, gpu_instance)
+    finally:
+        GPM_TURN.release()
+
+
+def _gpm_in_turn(nv: Any, handle: Any, state: GpmSamples, gpu_instance: int | None) -> object:
     sample = nv.nvmlGpmSampleAlloc()
     try:
         if gpu_instance is None:
