@@ -158,6 +158,8 @@ class Drill:
         body = json.loads(self.get("/events?limit=1000")[1])
         out: dict[tuple[int, str], int] = {}
         for e in body["events"]:
+            if e["kind"] not in ("xid", "sxid"):  # e.g. the unclean-restart record after kill -9
+                continue
             key = (int(e["code"]), e["pci_bus_id"])
             out[key] = out.get(key, 0) + 1
         return out

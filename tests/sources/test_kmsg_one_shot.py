@@ -9,7 +9,7 @@ from pathlib import Path
 from gpuwatchd.clock import FakeClock
 from gpuwatchd.model import Event
 from gpuwatchd.sources import SourceContext
-from gpuwatchd.sources.kmsg.readers import FileReader
+from gpuwatchd.sources.kmsg.filereader import FileReader
 from gpuwatchd.sources.kmsg.source import KmsgSource
 from tests.sources.test_kmsg import kmsg_config, raw, xid_line
 
