@@ -6,11 +6,11 @@ the sources' readers, so the health layer never imports a source.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from gpuwatchd.jobview import JobView, RasAnswer, StackCapture
 from gpuwatchd.model import workloads_from_status
-from gpuwatchd.sources.hangs import ras, stacks
+from gpuwatchd.sources.hangs import proc, ras, stacks
 from gpuwatchd.sources.hangs.jobs import jobs_from_gpu_processes, jobs_from_workloads
 from gpuwatchd.state import NodeSnapshot
 
@@ -49,3 +49,7 @@ class NodeForensics:
         if netns and job.ranks:
             return ras.query_in_netns(job.ranks[0].pid, job.ras_addr, timeout=timeout)
         return ras.query(job.ras_addr, timeout=timeout)
+
+    def probe(self, jobs: Sequence[JobView], procfs: str) -> list[JobView]:
+        """Each rank's liveness, CPU time and I/O bytes (and its children's), read now."""
+        return proc.probe_jobs(jobs, procfs)

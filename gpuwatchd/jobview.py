@@ -44,6 +44,17 @@ class RankView:
     cpu_seconds: float | None = None  # user+system of all threads; None = unreadable
     ras_addr: str = DEFAULT_RAS_ADDR
     command: str = ""
+    # From the hang path's own /proc probe (sources/hangs/proc.py); None = not read.
+    state: str = ""  # /proc state letter; "gone" once the process has left
+    io_bytes: int | None = None  # rchar + wchar: every byte read or written, files or sockets
+    child_cpu_seconds: float | None = None  # its children (data-loader workers, compilers)
+    child_io_bytes: int | None = None
+    age_seconds: float | None = None  # since the process started
+
+    @property
+    def alive(self) -> bool:
+        """False once the process has gone or is a zombie waiting to be reaped."""
+        return self.state not in ("gone", "Z", "X")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +72,7 @@ class JobView:
     world_size: int | None = None
     labels: tuple[tuple[str, str], ...] = ()
     ras_addr: str = DEFAULT_RAS_ADDR
+    collective_timeout_seconds: float | None = None  # what the job declares, if readable
 
     @property
     def gpus(self) -> tuple[str, ...]:

@@ -12,6 +12,7 @@ or ends resolves its alert.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import queue
@@ -22,31 +23,25 @@ from typing import Any, Protocol
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config
 from gpuwatchd.errors import ConfigError
+from gpuwatchd.health.hangs.alerts import finding_of, info_samples, severity_of
 from gpuwatchd.health.hangs.detector import (
+    GpuActivity,
     HangDetector,
     HangThresholds,
     JobVerdict,
     activity_from_samples,
 )
+from gpuwatchd.health.hangs.poller import RasPoller
 from gpuwatchd.health.hangs.record import (
     ALERTNAME,
-    GENERIC_REMEDIATION,
     RULE,
     HangRecord,
     open_hangs,
 )
 from gpuwatchd.health.hangs.signatures import Signature, builtin_catalog, load_catalog
 from gpuwatchd.health.hangs.summary import summarize
-from gpuwatchd.jobview import JobView, RasAnswer, RasError, StackCapture
-from gpuwatchd.model import (
-    Action,
-    Event,
-    Finding,
-    MetricSpec,
-    Sample,
-    Severity,
-    SourceSnapshot,
-)
+from gpuwatchd.jobview import JobView, RankView, RasAnswer, RasError, StackCapture
+from gpuwatchd.model import Event, Finding, MetricSpec, Sample, SourceSnapshot
 from gpuwatchd.state import NodeSnapshot
 
 __all__ = [
@@ -59,6 +54,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("gpuwatchd.hangs")
+GONE_FORGET_SECONDS = 300.0  # a rank gone this long is no longer shown with its job
 
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
@@ -93,6 +89,8 @@ class NodeIO(Protocol):
 
     def ras(self, job: JobView, netns: bool, timeout: float) -> RasAnswer: ...
 
+    def probe(self, jobs: Sequence[JobView], procfs: str) -> list[JobView]: ...
+
 
 class EventWriter(Protocol):
     def write(self, records: Sequence[tuple[Event, str, int]]) -> None: ...
@@ -104,6 +102,12 @@ def thresholds_from_config(cfg: Config) -> HangThresholds:
     return HangThresholds(
         decide_after_seconds=h.decide_after_seconds,
         rank_missing_after_seconds=h.rank_missing_after_seconds,
+        dead_peer_after_seconds=h.dead_peer_after_seconds,
+        collective_stall_seconds=h.collective_stall_seconds,
+        straggler_after_seconds=h.straggler_after_seconds,
+        collective_timeout_seconds=h.collective_timeout_seconds,
+        startup_grace_seconds=h.startup_grace_seconds,
+        io_progress_bytes_per_second=h.io_progress_bytes_per_second,
         max_sm_active=h.max_sm_active,
         max_sm_occupancy=h.max_sm_occupancy,
         max_cpu_ratio=h.max_cpu_ratio,
@@ -124,6 +128,7 @@ class HangMonitor:
         ras_query: RasFn | None = None,
         io: NodeIO | None = None,
         max_queue: int = 16,
+        ras_workers: int = 2,
     ) -> None:
         self._clock = clock
         self._io = io
@@ -140,7 +145,17 @@ class HangMonitor:
         self._thread: threading.Thread | None = None
         self.dropped = 0
         self._site_catalog: tuple[Signature, ...] | None = None
+        self._poller = RasPoller(self._query_ras, ras_workers)
+        self._members: dict[str, dict[int, RankView]] = {}  # job -> pid -> last view
+        self._templates: dict[str, JobView] = {}
+        self._gone_at: dict[int, float] = {}
+        self._probed_at = -1e18
         self.reconfigure(cfg)
+
+    def _query_ras(self, job: JobView) -> RasAnswer:
+        if self._ras_query is None:
+            raise RasError("no RAS client")
+        return self._ras_query(job)
 
     @property
     def catalog(self) -> tuple[Signature, ...]:
@@ -196,17 +211,74 @@ class HangMonitor:
     def on_publish(
         self, snap: NodeSnapshot, source: SourceSnapshot | None = None, events: object = ()
     ) -> None:
-        """Evaluate once per new NVML poll."""
+        """Rebuild the jobs and read the GPUs once per new NVML poll, then evaluate."""
         if not self.cfg.hangs.enabled:
             return
         nvml = snap.sources.get("nvml")
         if nvml is None or not nvml.ok or nvml.timestamp == self._seen_stamp:
             return
         self._seen_stamp = nvml.timestamp
-        jobs = self.jobs_of(snap)
-        self.observe(
-            jobs, activity_from_samples(nvml.samples), nvml.timestamp or self._clock.time()
-        )
+        self._merge(self.jobs_of(snap))
+        now = nvml.timestamp or self._clock.time()
+        self._evaluate(now, activity_from_samples(nvml.samples))
+
+    def tick(self) -> None:
+        """About once a second (consumer thread): the hang path's own faster probe."""
+        if not self.cfg.hangs.enabled or not self._templates:
+            return
+        now = self._clock.time()
+        if now - self._probed_at >= self.cfg.hangs.probe_interval_seconds:
+            self._evaluate(now, None)
+
+    def _merge(self, jobs: Sequence[JobView]) -> None:
+        """Jobs as NVML lists them now, plus ranks seen before that NVML no longer lists."""
+        for job in jobs:
+            members = self._members.setdefault(job.job, {})
+            members.update({r.pid: r for r in job.ranks})
+            self._templates[job.job] = job
+
+    def _current_jobs(self, now: float) -> list[JobView]:
+        out = []
+        for key, job in list(self._templates.items()):
+            ranks = [
+                r
+                for pid, r in sorted(self._members[key].items())
+                if now - self._gone_at.get(pid, now) < GONE_FORGET_SECONDS
+            ]
+            out.append(dataclasses.replace(job, ranks=tuple(ranks)))
+        return out
+
+    def _evaluate(self, now: float, gpus: Sequence[GpuActivity] | None) -> None:
+        self._probed_at = now
+        jobs = self._current_jobs(now)
+        if self._io is not None:
+            jobs = self._io.probe(jobs, self.cfg.paths.procfs)
+        for job in jobs:
+            live = [r for r in job.ranks if r.alive]
+            if not live:  # the job ended
+                self._templates.pop(job.job, None)
+                for r in job.ranks:
+                    self._gone_at.pop(r.pid, None)
+                self._members.pop(job.job, None)
+                continue
+            for r in job.ranks:
+                self._members[job.job][r.pid] = r
+                if not r.alive:
+                    self._gone_at.setdefault(r.pid, now)
+        jobs = [j for j in jobs if j.job in self._templates]
+        h = self.cfg.hangs
+        if h.ras_poll and h.ras:
+            urgent = [v.job for v in self.detector.suspected()]
+            urgent += [j.job for j in jobs if any(not r.alive for r in j.ranks)]
+            self._poller.poll(
+                jobs,
+                now,
+                interval=h.ras_poll_interval_seconds,
+                urgent_interval=h.ras_urgent_interval_seconds,
+                grace=h.startup_grace_seconds,
+                urgent=urgent,
+            )
+        self.observe(jobs, gpus, now)
 
     def jobs_of(self, snap: NodeSnapshot) -> list[JobView]:
         """Jobs from the workloads source when it runs, else from NVML's processes."""
@@ -214,9 +286,10 @@ class HangMonitor:
             return []
         return self._io.jobs(snap, self.cfg.paths.procfs)
 
-    def observe(self, jobs: Sequence[JobView], gpus: Iterable[Any], now: float) -> None:
-        """Feed one poll (also from tests and benchmarks)."""
-        verdicts = self.detector.observe(jobs, list(gpus), now)
+    def observe(self, jobs: Sequence[JobView], gpus: Iterable[Any] | None, now: float) -> None:
+        """Feed one poll or probe (also from tests and benchmarks); gpus None: no new reading."""
+        views = self._poller.views()
+        verdicts = self.detector.observe(jobs, list(gpus) if gpus is not None else None, now, views)
         by_job = {j.job: j for j in jobs}
         changed = False
         resolved: list[HangRecord] = []
@@ -281,6 +354,7 @@ class HangMonitor:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the forensics thread (a capture in flight ends at its own deadline)."""
+        self._poller.stop()
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout)
@@ -321,7 +395,10 @@ class HangMonitor:
                     log.warning("hang %d: no stack of pid %d: %s", rid, r.pid, caps[r.pid].error)
         answer: RasAnswer | None = None
         ras_error = ""
-        if h.ras and self._ras_query is not None:
+        fresh = self._poller.answer(job.job, self._clock.time() - h.ras_poll_interval_seconds)
+        if h.ras and fresh is not None and not rec.summary:
+            answer = fresh  # the poll's answer is recent: no second query on the port
+        elif h.ras and self._ras_query is not None:
             try:
                 answer = self._ras_query(job)
             except RasError as e:
@@ -353,73 +430,22 @@ class HangMonitor:
             source="hangs",
             time=rec.verdict.since,
             message=f"job {rec.job.job}: {rec.verdict.reason}",
-            severity=self._severity(rec),
+            severity=severity_of(rec),
             attrs=(("job", rec.job.job), ("hang_id", str(rec.id)), ("forensics", json.dumps(doc))),
         )
 
     # --- findings ---------------------------------------------------------------------
 
-    @staticmethod
-    def _severity(rec: HangRecord) -> Severity:
-        sig = rec.summary.signature if rec.summary else None
-        return (
-            Severity.CRITICAL
-            if sig is not None and sig.severity == "critical"
-            else Severity.WARNING
-        )
-
     def findings(self) -> list[Finding]:
         """One JobHangSuspected per job suspected now."""
         with self._lock:
-            return [self._finding(self._records[rid]) for rid in self._open.values()]
-
-    def _finding(self, rec: HangRecord) -> Finding:
-        s = rec.summary
-        sig = s.signature if s else None
-        where = s.where_line() if s else ""
-        ranks = ", ".join(f"{r.rank if r.rank is not None else '?'}:{r.pid}" for r in rec.job.ranks)
-        reason = f"Job {rec.job.job} hangs: {rec.verdict.reason}. Ranks (rank:pid): {ranks}."
-        if sig is not None:
-            reason += f" Signature: {sig.title}."
-        if where:
-            reason += f" Where: {where}."
-        labels = [*rec.job.labels, ("ranks", ranks), ("where", where)]
-        labels.append(("signature", sig.name if sig else "pending"))
-        return Finding(
-            rule=RULE,
-            alertname=ALERTNAME,
-            scope="job",
-            subject=tuple(
-                (k, v) for k, v in rec.job.labels if k in ("job", "namespace", "pod", "slurm_job")
-            ),
-            severity=self._severity(rec),
-            reason=reason,
-            action=Action.RESTART_APP,
-            remediation=sig.remediation if sig else GENERIC_REMEDIATION,
-            labels=tuple(labels),
-            since=rec.verdict.since,
-        )
+            return [finding_of(self._records[rid]) for rid in self._open.values()]
 
     def samples(self) -> list[Sample]:
         """The per-job info series (only while suspected) and the dropped counter."""
-        out = [Sample.of("gpuwatchd_hang_forensics_dropped_total", self.dropped)]
         with self._lock:
-            for rid in self._open.values():
-                rec = self._records[rid]
-                lab = dict(rec.job.labels)
-                sig = rec.summary.signature if rec.summary else None
-                out.append(
-                    Sample.of(
-                        "gpuwatchd_job_hang_info",
-                        1,
-                        workload=rec.job.job,
-                        namespace=lab.get("namespace", ""),
-                        pod=lab.get("pod", ""),
-                        slurm_job=lab.get("slurm_job", ""),
-                        signature=sig.name if sig else "pending",
-                    )
-                )
-        return out
+            recs = [self._records[rid] for rid in self._open.values()]
+        return info_samples(recs, self.dropped)
 
     def _notify(self, now: float) -> None:
         found = self.findings()
