@@ -10,8 +10,9 @@ from collections.abc import Mapping, Sequence
 
 from gpuwatchd.jobview import JobView, RasAnswer, StackCapture
 from gpuwatchd.model import workloads_from_status
-from gpuwatchd.sources.hangs import proc, ras, stacks
+from gpuwatchd.sources.hangs import ras, stacks
 from gpuwatchd.sources.hangs.jobs import jobs_from_gpu_processes, jobs_from_workloads
+from gpuwatchd.sources.hangs.proc import probe_jobs
 from gpuwatchd.state import NodeSnapshot
 
 __all__ = ["NodeForensics"]
@@ -52,4 +53,4 @@ class NodeForensics:
 
     def probe(self, jobs: Sequence[JobView], procfs: str) -> list[JobView]:
         """Each rank's liveness, CPU time and I/O bytes (and its children's), read now."""
-        return proc.probe_jobs(jobs, procfs)
+        return probe_jobs(jobs, procfs)

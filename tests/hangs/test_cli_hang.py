@@ -45,7 +45,7 @@ def test_hang_show_lists_and_details_a_recorded_hang(
     assert main(["hang", "show", "--state-dir", str(tmp_path)]) == 0
     listing = capsys.readouterr().out
     assert "hang 1 " in listing and "job torch:127.0.0.1:29544" in listing
-    assert "resolved" in listing and "straggler_or_dead_peer" in listing
+    assert "resolved" in listing and "dead_peer" in listing
 
     assert main(["hang", "show", "1", "--state-dir", str(tmp_path)]) == 0
     detail = capsys.readouterr().out
@@ -55,7 +55,7 @@ def test_hang_show_lists_and_details_a_recorded_hang(
 
     assert main(["hang", "show", "1", "--json", "--state-dir", str(tmp_path)]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["signature"] == "straggler_or_dead_peer" and doc["resolved_at"] == 1_800_000_200.0
+    assert doc["signature"] == "dead_peer" and doc["resolved_at"] == 1_800_000_200.0
 
     assert main(["hang", "show", "7", "--state-dir", str(tmp_path)]) == 1
 
@@ -77,7 +77,7 @@ def test_events_id_and_hangs_id_over_http(tmp_path: Path) -> None:
         status, body = http_get(f"http://127.0.0.1:{port}/events/{row['id']}")
         assert status == 200
         forensics = json.loads(body)["attrs"]["forensics"]
-        assert forensics["signature"] == "straggler_or_dead_peer"
+        assert forensics["signature"] == "dead_peer"
         assert "cuCtxSynchronize_v2" in forensics["stacks"]["1031"]["dump"]
         status, body = http_get(f"http://127.0.0.1:{port}/hangs/1")
         assert status == 200 and json.loads(body)["missing"] == ["rank 1"]

@@ -54,6 +54,7 @@ CONDITIONS = (
     "straggler",
 )
 CRITICAL = frozenset({"rank_dead", "rank_missing", "collective_stall"})
+FORGET_GONE_SECONDS = 300.0
 _ONSET = ("rank_missing", "straggler", "gpu_stall", "cpu_stall")  # held from first seen
 
 
@@ -131,7 +132,7 @@ class HangDetector:
             view = (ras or {}).get(job.job)
             if view is not None:
                 mem.ras = job_ras(mem.ras, view, job)
-            verdicts.append(self._judge(job, mem, now))
+            verdicts.append(self._judge(job, mem, now, gpus is not None))
             mem.last_seen = now
             kept[job.job] = mem
         self._jobs = kept
@@ -142,9 +143,15 @@ class HangDetector:
         """The verdicts of the last poll that suspect a hang."""
         return [v for v in self._verdicts if v.suspected]
 
+    def doubtful(self) -> list[str]:
+        """Jobs worth asking RAS sooner: a rank gone, RAS missing a rank, or counts flat."""
+        return [
+            key for key, m in self._jobs.items() if m.gone or m.ras.missing or m.ras.flat_for() > 0
+        ]
+
     # --- one job ----------------------------------------------------------------------
 
-    def _track(self, job: JobView, mem: _Memory, now: float) -> dict[int, set[str]]:
+    def _track(self, job: JobView, mem: _Memory, now: float, fresh: bool) -> dict[int, set[str]]:
         """Update per-rank progress; the signals each rank moved at this poll."""
         t = self.thresholds
         moved: dict[int, set[str]] = {}
@@ -167,7 +174,8 @@ class HangDetector:
                 cpu = _rate(now, r.cpu_seconds, pt, p.cpu_seconds)
                 if cpu is not None:
                     mem.cpu_ratio[r.pid] = cpu
-            if any(self._baseline.working(self._gpus.get(g), t) for g in r.gpus):
+            # A GPU reading is evidence once: the probe between NVML polls reuses none.
+            if fresh and any(self._baseline.working(self._gpus.get(g), t) for g in r.gpus):
                 signals.add("gpu")
             if signals:
                 mem.progress_at[r.pid] = now
@@ -176,15 +184,20 @@ class HangDetector:
         present = {r.pid for r in job.ranks}
         for pid in set(mem.seen) - present:  # left the job's view without a goodbye
             mem.gone.setdefault(pid, now)
+        for pid, at in list(mem.gone.items()):
+            if now - at > FORGET_GONE_SECONDS:  # a restarted job goes on with new ranks
+                del mem.gone[pid]
+                mem.seen.pop(pid, None)
+                mem.prev.pop(pid, None)
         return moved
 
     def _recent(self, mem: _Memory, pid: int, now: float, window: float) -> bool:
         at = mem.progress_at.get(pid)
         return at is not None and now - at < window
 
-    def _judge(self, job: JobView, mem: _Memory, now: float) -> JobVerdict:
+    def _judge(self, job: JobView, mem: _Memory, now: float, fresh: bool) -> JobVerdict:
         t = self.thresholds
-        moved = self._track(job, mem, now)
+        moved = self._track(job, mem, now, fresh)
         alive = [r for r in job.ranks if r.alive]
         ras = mem.ras
         window = t.progress_window_seconds
@@ -224,10 +237,18 @@ class HangDetector:
         # rank_dead: a rank left and no survivor has moved since; RAS naming it decides too
         if gone and alive:
             death = max(mem.gone.values())
-            moved_since = any(mem.progress_at.get(r.pid, -1.0) > death for r in alive)
-            if not moved_since and stuck_others and not ras.torn_down_after(death):
-                held["rank_dead"] = death
-                signals["rank_dead"] = "liveness" + ("+ras" if ras.nccl else "")
+            last_move = max([death, *(mem.progress_at.get(r.pid, death) for r in alive)])
+            # A job known to NCCL waits for one RAS answer after the death (asked at
+            # once): it names the rank missing, or says the job tore NCCL down.
+            asked = not ras.nccl or ras.at > death or now - death >= t.ras_wait_seconds
+            if stuck_others and asked and not ras.torn_down_after(death):
+                held["rank_dead"] = last_move
+                signals["rank_dead"] = "+".join(
+                    ["liveness", "io"]
+                    + ["ras"] * ras.nccl
+                    + ["gpu"] * resident
+                    + ["cpu"] * quiet_cpu
+                )
         ras_dead = ras.dead_ranks(gone)
         if ras_dead and not progressing:
             first = min(s for _, s in ras_dead.values())
@@ -252,7 +273,7 @@ class HangDetector:
                 signals["straggler"] = "+".join(
                     sorted({s for p in progressing for s in moved.get(p, ())} or {"ras"})
                 )
-            if not progressing and distributed and spin:
+            if not progressing and spin:
                 held["gpu_stall"] = mem.onset.get("gpu_stall", now)
                 signals["gpu_stall"] = classify(gpu_rs[0], t)[1]
             single = distributed or t.single_process_cpu_stall
@@ -274,7 +295,7 @@ class HangDetector:
             and (
                 flat_for >= t.collective_stall_seconds
                 if c == "collective_stall"
-                else now - held[c] >= need[c]
+                else (c == "rank_dead" and bool(ras_dead)) or now - held[c] >= need[c]
             )
         )
         return self._verdict(

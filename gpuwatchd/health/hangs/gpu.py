@@ -39,6 +39,7 @@ class HangThresholds:
     straggler_after_seconds: float = 60.0
     rank_missing_after_seconds: float = 20.0
     dead_peer_after_seconds: float = 10.0
+    ras_wait_seconds: float = 20.0  # how long a death waits for a RAS answer at most
     collective_stall_seconds: float = 30.0  # RAS counts flat this long
     collective_timeout_seconds: float = 600.0  # a straggler pages when it lasts this long
     startup_grace_seconds: float = 60.0

@@ -268,7 +268,7 @@ class HangMonitor:
         jobs = [j for j in jobs if j.job in self._templates]
         h = self.cfg.hangs
         if h.ras_poll and h.ras:
-            urgent = [v.job for v in self.detector.suspected()]
+            urgent = self.detector.doubtful()
             urgent += [j.job for j in jobs if any(not r.alive for r in j.ranks)]
             self._poller.poll(
                 jobs,
