@@ -32,7 +32,10 @@ def finding_of(rec: HangRecord) -> Finding:
     where = s.where_line() if s else ""
     v = rec.verdict
     ranks = ", ".join(f"{r.rank if r.rank is not None else '?'}:{r.pid}" for r in rec.job.ranks)
-    reason = f"Job {rec.job.job} hangs: {v.reason}. Ranks (rank:pid): {ranks}."
+    reason = f"Job {rec.job.job} hangs: {v.reason}."
+    if rec.cause is not None:
+        reason += f" Cause: {rec.cause.text}."
+    reason += f" Ranks (rank:pid): {ranks}."
     if v.signals:
         reason += f" Decided by: {v.signals}."
     if v.nodes:
@@ -43,6 +46,8 @@ def finding_of(rec: HangRecord) -> Finding:
         reason += f" Where: {where}."
     labels = [*rec.job.labels, ("ranks", ranks), ("where", where)]
     labels.append(("signature", sig.name if sig else "pending"))
+    if rec.cause is not None:
+        labels.append(("incident", rec.cause.incident))
     return Finding(
         rule=RULE,
         alertname=ALERTNAME,

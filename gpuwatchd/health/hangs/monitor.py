@@ -24,6 +24,7 @@ from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config
 from gpuwatchd.errors import ConfigError
 from gpuwatchd.health.hangs.alerts import finding_of, info_samples, severity_of
+from gpuwatchd.health.hangs.causes import XidMemory
 from gpuwatchd.health.hangs.detector import (
     GpuActivity,
     HangDetector,
@@ -146,6 +147,7 @@ class HangMonitor:
         self.dropped = 0
         self._site_catalog: tuple[Signature, ...] | None = None
         self._poller = RasPoller(self._query_ras, ras_workers)
+        self._xids = XidMemory()
         self._members: dict[str, dict[int, RankView]] = {}  # job -> pid -> last view
         self._templates: dict[str, JobView] = {}
         self._gone_at: dict[int, float] = {}
@@ -214,10 +216,15 @@ class HangMonitor:
         """Rebuild the jobs and read the GPUs once per new NVML poll, then evaluate."""
         if not self.cfg.hangs.enabled:
             return
+        if isinstance(events, tuple) and events:
+            self._xids.note(events, self._clock.time())
         nvml = snap.sources.get("nvml")
         if nvml is None or not nvml.ok or nvml.timestamp == self._seen_stamp:
             return
         self._seen_stamp = nvml.timestamp
+        gpus = nvml.status.get("gpus")
+        if isinstance(gpus, Mapping):
+            self._xids.note_gpus(gpus)
         self._merge(self.jobs_of(snap))
         now = nvml.timestamp or self._clock.time()
         self._evaluate(now, activity_from_samples(nvml.samples))
@@ -307,6 +314,7 @@ class HangMonitor:
                 known = self._open.get(job)
                 if known is None:
                     rid = self._new_record(by_job[job], v, now)
+                    self._records[rid].cause = self._xids.cause(by_job[job], v)
                     # the alert waits for forensics (signature, severity) unless they cannot run
                     changed |= not self._enqueue(rid)
                 else:

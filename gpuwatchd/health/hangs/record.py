@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from gpuwatchd.health.hangs.causes import HardwareCause
 from gpuwatchd.health.hangs.detector import JobVerdict
 from gpuwatchd.health.hangs.summary import HangSummary
 from gpuwatchd.jobview import JobView, StackCapture
@@ -47,6 +48,7 @@ class HangRecord:
     ras_error: str = ""
     ras_at: float = 0.0
     resolved_at: float | None = None
+    cause: HardwareCause | None = None  # an Xid on a rank's GPU before the hang
 
     def json(self) -> dict[str, Any]:
         """Everything, JSON-able, for /hangs, the store and `gpuwatchd hang show`."""
@@ -60,6 +62,10 @@ class HangRecord:
             "conditions": list(self.verdict.conditions),
             "signals": self.verdict.signals,
             "reason": self.verdict.reason,
+            "severity": self.verdict.severity,
+            "cause": self.cause.text if self.cause else "",
+            "incident": self.cause.incident if self.cause else "",
+            "nodes": list(self.verdict.nodes),
             "signature": s.signature.name if s and s.signature else "",
             "remediation": s.signature.remediation if s and s.signature else "",
             "signatures": list(s.signatures) if s else [],
