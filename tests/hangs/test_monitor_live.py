@@ -15,7 +15,6 @@ import pytest
 from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import Config
 from gpuwatchd.config.schema import HangsConfig
-from gpuwatchd.forensics import NodeForensics
 from gpuwatchd.health.hangs.monitor import HangMonitor
 from gpuwatchd.jobview import JobView, RankView, RasAnswer, RasError, StackCapture
 from gpuwatchd.model import Finding, SourceSnapshot
