@@ -219,3 +219,23 @@ def test_normal_end_rank_1_exits_after_destroy_rank_0_follows() -> None:
 
     log = sim.run(60, end)
     assert first(log) is None
+
+
+def test_gpu_work_is_judged_against_the_jobs_own_peak_not_fixed_utilisation() -> None:
+    from gpuwatchd.health.hangs.gpu import GpuActivity, GpuBaseline
+
+    t, b = HangThresholds(), GpuBaseline()
+    # real training on 2x H200 read NVML utilisation 17 % with SM activity 92 % at 625 W
+    train = GpuActivity("0", 0.17, power_watts=625.0, power_limit_watts=700.0, sm_active=0.92)
+    b.update(train, 0.0)
+    assert b.working(train, t) is True
+    # the same GPU spinning on a dead peer: utilisation 0 %, SM activity 18 %, 123 W
+    spin = GpuActivity("0", 0.0, power_watts=123.0, power_limit_watts=700.0, sm_active=0.18)
+    b.update(spin, 10.0)
+    assert b.working(spin, t) is False and b.resident(spin, t)
+    # NVLink traffic at the job's own pace is work even with little SM activity
+    link = GpuActivity("1", 0.1, sm_active=0.2, nvlink_bytes_per_second=40e9)
+    b.update(link, 0.0)
+    assert b.working(link, t) is True
+    idle_link = GpuActivity("1", 0.0, sm_active=0.18, nvlink_bytes_per_second=0.0)
+    assert b.working(idle_link, t) is False

@@ -29,6 +29,8 @@ POWER_LIMIT = "gpuwatchd_gpu_power_limit_watts"
 SM_ACTIVE = "gpuwatchd_gpu_sm_active_ratio"
 SM_OCCUPANCY = "gpuwatchd_gpu_sm_occupancy_ratio"
 DRAM_ACTIVE = "gpuwatchd_gpu_dram_active_ratio"
+NVLINK_BYTES = "gpuwatchd_gpu_nvlink_bytes_per_second"
+MIN_NVLINK_PEAK = 1e9  # a job that never moved 1 GB/s over NVLink: no baseline to judge by
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +77,7 @@ class GpuActivity:
     sm_active: float | None = None
     sm_occupancy: float | None = None
     dram_active: float | None = None
+    nvlink_bytes_per_second: float | None = None  # rx + tx (GPM)
 
 
 def classify(g: GpuActivity | None, t: HangThresholds) -> tuple[str, str]:
@@ -116,11 +119,14 @@ class GpuBaseline:
 
     def __init__(self) -> None:
         self._peak: dict[str, tuple[float, float, float]] = {}  # gpu -> (t, sm, watts)
+        self._link: dict[str, float] = {}  # gpu -> peak NVLink bytes/s (same decay)
 
     def update(self, g: GpuActivity, now: float) -> None:
         """Fold one reading into the GPU's peaks."""
         t0, sm, watts = self._peak.get(g.gpu, (now, 0.0, 0.0))
         decay = 0.5 ** (max(0.0, now - t0) / self.HALF_LIFE)
+        link = self._link.get(g.gpu, 0.0) * decay
+        self._link[g.gpu] = max(link, g.nvlink_bytes_per_second or 0.0)
         self._peak[g.gpu] = (
             now,
             max(sm * decay, g.sm_active or 0.0),
@@ -132,6 +138,10 @@ class GpuBaseline:
         if g is None:
             return None
         _, sm_peak, watts_peak = self._peak.get(g.gpu, (0.0, 0.0, 0.0))
+        link_peak = self._link.get(g.gpu, 0.0)
+        if g.nvlink_bytes_per_second is not None and link_peak >= MIN_NVLINK_PEAK:
+            if g.nvlink_bytes_per_second >= t.work_ratio * link_peak:
+                return True  # moving data with its peers at the job's own pace
         if g.sm_active is not None:
             floor = t.min_work_sm_active
             return g.sm_active >= max(floor, t.work_ratio * sm_peak)
@@ -165,6 +175,9 @@ def activity_from_samples(samples: Iterable[Sample]) -> list[GpuActivity]:
             continue
         if s.name == UTIL:
             key = "mem" if s.label("engine") == "memory" else "util"
+        elif s.name == NVLINK_BYTES:
+            per.setdefault(gpu, {})["nvlink"] = per.get(gpu, {}).get("nvlink", 0.0) + s.value
+            continue
         elif s.name in keys:
             key = keys[s.name]
         else:
@@ -180,6 +193,7 @@ def activity_from_samples(samples: Iterable[Sample]) -> list[GpuActivity]:
             v.get("sm"),
             v.get("occ"),
             v.get("dram"),
+            v.get("nvlink"),
         )
         for gpu, v in sorted(per.items())
     ]
