@@ -110,3 +110,34 @@ def test_monitor_reads_nvml_samples_and_processes_from_the_snapshot(tmp_path: Pa
     (f,) = monitor.findings()
     assert f.alertname == "JobHangSuspected" and "gpm" in f.reason
     assert dict(f.subject) == {"job": "torch:127.0.0.1:29500"}
+
+
+def test_a_rank_still_starting_is_found_beside_its_siblings_not_called_missing() -> None:
+    import os
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29571"}
+    env.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(30)"],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+        )
+        for r in (0, 1)
+    ]
+    try:
+        for p in procs:  # until each has exec'd (before, /proc shows the parent's environ)
+            while b"time.sleep" not in Path(f"/proc/{p.pid}/cmdline").read_bytes():
+                time.sleep(0.01)
+        # NVML lists rank 0 only: rank 1 has no CUDA context yet (still importing)
+        (job,) = jobs_from_gpu_processes({"0": [procs[0].pid]})
+        assert [(r.pid, r.rank, r.gpus) for r in job.ranks] == [
+            (procs[0].pid, 0, ("0",)),
+            (procs[1].pid, 1, ()),
+        ]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -239,3 +239,19 @@ def test_gpu_work_is_judged_against_the_jobs_own_peak_not_fixed_utilisation() ->
     assert b.working(link, t) is True
     idle_link = GpuActivity("1", 0.0, sm_active=0.18, nvlink_bytes_per_second=0.0)
     assert b.working(idle_link, t) is False
+
+
+def test_all_ranks_computing_on_the_cpu_with_counts_flat_waits_for_the_timeout() -> None:
+    sim = Sim(_pair(), thresholds=HangThresholds(collective_timeout_seconds=300.0))
+    sim.run(0)
+
+    def cpu_phase(t: float, s: Sim) -> None:
+        if t == 1:
+            s.rising = False  # metrics on the CPU, no collective, no I/O
+            for r in s.ranks:
+                r.gpu = dict(IDLE)
+
+    log = sim.run(400, cpu_phase)
+    found = first(log)
+    assert found is not None and found[0] >= 300  # never a page before the job's own timeout
+    assert found[1].conditions == ("collective_stall",)

@@ -219,13 +219,21 @@ class HangDetector:
             mem.cpu_ratio.get(r.pid, 1.0) <= t.max_cpu_ratio for r in alive
         )
         gpu_rs = [self._gpus.get(g) for r in alive for g in r.gpus]
-        resident = bool(gpu_rs) and all(self._baseline.resident(g, t) for g in gpu_rs)
+        resident = any(self._baseline.resident(g, t) for g in gpu_rs)
         spin = bool(gpu_rs) and all(classify(g, t)[0] == "spin" for g in gpu_rs)
         quiet_cpu = bool(alive) and all(
             mem.cpu_ratio.get(r.pid, 1.0) <= t.waiting_cpu_ratio for r in alive
         )
-        # The others wait rather than wind down: a communicator, a kernel or no CPU.
-        stuck_others = ras.nccl or resident or quiet_cpu
+
+        def stuck(r: RankView) -> bool:  # a kernel sits on its GPU, or it uses no CPU
+            kernel = any(self._baseline.resident(self._gpus.get(g), t) for g in r.gpus)
+            return kernel or mem.cpu_ratio.get(r.pid, 1.0) <= t.waiting_cpu_ratio
+
+        # Every rank waits (rather than computes on the CPU, which an idle GPU and a busy
+        # core look like); without GPM a job known to NCCL is given the benefit.
+        gpm = bool(gpu_rs) and all(g is not None and g.sm_active is not None for g in gpu_rs)
+        blocked = bool(alive) and all(stuck(r) for r in alive)
+        stuck_others = blocked or (ras.nccl and not gpm)
         young = any(
             r.age_seconds is not None and r.age_seconds < t.startup_grace_seconds for r in alive
         )
@@ -250,7 +258,7 @@ class HangDetector:
                     + ["cpu"] * quiet_cpu
                 )
         ras_dead = ras.dead_ranks(gone)
-        if ras_dead and not progressing:
+        if ras_dead and not progressing and stuck_others:
             first = min(s for _, s in ras_dead.values())
             held["rank_dead"] = min(held.get("rank_dead", first), first)
             signals["rank_dead"] = "ras" + ("+liveness" if gone else "")
@@ -267,7 +275,9 @@ class HangDetector:
             if flat and not progressing:
                 assert ras.counts_since is not None
                 held["collective_stall"] = ras.counts_since
-                signals["collective_stall"] = "ras+io" + ("+gpu" if gpu_rs else "")
+                signals["collective_stall"] = "+".join(
+                    ["ras", "io"] + ["gpu"] * resident + ["cpu"] * quiet_cpu
+                )
             elif progressing and waiting and (flat or not ras.nccl):
                 held["straggler"] = mem.onset.get("straggler", now)
                 signals["straggler"] = "+".join(
@@ -281,6 +291,7 @@ class HangDetector:
                 held["cpu_stall"] = mem.onset.get("cpu_stall", now)
                 signals["cpu_stall"] = "cpu+io"
         mem.onset = {c: s for c, s in held.items() if c in _ONSET}
+        timeout = job.collective_timeout_seconds or t.collective_timeout_seconds
         need = {
             "rank_dead": t.dead_peer_after_seconds,
             "rank_missing": t.rank_missing_after_seconds,
@@ -293,7 +304,8 @@ class HangDetector:
             for c in CONDITIONS
             if c in held
             and (
-                flat_for >= t.collective_stall_seconds
+                # ranks busy on the CPU with idle GPUs may compute: wait for the timeout
+                flat_for >= (t.collective_stall_seconds if blocked else timeout)
                 if c == "collective_stall"
                 else (c == "rank_dead" and bool(ras_dead)) or now - held[c] >= need[c]
             )

@@ -319,7 +319,11 @@ class HangMonitor:
                     changed |= not self._enqueue(rid)
                 else:
                     rec = self._records[known]
+                    was = (rec.verdict.conditions, rec.verdict.severity)
                     rec.job, rec.verdict = by_job[job], v
+                    if (v.conditions, v.severity) != was:  # escalated, or another cause
+                        changed = True
+                        log.warning("hang of job %s now: %s", job, v.reason)
                     interval = self.cfg.hangs.ras_interval_seconds
                     if self.cfg.hangs.ras and rec.ras_at and now - rec.ras_at >= interval:
                         rec.ras_at = now  # one re-query per interval

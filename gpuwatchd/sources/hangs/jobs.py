@@ -132,6 +132,52 @@ def _expected_local(envs: Iterable[Mapping[str, str]]) -> tuple[int | None, int 
     return None, None
 
 
+def _parent(pid: int, procfs: str) -> int | None:
+    try:
+        with open(f"{procfs}/{pid}/stat", "rb") as f:
+            text = f.read().decode(errors="replace")
+        return int(text[text.rfind(")") + 2 :].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _starting_ranks(
+    key: str, pids: list[int], procfs: str
+) -> list[tuple[RankView, Mapping[str, str]]]:
+    """Ranks of the job, started by the same launcher, that hold no CUDA context yet.
+
+    A rank still importing its framework is not listed by NVML; without this the
+    ranks already waiting at the rendezvous would count it as never started.
+    """
+    out: list[tuple[RankView, Mapping[str, str]]] = []
+    seen = set(pids)
+    for parent in {p for p in (_parent(pid, procfs) for pid in pids) if p and p > 1}:
+        try:
+            with open(f"{procfs}/{parent}/task/{parent}/children", "rb") as f:
+                children = [int(c) for c in f.read().split()[:256]]
+        except (OSError, ValueError):
+            continue
+        for child in children:
+            if child in seen:
+                continue
+            seen.add(child)
+            env = read_environ(child, procfs)
+            if not env or job_key(child, env) != key:
+                continue
+            view = RankView(
+                pid=child,
+                gpus=(),
+                rank=_int(env.get("RANK") or env.get("SLURM_PROCID")),
+                local_rank=_int(env.get("LOCAL_RANK") or env.get("SLURM_LOCALID")),
+                world_size=_int(env.get("WORLD_SIZE")),
+                cpu_seconds=read_cpu_seconds(child, procfs),
+                ras_addr=env.get("NCCL_RAS_ADDR") or DEFAULT_RAS_ADDR,
+                command=_command(child, procfs),
+            )
+            out.append((view, env))
+    return out
+
+
 def jobs_from_gpu_processes(
     gpu_pids: Mapping[str, Iterable[int]],
     procfs: str = "/proc",
@@ -164,6 +210,8 @@ def jobs_from_gpu_processes(
     jobs = []
     for key, members in sorted(by_job.items()):
         local, world = _expected_local(env for _, env in members)
+        if local is not None and len(members) < local and environ is None:
+            members += _starting_ranks(key, [v.pid for v, _ in members], procfs)
         labels = [("job", key)]
         slurm = next((e["SLURM_JOB_ID"] for _, e in members if e.get("SLURM_JOB_ID")), "")
         if slurm:
