@@ -53,7 +53,12 @@ def test_processes_group_into_jobs_by_launcher_variables(tmp_path: Path) -> None
     assert torch.ras_addr == "10.0.0.1:29999"
     assert torch.ranks[0].command == "python3 train.py --lr 0.1"
     assert torch.ranks[0].cpu_seconds == read_cpu_seconds(100, str(tmp_path)) > 0
-    assert dict(jobs["slurm:4711.0"].labels) == {"job": "slurm:4711.0", "slurm_job": "4711"}
+    assert dict(jobs["slurm:4711.0"].labels) == {
+        "job": "slurm:4711.0",
+        "job_id": "slurm:4711",  # the same on every node of the job
+        "slurm_job": "4711",
+    }
+    assert dict(torch.labels)["job_id"] == "torch:127.0.0.1:29500"
     assert jobs["pid:300"].expected_local is None
 
 
@@ -81,7 +86,12 @@ def test_jobs_from_the_workloads_source(tmp_path: Path) -> None:
     jobs = {j.job: j for j in jobs_from_workloads([pod, *bare], str(tmp_path))}
     assert set(jobs) == {"k8s:ml/train-0", "torch:127.0.0.1:29600"}
     k8s = jobs["k8s:ml/train-0"]
-    assert dict(k8s.labels) == {"job": "k8s:ml/train-0", "namespace": "ml", "pod": "train-0"}
+    assert dict(k8s.labels) == {
+        "job": "k8s:ml/train-0",
+        "job_id": "torch:127.0.0.1:29500",  # what its pods share across nodes
+        "namespace": "ml",
+        "pod": "train-0",
+    }
     assert [r.rank for r in k8s.ranks] == [0, 1] and k8s.expected_local == 2
     assert [r.pid for r in jobs["torch:127.0.0.1:29600"].ranks] == [20, 21]
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from gpuwatchd.health.hangs.detector import JobVerdict
 from gpuwatchd.health.hangs.record import ALERTNAME, GENERIC_REMEDIATION, RULE, HangRecord
 from gpuwatchd.model import Action, Finding, Sample, Severity
 
-__all__ = ["finding_of", "info_samples", "severity_of"]
+__all__ = ["finding_of", "info_samples", "role_of", "severity_of"]
 
 SUBJECT_KEYS = ("job", "namespace", "pod", "slurm_job")
 
@@ -23,6 +24,13 @@ def severity_of(rec: HangRecord) -> Severity:
         return Severity.CRITICAL if rec.verdict.severity == "critical" else Severity.WARNING
     sig = rec.summary.signature if rec.summary else None
     return Severity.CRITICAL if sig is not None and sig.severity == "critical" else Severity.WARNING
+
+
+def role_of(v: JobVerdict) -> str:
+    """culprit: a rank of this node died, lags or never started; waiting: ours wait for it."""
+    if v.dead_pids or v.straggler_pids or "rank_missing" in v.conditions:
+        return "culprit"
+    return "waiting" if v.nodes or "rank_dead" in v.conditions else "stalled"
 
 
 def finding_of(rec: HangRecord) -> Finding:
@@ -48,6 +56,7 @@ def finding_of(rec: HangRecord) -> Finding:
     labels.append(("signature", sig.name if sig else "pending"))
     if rec.cause is not None:
         labels.append(("incident", rec.cause.incident))
+    labels.append(("role", role_of(v)))
     return Finding(
         rule=RULE,
         alertname=ALERTNAME,

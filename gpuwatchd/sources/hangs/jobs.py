@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_RAS_ADDR",
     "JobView",
     "RankView",
+    "job_id",
     "job_key",
     "jobs_from_gpu_processes",
     "jobs_from_workloads",
@@ -112,6 +113,24 @@ def job_key(pid: int, env: Mapping[str, str]) -> str:
         env.get("TORCHELASTIC_RUN_ID", ""), env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
     )
     return torch or f"pid:{pid}"
+
+
+def job_id(key: str, envs: Iterable[Mapping[str, str]], slurm_job: str = "") -> str:
+    """The job's name on every node: Slurm job id, else the launcher's run id or
+    MASTER_ADDR:PORT (shared by the pods of one training job), else this node's key."""
+    envs = list(envs)
+    slurm = slurm_job or next((e["SLURM_JOB_ID"] for e in envs if e.get("SLURM_JOB_ID")), "")
+    if slurm:
+        return f"slurm:{slurm}"
+    for env in envs:
+        torch = torch_job_id(
+            env.get("TORCHELASTIC_RUN_ID", ""),
+            env.get("MASTER_ADDR", ""),
+            env.get("MASTER_PORT", ""),
+        )
+        if torch:
+            return torch
+    return key
 
 
 def _expected_local(envs: Iterable[Mapping[str, str]]) -> tuple[int | None, int | None]:
@@ -212,7 +231,7 @@ def jobs_from_gpu_processes(
         local, world = _expected_local(env for _, env in members)
         if local is not None and len(members) < local and environ is None:
             members += _starting_ranks(key, [v.pid for v, _ in members], procfs)
-        labels = [("job", key)]
+        labels = [("job", key), ("job_id", job_id(key, (e for _, e in members)))]
         slurm = next((e["SLURM_JOB_ID"] for _, e in members if e.get("SLURM_JOB_ID")), "")
         if slurm:
             labels.append(("slurm_job", slurm))
@@ -267,7 +286,7 @@ def jobs_from_workloads(workloads: Iterable[Workload], procfs: str = "/proc") ->
             )
         local, world = _expected_local(envs.values())
         key = f"{w.kind}:{w.id}"
-        labels = [("job", key)]
+        labels = [("job", key), ("job_id", job_id(key, envs.values(), w.slurm_job))]
         labels += [(k, v) for k, v in (("namespace", w.namespace), ("pod", w.pod)) if v]
         if w.slurm_job:
             labels.append(("slurm_job", w.slurm_job))
