@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("gpuwatchd.hangs")
-GONE_FORGET_SECONDS = 300.0  # a rank gone this long is no longer shown with its job
+GONE_FORGET = 300.0  # seconds: a rank gone this long is no longer shown with its job
 
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
@@ -247,12 +247,11 @@ class HangMonitor:
     def _current_jobs(self, now: float) -> list[JobView]:
         out = []
         for key, job in list(self._templates.items()):
-            ranks = [
-                r
-                for pid, r in sorted(self._members[key].items())
-                if now - self._gone_at.get(pid, now) < GONE_FORGET_SECONDS
-            ]
-            out.append(dataclasses.replace(job, ranks=tuple(ranks)))
+            members = self._members[key]
+            for pid in [p for p in members if now - self._gone_at.get(p, now) >= GONE_FORGET]:
+                del members[pid]  # gone long ago: a restarted job goes on without it
+                self._gone_at.pop(pid, None)
+            out.append(dataclasses.replace(job, ranks=tuple(r for _, r in sorted(members.items()))))
         return out
 
     def _evaluate(self, now: float, gpus: Sequence[GpuActivity] | None) -> None:
