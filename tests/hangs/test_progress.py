@@ -255,3 +255,31 @@ def test_all_ranks_computing_on_the_cpu_with_counts_flat_waits_for_the_timeout()
     found = first(log)
     assert found is not None and found[0] >= 300  # never a page before the job's own timeout
     assert found[1].conditions == ("collective_stall",)
+
+
+def test_a_young_job_hung_before_the_ras_grace_is_flagged_from_its_gpus_and_cpu() -> None:
+    # unbalanced collectives 20 s after launch: no RAS yet, kernels resident far below the
+    # job's own peak, no I/O -> gpu_stall within 60 s
+    sim = Sim(_pair(started=0.0), start=0.0)
+    sim.run(20)
+
+    def diverge(t: float, s: Sim) -> None:
+        if t == 21:
+            s.rising = False
+            for r in s.ranks:
+                r.gpu = dict(SPIN)
+
+    found = first(sim.run(100, diverge))
+    assert found is not None and found[0] - 20 < 60 and found[1].conditions == ("gpu_stall",)
+    # teardown 10 s after launch: CPU and GPUs quiet -> cpu_stall within 60 s
+    sim = Sim(_pair(started=0.0), start=0.0)
+    sim.run(10)
+
+    def destroy(t: float, s: Sim) -> None:
+        if t == 11:
+            s.rising = False
+            for r in s.ranks:
+                r.cpu, r.gpu = 0.0, dict(IDLE)
+
+    found = first(sim.run(100, destroy))
+    assert found is not None and found[0] - 10 < 60 and "cpu_stall" in found[1].conditions

@@ -88,7 +88,8 @@ class _Memory:
     seen: dict[int, int | None] = field(default_factory=dict)  # pid -> rank
     gone: dict[int, float] = field(default_factory=dict)  # pid -> first seen gone
     prev: dict[int, tuple[float, RankView]] = field(default_factory=dict)
-    progress_at: dict[int, float] = field(default_factory=dict)
+    progress_at: dict[int, float] = field(default_factory=dict)  # I/O, children
+    gpu_working: dict[int, bool] = field(default_factory=dict)  # as of the last reading
     cpu_ratio: dict[int, float] = field(default_factory=dict)
     ras: JobRas = field(default_factory=JobRas)
 
@@ -174,10 +175,13 @@ class HangDetector:
                 cpu = _rate(now, r.cpu_seconds, pt, p.cpu_seconds)
                 if cpu is not None:
                     mem.cpu_ratio[r.pid] = cpu
-            # A GPU reading is evidence once: the probe between NVML polls reuses none.
-            if fresh and any(self._baseline.working(self._gpus.get(g), t) for g in r.gpus):
+            # GPU work is a state as of the last NVML reading, not an event with a window.
+            if fresh:
+                working = any(self._baseline.working(self._gpus.get(g), t) for g in r.gpus)
+                mem.gpu_working[r.pid] = working
+            if mem.gpu_working.get(r.pid):
                 signals.add("gpu")
-            if signals:
+            if signals - {"gpu"}:
                 mem.progress_at[r.pid] = now
             moved[r.pid] = signals
             mem.prev[r.pid] = (now, r)
@@ -192,6 +196,8 @@ class HangDetector:
         return moved
 
     def _recent(self, mem: _Memory, pid: int, now: float, window: float) -> bool:
+        if mem.gpu_working.get(pid):
+            return True
         at = mem.progress_at.get(pid)
         return at is not None and now - at < window
 
@@ -246,6 +252,8 @@ class HangDetector:
         if gone and alive:
             death = max(mem.gone.values())
             last_move = max([death, *(mem.progress_at.get(r.pid, death) for r in alive)])
+            if any(mem.gpu_working.get(r.pid) for r in alive):
+                last_move = now  # a survivor's GPU still works
             # A job known to NCCL waits for one RAS answer after the death (asked at
             # once): it names the rank missing, or says the job tore NCCL down.
             asked = not ras.nccl or ras.at > death or now - death >= t.ras_wait_seconds
@@ -268,9 +276,8 @@ class HangDetector:
         if short > 0 and alive and not progressing and (quiet_cpu or resident):
             held["rank_missing"] = mem.onset.get("rank_missing", now)
             signals["rank_missing"] = "liveness+" + ("cpu" if quiet_cpu else "gpu")
-        flat_for = 0.0
+        flat_for = ras.flat_for() if not gone else 0.0
         if not young and not gone:
-            flat_for = ras.flat_for()
             flat = flat_for > 0 and ras.counts_since is not None
             if flat and not progressing:
                 assert ras.counts_since is not None
@@ -283,11 +290,15 @@ class HangDetector:
                 signals["straggler"] = "+".join(
                     sorted({s for p in progressing for s in moved.get(p, ())} or {"ras"})
                 )
-            if not progressing and spin:
+        # Without RAS (or before its grace): the GPUs and the CPU, unless counts just rose.
+        counting = ras.rising()
+        if not gone and not progressing and not counting:
+            fallen = bool(gpu_rs) and all(self._baseline.fallen(g, t) for g in gpu_rs)
+            if spin or fallen:
                 held["gpu_stall"] = mem.onset.get("gpu_stall", now)
-                signals["gpu_stall"] = classify(gpu_rs[0], t)[1]
+                signals["gpu_stall"] = "gpu+io" if fallen else classify(gpu_rs[0], t)[1]
             single = distributed or t.single_process_cpu_stall
-            if not progressing and cpu_flat and single and not resident:
+            if cpu_flat and single and not resident:
                 held["cpu_stall"] = mem.onset.get("cpu_stall", now)
                 signals["cpu_stall"] = "cpu+io"
         mem.onset = {c: s for c, s in held.items() if c in _ONSET}

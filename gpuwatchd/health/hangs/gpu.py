@@ -45,7 +45,7 @@ class HangThresholds:
     collective_stall_seconds: float = 30.0  # RAS counts flat this long
     collective_timeout_seconds: float = 600.0  # a straggler pages when it lasts this long
     startup_grace_seconds: float = 60.0
-    progress_window_seconds: float = 20.0
+    progress_window_seconds: float = 15.0
     io_progress_bytes_per_second: float = 65536.0
     child_cpu_ratio: float = 0.2
     waiting_cpu_ratio: float = 0.3
@@ -149,6 +149,13 @@ class GpuBaseline:
             floor = t.min_work_power_ratio * g.power_limit_watts
             return g.power_watts >= max(floor, t.work_ratio * watts_peak)
         return None
+
+    def fallen(self, g: GpuActivity | None, t: HangThresholds) -> bool:
+        """A kernel resident, far below a peak of real work this GPU showed before."""
+        if g is None or not self.resident(g, t) or self.working(g, t) is not False:
+            return False
+        _, sm_peak, _ = self._peak.get(g.gpu, (0.0, 0.0, 0.0))
+        return sm_peak >= t.min_work_sm_active or self._link.get(g.gpu, 0.0) >= MIN_NVLINK_PEAK
 
     def resident(self, g: GpuActivity | None, t: HangThresholds) -> bool:
         """A kernel sits on the GPU without working (a collective waiting for a peer)."""

@@ -12,7 +12,6 @@ or ends resolves its alert.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import queue
@@ -32,6 +31,7 @@ from gpuwatchd.health.hangs.detector import (
     JobVerdict,
     activity_from_samples,
 )
+from gpuwatchd.health.hangs.members import JobMembers
 from gpuwatchd.health.hangs.poller import RasPoller
 from gpuwatchd.health.hangs.record import (
     ALERTNAME,
@@ -41,7 +41,7 @@ from gpuwatchd.health.hangs.record import (
 )
 from gpuwatchd.health.hangs.signatures import Signature, builtin_catalog, load_catalog
 from gpuwatchd.health.hangs.summary import summarize
-from gpuwatchd.jobview import JobView, RankView, RasAnswer, RasError, StackCapture
+from gpuwatchd.jobview import JobView, RasAnswer, RasError, StackCapture
 from gpuwatchd.model import Event, Finding, MetricSpec, Sample, SourceSnapshot
 from gpuwatchd.state import NodeSnapshot
 
@@ -55,7 +55,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("gpuwatchd.hangs")
-GONE_FORGET = 300.0  # seconds: a rank gone this long is no longer shown with its job
 
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
@@ -148,9 +147,7 @@ class HangMonitor:
         self._site_catalog: tuple[Signature, ...] | None = None
         self._poller = RasPoller(self._query_ras, ras_workers)
         self._xids = XidMemory()
-        self._members: dict[str, dict[int, RankView]] = {}  # job -> pid -> last view
-        self._templates: dict[str, JobView] = {}
-        self._gone_at: dict[int, float] = {}
+        self._members = JobMembers()
         self._probed_at = -1e18
         self.reconfigure(cfg)
 
@@ -225,53 +222,24 @@ class HangMonitor:
         gpus = nvml.status.get("gpus")
         if isinstance(gpus, Mapping):
             self._xids.note_gpus(gpus)
-        self._merge(self.jobs_of(snap))
+        self._members.merge(self.jobs_of(snap))
         now = nvml.timestamp or self._clock.time()
         self._evaluate(now, activity_from_samples(nvml.samples))
 
     def tick(self) -> None:
         """About once a second (consumer thread): the hang path's own faster probe."""
-        if not self.cfg.hangs.enabled or not self._templates:
+        if not self.cfg.hangs.enabled or not self._members:
             return
         now = self._clock.time()
         if now - self._probed_at >= self.cfg.hangs.probe_interval_seconds:
             self._evaluate(now, None)
 
-    def _merge(self, jobs: Sequence[JobView]) -> None:
-        """Jobs as NVML lists them now, plus ranks seen before that NVML no longer lists."""
-        for job in jobs:
-            members = self._members.setdefault(job.job, {})
-            members.update({r.pid: r for r in job.ranks})
-            self._templates[job.job] = job
-
-    def _current_jobs(self, now: float) -> list[JobView]:
-        out = []
-        for key, job in list(self._templates.items()):
-            members = self._members[key]
-            for pid in [p for p in members if now - self._gone_at.get(p, now) >= GONE_FORGET]:
-                del members[pid]  # gone long ago: a restarted job goes on without it
-                self._gone_at.pop(pid, None)
-            out.append(dataclasses.replace(job, ranks=tuple(r for _, r in sorted(members.items()))))
-        return out
-
     def _evaluate(self, now: float, gpus: Sequence[GpuActivity] | None) -> None:
         self._probed_at = now
-        jobs = self._current_jobs(now)
+        jobs = self._members.current(now)
         if self._io is not None:
             jobs = self._io.probe(jobs, self.cfg.paths.procfs)
-        for job in jobs:
-            live = [r for r in job.ranks if r.alive]
-            if not live:  # the job ended
-                self._templates.pop(job.job, None)
-                for r in job.ranks:
-                    self._gone_at.pop(r.pid, None)
-                self._members.pop(job.job, None)
-                continue
-            for r in job.ranks:
-                self._members[job.job][r.pid] = r
-                if not r.alive:
-                    self._gone_at.setdefault(r.pid, now)
-        jobs = [j for j in jobs if j.job in self._templates]
+        jobs = self._members.update(jobs, now)
         h = self.cfg.hangs
         if h.ras_poll and h.ras:
             urgent = self.detector.doubtful()
@@ -409,6 +377,8 @@ class HangMonitor:
         fresh = self._poller.answer(job.job, self._clock.time() - h.ras_poll_interval_seconds)
         if h.ras and fresh is not None and not rec.summary:
             answer = fresh  # the poll's answer is recent: no second query on the port
+        elif h.ras and _young(job, h.startup_grace_seconds):
+            ras_error = "not asked: the job started less than the start-up grace ago"
         elif h.ras and self._ras_query is not None:
             try:
                 answer = self._ras_query(job)
@@ -484,3 +454,8 @@ class HangMonitor:
             return 200, "application/json", json.dumps(docs[0], indent=1).encode() + b"\n"
         body = {"count": len(docs), "hangs": docs}
         return 200, "application/json", json.dumps(body, indent=1).encode() + b"\n"
+
+
+def _young(job: JobView, grace: float) -> bool:
+    """A rank started less than `grace` ago: RAS may still be setting communicators up."""
+    return any(r.age_seconds is not None and r.age_seconds < grace for r in job.ranks if r.alive)

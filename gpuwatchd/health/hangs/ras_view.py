@@ -50,6 +50,11 @@ class JobRas:
     missing: Mapping[int, MissingRank] = field(default_factory=dict)
     empty_at: float | None = None  # an answer without this job's communicators, after some had
     answers: int = 0
+    rose_at: float | None = None  # the last answer whose counts differed from the one before
+
+    def rising(self) -> bool:
+        """The latest answer showed counts that moved since the previous one."""
+        return self.rose_at is not None and self.rose_at == self.counts_at
 
     def flat_for(self) -> float:
         """How long the counts are known to have stayed the same (0 = unknown or rising)."""
@@ -175,6 +180,7 @@ def job_ras(prev: JobRas, view: RasView, job: JobView) -> JobRas:
         )
     counts = _counts(comms)
     same = prev.counts == counts
+    rose = prev.rose_at if same or prev.counts is None else view.time
     return JobRas(
         nccl=True,
         at=view.time,
@@ -185,4 +191,5 @@ def job_ras(prev: JobRas, view: RasView, job: JobView) -> JobRas:
         missing=_missing(comms, prev.missing, view.time),
         empty_at=prev.empty_at,
         answers=prev.answers + 1,
+        rose_at=rose,
     )
