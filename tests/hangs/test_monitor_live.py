@@ -8,7 +8,9 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import pytest
 
@@ -131,3 +133,61 @@ def test_a_rank_killed_after_an_xid_on_its_gpu_shares_the_xid_alerts_incident(
     view = View(Node().snapshot(T0))
     (xid_alert,) = rules.xid(rules.Inputs(view, History(60.0), cfg, T0, [cond]))
     assert dict(xid_alert.labels)["incident"] == incident
+
+
+def test_the_pipeline_tick_drives_the_hang_path_on_real_ranks(tmp_path: Path) -> None:
+    """NVML lists two real processes of a torch job; the consumer's tick alone (no NVML
+    poll after the kill) finds the killed rank through /proc."""
+    from gpuwatchd.config import load
+    from gpuwatchd.pipeline import Pipeline
+    from gpuwatchd.state import State
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29581"}
+    env.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(60)"],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+        )
+        for r in (0, 1)
+    ]
+    path = tmp_path / "config.yaml"
+    path.write_text(f"daemon:\n  state_dir: {tmp_path}\n")
+    clock = FakeClock(start=1_800_000_000.0)
+    state = State()
+    pipeline = Pipeline(load(str(path)), state, clock, "n", 0, [])
+    try:
+        for p in procs:  # until each has exec'd (before, /proc shows pytest's environ)
+            while b"time.sleep" not in Path(f"/proc/{p.pid}/cmdline").read_bytes():
+                time.sleep(0.01)
+        gpus = {
+            f"0000:0{i + 1}:00.0": {"gpu": i, "processes": [{"pid": p.pid}]}
+            for i, p in enumerate(procs)
+        }
+        state.publish(
+            SourceSnapshot("nvml", (), True, timestamp=clock.time(), status={"gpus": gpus})
+        )
+        pipeline.drain()
+        for _ in range(4):
+            clock.advance(1.0)
+            pipeline.tick()
+        procs[1].kill()
+        procs[1].wait()
+        killed = clock.time()
+        while clock.time() - killed < 30 and not pipeline.hang_monitor.findings():
+            clock.advance(1.0)
+            pipeline.tick()
+            pipeline.hang_monitor.run_pending()
+        (f,) = pipeline.hang_monitor.findings()
+        assert clock.time() - killed <= 15
+        assert dict(f.subject) == {"job": "torch:127.0.0.1:29581"}
+        assert dict(f.labels)["job_id"] == "torch:127.0.0.1:29581"
+        assert dict(f.labels)["role"] == "culprit" and "rank 1 died" in f.reason
+        pipeline.tick()
+        info = [s for s in state.snapshot().extra["hangs"] if s.name == "gpuwatchd_job_hang_info"]
+        assert [s.label("signature") for s in info] == ["dead_peer"]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        pipeline.store.close()
