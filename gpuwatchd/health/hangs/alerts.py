@@ -82,9 +82,11 @@ def info_samples(records: Iterable[HangRecord], dropped: int) -> list[Sample]:
                 "gpuwatchd_job_hang_info",
                 1,
                 workload=rec.job.job,
+                job_id=lab.get("job_id", rec.job.job),
                 namespace=lab.get("namespace", ""),
                 pod=lab.get("pod", ""),
                 slurm_job=lab.get("slurm_job", ""),
+                role=role_of(rec.verdict),
                 signature=sig.name if sig else "pending",
             )
         )

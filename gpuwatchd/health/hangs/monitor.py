@@ -61,9 +61,10 @@ METRICS: tuple[MetricSpec, ...] = (
         "gpuwatchd_job_hang_info",
         "info",
         "1 for each job on this node suspected to hang (JobHangSuspected): workload is the job"
-        " (pod, Slurm job or launcher id), signature the matched hang signature (pending"
-        " until forensics ran). Absent when no job hangs.",
-        ("workload", "namespace", "pod", "slurm_job", "signature"),
+        " (pod, Slurm job or launcher id), job_id its name on every node, role culprit"
+        " (a rank here died or lags), waiting or stalled, signature the matched hang signature"
+        " (pending until forensics ran). Absent when no job hangs.",
+        ("workload", "job_id", "namespace", "pod", "slurm_job", "role", "signature"),
     ),
     MetricSpec(
         "gpuwatchd_hang_forensics_dropped_total",
