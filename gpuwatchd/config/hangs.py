@@ -73,3 +73,6 @@ class HangsConfig:
         False, "capture each rank's stack once per stall with py-spy (CAP_SYS_PTRACE)"
     )
     stacks_timeout_seconds: float = opt(15.0, "deadline of one py-spy dump", min=1, max=120)
+    stacks_confirm_seconds: float = opt(
+        3.0, "the second stack dump, this long after the first, confirms a stall", min=0, max=60
+    )

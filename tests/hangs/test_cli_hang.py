@@ -23,7 +23,7 @@ def _record_peer_death_hang(tmp_path: Path) -> tuple[EventStore, HangMonitor]:
     cfg = dataclasses.replace(
         Config(),
         daemon=DaemonConfig(state_dir=str(tmp_path)),
-        hangs=HangsConfig(stacks=True, ras=False),
+        hangs=HangsConfig(stacks=True, stacks_confirm_seconds=0, ras=False),
     )
     store = EventStore.from_config(cfg)
     text = fixture("pyspy-peerdeath.txt")

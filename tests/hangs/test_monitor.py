@@ -66,7 +66,7 @@ def _run(monitor: HangMonitor, name: str, base: float = 1_800_000_000.0) -> list
 def test_dead_peer_alert_reaches_alertmanager_with_job_ranks_and_remediation(
     tmp_path: Path, am: AlertmanagerServer
 ) -> None:
-    cfg = _cfg(stacks=True)
+    cfg = _cfg(stacks=True, stacks_confirm_seconds=0)
     cfg = dataclasses.replace(cfg, alertmanager=AlertmanagerConfig(urls=[am.url]))
     store = Store()
     with ras_server(fixture("ras-running.txt"), fixture("ras-running.json")) as srv:
@@ -105,7 +105,7 @@ def test_dead_peer_alert_reaches_alertmanager_with_job_ranks_and_remediation(
 
 def test_rank_missing_at_start_names_the_rendezvous_signature() -> None:
     monitor = HangMonitor(
-        _cfg(stacks=True, ras=False),
+        _cfg(stacks=True, stacks_confirm_seconds=0, ras=False),
         FakeClock(),
         capture=lambda pid: _recorded_stack("pyspy-rendezvous.txt"),
     )
@@ -117,6 +117,7 @@ def test_rank_missing_at_start_names_the_rendezvous_signature() -> None:
     (doc,) = monitor.records()
     assert doc["signature"] == "rendezvous_missing_rank"
     assert doc["missing"] == ["1 rank(s) never started"]
+    assert doc["stacks_confirmed"] is True  # the same TCPStore wait in both dumps
     (info,) = [s for s in monitor.samples() if s.name == "gpuwatchd_job_hang_info"]
     assert info.label("signature") == "rendezvous_missing_rank"
     status, _, body = monitor.route({"id": [str(doc["id"])]})
@@ -167,3 +168,14 @@ def test_reload_keeps_the_detector_memory_and_a_bad_site_file_keeps_the_old_cata
     assert 8 < t <= 12  # the death seen before the reload still counts
     with pytest.raises(ConfigError, match="sig.yaml"):
         HangMonitor(_cfg(ras=False, signatures_file=str(bad)), FakeClock())
+
+
+def test_stacks_confirm_only_when_every_rank_stays_in_the_same_call() -> None:
+    from gpuwatchd.health.hangs.summary import stacks_confirm
+
+    waiting = _recorded_stack("pyspy-peerdeath.txt")
+    moved = StackCapture(1031, True, parse_dump(fixture("pyspy-rendezvous.txt"))[1])
+    assert stacks_confirm({1031: waiting}, {1031: waiting})
+    assert not stacks_confirm({1031: waiting}, {1031: moved})  # it moved on: progress
+    assert not stacks_confirm({1031: waiting}, {})  # gone between the dumps
+    assert not stacks_confirm({1031: StackCapture(1031, False, error="no py-spy")}, {})

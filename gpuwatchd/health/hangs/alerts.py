@@ -22,6 +22,8 @@ def severity_of(rec: HangRecord) -> Severity:
     """The detector's severity when it set one, else the signature's."""
     if rec.verdict.severity:
         return Severity.CRITICAL if rec.verdict.severity == "critical" else Severity.WARNING
+    if rec.stacks_confirmed:  # a stall the stacks confirm is critical, whatever its name
+        return Severity.CRITICAL
     sig = rec.summary.signature if rec.summary else None
     return Severity.CRITICAL if sig is not None and sig.severity == "critical" else Severity.WARNING
 
@@ -48,6 +50,8 @@ def finding_of(rec: HangRecord) -> Finding:
         reason += f" Decided by: {v.signals}."
     if v.nodes:
         reason += f" Ranks lost on: {', '.join(v.nodes)}."
+    if rec.stacks_confirmed:
+        reason += " Two stack dumps seconds apart show every rank in the same call."
     if sig is not None:
         reason += f" Signature: {sig.title}."
     if where:

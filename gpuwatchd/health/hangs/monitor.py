@@ -40,7 +40,7 @@ from gpuwatchd.health.hangs.record import (
     open_hangs,
 )
 from gpuwatchd.health.hangs.signatures import Signature, builtin_catalog, load_catalog
-from gpuwatchd.health.hangs.summary import summarize
+from gpuwatchd.health.hangs.summary import stacks_confirm, summarize
 from gpuwatchd.jobview import JobView, RasAnswer, RasError, StackCapture
 from gpuwatchd.model import Event, Finding, MetricSpec, Sample, SourceSnapshot
 from gpuwatchd.state import NodeSnapshot
@@ -144,6 +144,7 @@ class HangMonitor:
         self._listeners: list[Listener] = []
         self._seen_stamp: float | None = None
         self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
         self.dropped = 0
         self._site_catalog: tuple[Signature, ...] | None = None
         self._poller = RasPoller(self._query_ras, ras_workers)
@@ -335,6 +336,7 @@ class HangMonitor:
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the forensics thread (a capture in flight ends at its own deadline)."""
         self._poller.stop()
+        self._stopping.set()
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout)
@@ -368,11 +370,16 @@ class HangMonitor:
             job, verdict, have_stacks = rec.job, rec.verdict, bool(rec.stacks)
         h = self.cfg.hangs
         caps = dict(rec.stacks)
+        confirmed = rec.stacks_confirmed
         if h.stacks and not have_stacks and self._capture is not None:
-            for r in job.ranks:
-                caps[r.pid] = self._capture(r.pid)
-                if not caps[r.pid].ok:
-                    log.warning("hang %d: no stack of pid %d: %s", rid, r.pid, caps[r.pid].error)
+            live = [r.pid for r in job.ranks if r.alive]
+            first = {pid: self._capture(pid) for pid in live}
+            self._stopping.wait(h.stacks_confirm_seconds)  # a second dump: still there?
+            caps = {pid: self._capture(pid) for pid in live}
+            confirmed = stacks_confirm(first, caps)
+            for pid, cap in caps.items():
+                if not cap.ok:
+                    log.warning("hang %d: no stack of pid %d: %s", rid, pid, cap.error)
         answer: RasAnswer | None = None
         ras_error = ""
         fresh = self._poller.answer(job.job, self._clock.time() - h.ras_poll_interval_seconds)
@@ -389,6 +396,7 @@ class HangMonitor:
         summary = summarize(job, verdict, caps, report, self.catalog)
         with self._lock:
             rec.stacks = caps
+            rec.stacks_confirmed = confirmed
             rec.summary = summary
             rec.ras_text = answer.text if answer is not None else rec.ras_text
             rec.ras_error = ras_error

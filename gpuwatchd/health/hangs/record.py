@@ -49,6 +49,7 @@ class HangRecord:
     ras_at: float = 0.0
     resolved_at: float | None = None
     cause: HardwareCause | None = None  # an Xid on a rank's GPU before the hang
+    stacks_confirmed: bool = False  # two dumps seconds apart: every rank in the same call
 
     def json(self) -> dict[str, Any]:
         """Everything, JSON-able, for /hangs, the store and `gpuwatchd hang show`."""
@@ -65,6 +66,7 @@ class HangRecord:
             "severity": self.verdict.severity,
             "cause": self.cause.text if self.cause else "",
             "incident": self.cause.incident if self.cause else "",
+            "stacks_confirmed": self.stacks_confirmed,
             "nodes": list(self.verdict.nodes),
             "signature": s.signature.name if s and s.signature else "",
             "remediation": s.signature.remediation if s and s.signature else "",

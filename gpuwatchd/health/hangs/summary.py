@@ -91,6 +91,18 @@ def where_stuck(capture: StackCapture | None) -> tuple[str, str]:
     return where or _python_or_named(texts), coll
 
 
+def stacks_confirm(first: Mapping[int, StackCapture], second: Mapping[int, StackCapture]) -> bool:
+    """Every rank's main thread in the same call in two dumps taken some seconds apart."""
+    pids = [p for p in first if first[p].ok]
+    if not pids:
+        return False
+    for pid in pids:
+        where, _ = where_stuck(first[pid])
+        if not where or where_stuck(second.get(pid))[0] != where:
+            return False
+    return True
+
+
 def _diverging(stacks: Sequence[StackCapture]) -> str:
     mains = [m for m in (s.main_thread() for s in stacks if s.ok) if m is not None]
     if len(mains) < 2:
