@@ -225,7 +225,8 @@ class HangMonitor:
         if isinstance(gpus, Mapping):
             self._xids.note_gpus(gpus)
         self._members.merge(self.jobs_of(snap))
-        now = nvml.timestamp or self._clock.time()
+        # The poll's own time, never before the last probe (time only moves forward here).
+        now = max(nvml.timestamp or self._clock.time(), self._probed_at)
         self._evaluate(now, activity_from_samples(nvml.samples))
 
     def tick(self) -> None:
