@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 __all__ = [
     "DEFAULT_RAS_ADDR",
     "Frame",
+    "GroupProgress",
     "JobView",
     "RankView",
     "RasAnswer",
@@ -181,3 +182,27 @@ class RasAnswer:
     text: str
     report: RasReport | None
     seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class GroupProgress:
+    """One process group across the ranks that dumped: who reached which collective."""
+
+    pg: str
+    reached: Mapping[int, tuple[int, str, str]]  # rank -> (seq, op, state) of its last entry
+    waiting_in: tuple[int, str] = (-1, "")  # the collective the others wait in
+    not_joined: tuple[int, ...] = ()  # ranks that never entered it
+    ops_differ: tuple[int, ...] = field(default=())  # ranks in another op at that seq
+
+    def line(self) -> str:
+        """`pg 0: rank 0 at #51 nccl:all_reduce (started); rank 1 ...; not joined: 1`."""
+        parts = [f"rank {r} at #{s} {op} ({st})" for r, (s, op, st) in sorted(self.reached.items())]
+        text = f"process group {self.pg}: " + "; ".join(parts)
+        if self.not_joined:
+            seq, op = self.waiting_in
+            text += f"; not joined {op} #{seq}: rank {', '.join(map(str, self.not_joined))}"
+        if self.ops_differ:
+            text += (
+                f"; in another collective at that step: rank {', '.join(map(str, self.ops_differ))}"
+            )
+        return text

@@ -73,6 +73,11 @@ class HangsConfig:
         False, "capture each rank's stack once per stall with py-spy (CAP_SYS_PTRACE)"
     )
     stacks_timeout_seconds: float = opt(15.0, "deadline of one py-spy dump", min=1, max=120)
+    flight_recorder: bool = opt(
+        True,
+        "on suspicion, trigger (TORCH_NCCL_DEBUG_INFO_PIPE_FILE) and read each rank's"
+        " PyTorch flight recorder dump; reports where each process group's ranks are",
+    )
     stacks_confirm_seconds: float = opt(
         3.0, "the second stack dump, this long after the first, confirms a stall", min=0, max=60
     )

@@ -42,6 +42,9 @@ class RealProcs:
         self.asked += 1
         raise RasError("cannot connect to RAS at localhost:28028: refused")
 
+    def flight(self, job: JobView, procfs: str, wait: object) -> tuple[list[object], list[str]]:
+        return [], ["no flight recorder here"]
+
     def probe(self, jobs: Sequence[JobView], procfs: str) -> list[JobView]:
         return probe_jobs(jobs, procfs)
 

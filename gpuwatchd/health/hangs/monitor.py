@@ -41,7 +41,7 @@ from gpuwatchd.health.hangs.record import (
 )
 from gpuwatchd.health.hangs.signatures import Signature, builtin_catalog, load_catalog
 from gpuwatchd.health.hangs.summary import stacks_confirm, summarize
-from gpuwatchd.jobview import JobView, RasAnswer, RasError, StackCapture
+from gpuwatchd.jobview import GroupProgress, JobView, RasAnswer, RasError, StackCapture
 from gpuwatchd.model import Event, Finding, MetricSpec, Sample, SourceSnapshot
 from gpuwatchd.state import NodeSnapshot
 
@@ -91,6 +91,10 @@ class NodeIO(Protocol):
     def ras(self, job: JobView, netns: bool, timeout: float) -> RasAnswer: ...
 
     def probe(self, jobs: Sequence[JobView], procfs: str) -> list[JobView]: ...
+
+    def flight(
+        self, job: JobView, procfs: str, wait: Callable[[float], object]
+    ) -> tuple[list[GroupProgress], list[str]]: ...
 
 
 class EventWriter(Protocol):
@@ -394,10 +398,16 @@ class HangMonitor:
             except RasError as e:
                 ras_error = str(e)
         report = answer.report if answer is not None else None
-        summary = summarize(job, verdict, caps, report, self.catalog)
+        groups, flight_errors = rec.flight, rec.flight_errors
+        if h.flight_recorder and self._io is not None and not rec.summary:
+            groups, flight_errors = self._io.flight(job, self.cfg.paths.procfs, self._stopping.wait)
+        facts = {"flight:not_joined" for g in groups if g.not_joined}
+        facts |= {"flight:ops_differ" for g in groups if g.ops_differ}
+        summary = summarize(job, verdict, caps, report, self.catalog, facts)
         with self._lock:
             rec.stacks = caps
             rec.stacks_confirmed = confirmed
+            rec.flight, rec.flight_errors = groups, flight_errors
             rec.summary = summary
             rec.ras_text = answer.text if answer is not None else rec.ras_text
             rec.ras_error = ras_error

@@ -16,7 +16,7 @@ from typing import Any
 from gpuwatchd.health.hangs.causes import HardwareCause
 from gpuwatchd.health.hangs.detector import JobVerdict
 from gpuwatchd.health.hangs.summary import HangSummary
-from gpuwatchd.jobview import JobView, StackCapture
+from gpuwatchd.jobview import GroupProgress, JobView, StackCapture
 from gpuwatchd.model import Action, Event, Finding, Severity
 
 __all__ = [
@@ -50,6 +50,8 @@ class HangRecord:
     resolved_at: float | None = None
     cause: HardwareCause | None = None  # an Xid on a rank's GPU before the hang
     stacks_confirmed: bool = False  # two dumps seconds apart: every rank in the same call
+    flight: list[GroupProgress] = field(default_factory=list)  # PyTorch's flight recorder
+    flight_errors: list[str] = field(default_factory=list)
 
     def json(self) -> dict[str, Any]:
         """Everything, JSON-able, for /hangs, the store and `gpuwatchd hang show`."""
@@ -67,6 +69,8 @@ class HangRecord:
             "cause": self.cause.text if self.cause else "",
             "incident": self.cause.incident if self.cause else "",
             "stacks_confirmed": self.stacks_confirmed,
+            "flight_recorder": [g.line() for g in self.flight],
+            "flight_recorder_errors": list(self.flight_errors),
             "nodes": list(self.verdict.nodes),
             "signature": s.signature.name if s and s.signature else "",
             "remediation": s.signature.remediation if s and s.signature else "",

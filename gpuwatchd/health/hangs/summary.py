@@ -9,7 +9,7 @@ where they run, and the facts the signature catalog matches on.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gpuwatchd.health.hangs.detector import JobVerdict
@@ -160,8 +160,9 @@ def summarize(
     stacks: Mapping[int, StackCapture],
     report: RasReport | None,
     catalog: Sequence[Signature],
+    extra_facts: Iterable[str] = (),
 ) -> HangSummary:
-    """Combine the detector's verdict, the ranks' stacks and the RAS answer."""
+    """Combine the detector's verdict, the ranks' stacks, the RAS answer (and other facts)."""
     states = dict(verdict.rank_states)
     counts_by_pid: dict[int, Mapping[str, int]] = {}
     if report is not None:
@@ -188,6 +189,7 @@ def summarize(
     facts = {f"cond:{c}" for c in verdict.conditions}
     ras_facts, ras_missing, unresponsive = _ras_facts(report, {r.pid for r in job.ranks})
     facts |= ras_facts
+    facts |= set(extra_facts)
     colls = [r.collective for r in ranks if r.where]
     if len(colls) >= 2:
         distinct = {c for c in colls if c}

@@ -29,6 +29,9 @@ __all__ = [
 ]
 
 _ENV_KEYS = (
+    "TORCH_FR_DUMP_TEMP_FILE",
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+    "TORCH_NCCL_DEBUG_INFO_PIPE_FILE",
     "RANK",
     "LOCAL_RANK",
     "WORLD_SIZE",
