@@ -95,6 +95,7 @@ class Sim:
         self.counts = {r.rank: {"AllReduce": 1000} for r in ranks}
         self.answer: RasReport | None = None  # set by a script to replace the counts' report
         self.rising = True
+        self.flags: dict[str, bool] = {}  # RAS status flags of every rank (destroy_flag...)
         self._ras_at = -1e9
         self.log: list[tuple[float, JobVerdict]] = []
 
@@ -135,6 +136,7 @@ class Sim:
                 rep = self.answer or report(
                     {k: dict(v) for k, v in self.counts.items()},
                     {r.rank: r.pid for r in self.ranks},
+                    **self.flags,
                 )
                 views["torch:10.0.0.1:29500"] = RasView(BASE + self.t, rep)
             job = self.job()

@@ -115,6 +115,7 @@ def test_teardown_hang_counts_flat_cpu_flat_is_critical_within_60s() -> None:
     def destroy(t: float, s: Sim) -> None:
         if t == 1:
             s.rising = False
+            s.flags = {"destroy_flag": True}  # RAS: the communicator is being destroyed
             for r in s.ranks:
                 r.cpu, r.gpu = 0.0, dict(IDLE)
 
@@ -122,6 +123,22 @@ def test_teardown_hang_counts_flat_cpu_flat_is_critical_within_60s() -> None:
     assert found is not None
     t, v = found
     assert t < 60 and "collective_stall" in v.conditions and v.severity == "critical"
+
+
+def test_an_idle_distributed_server_is_never_a_critical_collective_stall() -> None:
+    # inference ranks waiting for requests: counts flat, no kernel, no CPU, clean comms
+    sim = Sim(_pair())
+    sim.run(0)
+
+    def idle(t: float, s: Sim) -> None:
+        if t == 1:
+            s.rising = False
+            for r in s.ranks:
+                r.cpu, r.gpu = 0.0, dict(IDLE)
+
+    log = sim.run(900, idle)
+    assert "collective_stall" not in {c for _, v in log for c in v.conditions}
+    assert {v.severity for _, v in log if v.suspected} <= {""}  # cpu_stall: the signature's
 
 
 def test_checkpoint_on_rank_0_for_180s_is_a_straggler_warning_only() -> None:

@@ -235,11 +235,25 @@ class HangDetector:
             kernel = any(self._baseline.resident(self._gpus.get(g), t) for g in r.gpus)
             return kernel or mem.cpu_ratio.get(r.pid, 1.0) <= t.waiting_cpu_ratio
 
+        def in_collective(r: RankView) -> bool:  # a kernel sits, or (no GPM) a core spins
+            gs = [self._gpus.get(g) for g in r.gpus]
+            if any(self._baseline.resident(g, t) for g in gs):
+                return True
+            no_gpm = not gs or any(g is None or g.sm_active is None for g in gs)
+            return no_gpm and mem.cpu_ratio.get(r.pid, 0.0) > t.waiting_cpu_ratio
+
         # Every rank waits (rather than computes on the CPU, which an idle GPU and a busy
         # core look like); without GPM a job known to NCCL is given the benefit.
         gpm = bool(gpu_rs) and all(g is not None and g.sm_active is not None for g in gpu_rs)
         blocked = bool(alive) and all(stuck(r) for r in alive)
         stuck_others = blocked or (ras.nccl and not gpm)
+        # Flat counts are a hang when every rank sits in a collective, or RAS flags the
+        # communicator (destroyed, aborted, failed). Ranks idle on both CPU and GPU with
+        # clean communicators are a server waiting for work: cpu_stall's business.
+        collective = bool(alive) and (all(in_collective(r) for r in alive) or ras.flagged())
+        cpu_phase = bool(alive) and all(
+            mem.cpu_ratio.get(r.pid, 0.0) > t.waiting_cpu_ratio for r in alive
+        )
         young = any(
             r.age_seconds is not None and r.age_seconds < t.startup_grace_seconds for r in alive
         )
@@ -279,7 +293,7 @@ class HangDetector:
         flat_for = ras.flat_for() if not gone else 0.0
         if not young and not gone:
             flat = flat_for > 0 and ras.counts_since is not None
-            if flat and not progressing:
+            if flat and not progressing and (collective or cpu_phase):
                 assert ras.counts_since is not None
                 held["collective_stall"] = ras.counts_since
                 signals["collective_stall"] = "+".join(
@@ -294,7 +308,7 @@ class HangDetector:
         counting = ras.rising()
         if not gone and not progressing and not counting:
             fallen = bool(gpu_rs) and all(self._baseline.fallen(g, t) for g in gpu_rs)
-            if spin or fallen:
+            if spin or (fallen and distributed):  # a lone server idles below its peak
                 held["gpu_stall"] = mem.onset.get("gpu_stall", now)
                 signals["gpu_stall"] = "gpu+io" if fallen else classify(gpu_rs[0], t)[1]
             single = distributed or t.single_process_cpu_stall
@@ -316,7 +330,7 @@ class HangDetector:
             if c in held
             and (
                 # ranks busy on the CPU with idle GPUs may compute: wait for the timeout
-                flat_for >= (t.collective_stall_seconds if blocked else timeout)
+                flat_for >= (t.collective_stall_seconds if collective else timeout)
                 if c == "collective_stall"
                 else (c == "rank_dead" and bool(ras_dead)) or now - held[c] >= need[c]
             )

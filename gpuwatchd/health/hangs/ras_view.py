@@ -62,6 +62,14 @@ class JobRas:
             return 0.0
         return self.counts_at - self.counts_since
 
+    def flagged(self) -> bool:
+        """A rank's communicator is being destroyed, finalized or aborted, or failed."""
+        return any(
+            r.destroy_flag or r.abort_flag or r.async_error or r.finalize_called
+            for c in self.comms
+            for r in c.ranks
+        )
+
     def diverge(self) -> bool:
         """True when the ranks of a communicator launched different collectives."""
         for c in self.comms:
