@@ -46,11 +46,13 @@ def test_hang_show_lists_and_details_a_recorded_hang(
     listing = capsys.readouterr().out
     assert "hang 1 " in listing and "job torch:127.0.0.1:29544" in listing
     assert "resolved" in listing and "dead_peer" in listing
+    assert "severity: critical" in listing and "signals: gpu+io+liveness" in listing
 
     assert main(["hang", "show", "1", "--state-dir", str(tmp_path)]) == 0
     detail = capsys.readouterr().out
     assert "rank 0 pid 1031 gpus 0: cuCtxSynchronize_v2" in detail
     assert "missing: rank 1" in detail
+    assert "stacks: every rank in the same call in two dumps" in detail
     assert "--- stack of pid 1031 ---" in detail and "cudaDeviceSynchronize" in detail
 
     assert main(["hang", "show", "1", "--json", "--state-dir", str(tmp_path)]) == 0
