@@ -95,6 +95,8 @@ def test_a_killed_rank_alerts_within_seconds_from_the_probe_cadence(
     assert "liveness" in f.reason
     assert dict(f.labels)["signature"] == "dead_peer"
     assert found and found[-1] == [f]
+    # the page went out at once, before the forensics named the signature
+    assert dict(found[0][0].labels)["signature"] == "pending"
     assert io.asked <= 2  # RAS: never before the grace, at most once at the suspicion
 
 

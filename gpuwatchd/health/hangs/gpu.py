@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from gpuwatchd.config import Config
 from gpuwatchd.model import Sample
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "HangThresholds",
     "activity_from_samples",
     "classify",
+    "thresholds_from_config",
 ]
 
 UTIL = "gpuwatchd_gpu_utilization_ratio"
@@ -204,3 +206,22 @@ def activity_from_samples(samples: Iterable[Sample]) -> list[GpuActivity]:
         )
         for gpu, v in sorted(per.items())
     ]
+
+
+def thresholds_from_config(cfg: Config) -> HangThresholds:
+    """The detector's thresholds from the `hangs:` section."""
+    h = cfg.hangs
+    return HangThresholds(
+        decide_after_seconds=h.decide_after_seconds,
+        rank_missing_after_seconds=h.rank_missing_after_seconds,
+        dead_peer_after_seconds=h.dead_peer_after_seconds,
+        collective_stall_seconds=h.collective_stall_seconds,
+        straggler_after_seconds=h.straggler_after_seconds,
+        collective_timeout_seconds=h.collective_timeout_seconds,
+        startup_grace_seconds=h.startup_grace_seconds,
+        io_progress_bytes_per_second=h.io_progress_bytes_per_second,
+        max_sm_active=h.max_sm_active,
+        max_sm_occupancy=h.max_sm_occupancy,
+        max_cpu_ratio=h.max_cpu_ratio,
+        single_process_cpu_stall=h.single_process_cpu_stall,
+    )

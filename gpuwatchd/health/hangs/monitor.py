@@ -17,6 +17,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from gpuwatchd.clock import Clock
@@ -27,10 +28,10 @@ from gpuwatchd.health.hangs.causes import XidMemory
 from gpuwatchd.health.hangs.detector import (
     GpuActivity,
     HangDetector,
-    HangThresholds,
     JobVerdict,
     activity_from_samples,
 )
+from gpuwatchd.health.hangs.gpu import thresholds_from_config
 from gpuwatchd.health.hangs.members import JobMembers
 from gpuwatchd.health.hangs.poller import RasPoller
 from gpuwatchd.health.hangs.record import (
@@ -99,25 +100,6 @@ class NodeIO(Protocol):
 
 class EventWriter(Protocol):
     def write(self, records: Sequence[tuple[Event, str, int]]) -> None: ...
-
-
-def thresholds_from_config(cfg: Config) -> HangThresholds:
-    """The detector's thresholds from the `hangs:` section."""
-    h = cfg.hangs
-    return HangThresholds(
-        decide_after_seconds=h.decide_after_seconds,
-        rank_missing_after_seconds=h.rank_missing_after_seconds,
-        dead_peer_after_seconds=h.dead_peer_after_seconds,
-        collective_stall_seconds=h.collective_stall_seconds,
-        straggler_after_seconds=h.straggler_after_seconds,
-        collective_timeout_seconds=h.collective_timeout_seconds,
-        startup_grace_seconds=h.startup_grace_seconds,
-        io_progress_bytes_per_second=h.io_progress_bytes_per_second,
-        max_sm_active=h.max_sm_active,
-        max_sm_occupancy=h.max_sm_occupancy,
-        max_cpu_ratio=h.max_cpu_ratio,
-        single_process_cpu_stall=h.single_process_cpu_stall,
-    )
 
 
 class HangMonitor:
@@ -289,8 +271,10 @@ class HangMonitor:
                 if known is None:
                     rid = self._new_record(by_job[job], v, now)
                     self._records[rid].cause = self._xids.cause(by_job[job], v)
-                    # the alert waits for forensics (signature, severity) unless they cannot run
-                    changed |= not self._enqueue(rid)
+                    # The alert goes at once when the detector set its severity (a dead rank
+                    # pages in seconds, stacks or not); else it waits for the signature.
+                    queued = self._enqueue(rid)
+                    changed |= not queued or bool(v.severity)
                 else:
                     rec = self._records[known]
                     was = (rec.verdict.conditions, rec.verdict.severity)
@@ -378,9 +362,9 @@ class HangMonitor:
         confirmed = rec.stacks_confirmed
         if h.stacks and not have_stacks and self._capture is not None:
             live = [r.pid for r in job.ranks if r.alive]
-            first = {pid: self._capture(pid) for pid in live}
+            first = self._capture_all(live)
             self._stopping.wait(h.stacks_confirm_seconds)  # a second dump: still there?
-            caps = {pid: self._capture(pid) for pid in live}
+            caps = self._capture_all(live)
             confirmed = stacks_confirm(first, caps)
             for pid, cap in caps.items():
                 if not cap.ok:
@@ -424,6 +408,13 @@ class HangMonitor:
             self._store.write([(self._event(rec, doc), self._burst(rec), 1)])
         if not resolved:
             self._notify(self._clock.time())
+
+    def _capture_all(self, pids: Sequence[int]) -> dict[int, StackCapture]:
+        """Every rank's stack at once (py-spy takes about a second for a PyTorch rank)."""
+        capture = self._capture
+        assert capture is not None
+        with ThreadPoolExecutor(min(8, max(1, len(pids))), "hang-stacks") as pool:
+            return dict(zip(pids, pool.map(capture, pids), strict=True))
 
     def _event(self, rec: HangRecord, doc: Mapping[str, Any]) -> Event:
         return Event(
