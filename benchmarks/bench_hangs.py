@@ -28,6 +28,7 @@ from benchmarks.report import publish  # noqa: E402
 from gpuwatchd.health.hangs.detector import GpuActivity, HangDetector, HangThresholds  # noqa: E402
 from gpuwatchd.sources.hangs import stacks  # noqa: E402
 from gpuwatchd.sources.hangs.jobs import JobView, RankView, jobs_from_gpu_processes  # noqa: E402
+from gpuwatchd.sources.hangs.proc import probe_jobs  # noqa: E402
 
 GPUS, JOBS, RANKS = 8, 8, 8
 SLEEPER = "import sys, time\nwhile True: time.sleep(3600)\n"
@@ -67,8 +68,9 @@ def detector_cpu(polls: int) -> list[float]:
     return out
 
 
-def adapter_cpu(polls: int) -> list[float]:
-    """Build the jobs from /proc of 64 real processes, then run the detector."""
+def adapter_cpu(polls: int) -> tuple[list[float], list[float]]:
+    """Build the jobs from /proc of 64 real processes, then run the detector; and the
+    hang path's own probe (every 3 s: liveness, CPU, I/O, children) with the detector."""
     procs = []
     for j in range(JOBS):
         for r in range(RANKS):
@@ -82,14 +84,20 @@ def adapter_cpu(polls: int) -> list[float]:
         }
         det = HangDetector(HangThresholds())
         gpus = gpus_busy()
-        out = []
+        out, probes = [], []
         for i in range(polls):
             t0 = time.process_time()
             jobs = jobs_from_gpu_processes(gpu_pids)
             det.observe(jobs, gpus, 1000.0 + i)
             out.append(time.process_time() - t0)
         assert len(jobs) == JOBS and all(len(j.ranks) == RANKS for j in jobs)
-        return out
+        for i in range(polls):
+            t0 = time.process_time()
+            probed = probe_jobs(jobs)
+            det.observe(probed, None, 2000.0 + 3 * i)
+            probes.append(time.process_time() - t0)
+        assert all(r.alive and r.io_bytes is not None for j in probed for r in j.ranks)
+        return out, probes
     finally:
         for p in procs:
             p.kill()
@@ -118,7 +126,7 @@ def main() -> int:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     det = detector_cpu(args.polls)
-    full = adapter_cpu(max(20, args.polls // 5))
+    full, probe = adapter_cpu(max(20, args.polls // 5))
     captures = [capture_once() for _ in range(3)]
     secs = [c[0] for c in captures]
     fig: dict[str, object] = {
@@ -127,6 +135,7 @@ def main() -> int:
         "detector_cpu_ms_per_poll_p50": pct(det, 0.5) * 1e3,
         "detector_cpu_ms_per_poll_mean": statistics.fmean(det) * 1e3,
         "adapter_and_detector_cpu_ms_per_poll_p50": pct(full, 0.5) * 1e3,
+        "probe_and_detector_cpu_ms_per_probe_p50": pct(probe, 0.5) * 1e3,
         "stack_capture_seconds_median": statistics.median(secs),
         "stack_capture_py_spy_peak_rss_mib": max(c[1] for c in captures) / 2**20,
         "stack_capture_threads": captures[0][2],
@@ -136,6 +145,8 @@ def main() -> int:
         f"{fig['detector_cpu_ms_per_poll_p50']:.2f} ms |",
         "| the same plus building the jobs from /proc of 64 real processes (p50) | "
         f"{fig['adapter_and_detector_cpu_ms_per_poll_p50']:.1f} ms |",
+        "| the hang path's probe (/proc stat, io, children) of the 64 plus the detector, every"
+        f" 3 s (p50) | {fig['probe_and_detector_cpu_ms_per_probe_p50']:.1f} ms |",
         "| one `py-spy dump --native` of a 4-thread Python process (median of 3) | "
         f"{fig['stack_capture_seconds_median'] * 1e3:.0f} ms |",
         f"| py-spy peak RSS | {fig['stack_capture_py_spy_peak_rss_mib']:.0f} MiB |",

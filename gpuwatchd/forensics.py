@@ -6,12 +6,14 @@ the sources' readers, so the health layer never imports a source.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 
 from gpuwatchd.jobview import JobView, RasAnswer, StackCapture
 from gpuwatchd.model import workloads_from_status
-from gpuwatchd.sources.hangs import ras, stacks
-from gpuwatchd.sources.hangs.jobs import jobs_from_gpu_processes, jobs_from_workloads
+from gpuwatchd.sources.hangs import flight, ras, stacks
+from gpuwatchd.sources.hangs.jobs import jobs_from_gpu_processes, jobs_from_workloads, read_environ
+from gpuwatchd.sources.hangs.proc import probe_jobs
 from gpuwatchd.state import NodeSnapshot
 
 __all__ = ["NodeForensics"]
@@ -49,3 +51,28 @@ class NodeForensics:
         if netns and job.ranks:
             return ras.query_in_netns(job.ranks[0].pid, job.ras_addr, timeout=timeout)
         return ras.query(job.ras_addr, timeout=timeout)
+
+    def probe(self, jobs: Sequence[JobView], procfs: str) -> list[JobView]:
+        """Each rank's liveness, CPU time and I/O bytes (and its children's), read now."""
+        return probe_jobs(jobs, procfs)
+
+    def flight(
+        self, job: JobView, procfs: str, wait: Callable[[float], object]
+    ) -> tuple[list[flight.GroupProgress], list[str]]:
+        """Trigger each rank's flight recorder dump (where the job set a pipe), read them."""
+        envs = {r.pid: read_environ(r.pid, procfs) for r in job.ranks if r.alive}
+        now = time.time()
+        ranked = [
+            (r.pid, r.rank, now - (r.age_seconds or 0.0))
+            for r in job.ranks
+            if r.alive and r.rank is not None
+        ]
+        pipes = [flight.pipe_path(pid, rank, envs[pid], procfs) for pid, rank, _ in ranked]
+        if any(p is not None and flight.trigger(p) for p in pipes):
+            wait(2.0)  # the ranks write their dumps from their own threads
+        paths = [
+            (rank, flight.dump_path(pid, rank, envs[pid], procfs), started)
+            for pid, rank, started in ranked
+        ]
+        dumps, problems = flight.read_dumps(paths)
+        return flight.progress(dumps), problems

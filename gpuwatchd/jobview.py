@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 __all__ = [
     "DEFAULT_RAS_ADDR",
     "Frame",
+    "GroupProgress",
     "JobView",
     "RankView",
     "RasAnswer",
@@ -44,6 +45,17 @@ class RankView:
     cpu_seconds: float | None = None  # user+system of all threads; None = unreadable
     ras_addr: str = DEFAULT_RAS_ADDR
     command: str = ""
+    # From the hang path's own /proc probe (sources/hangs/proc.py); None = not read.
+    state: str = ""  # /proc state letter; "gone" once the process has left
+    io_bytes: int | None = None  # rchar + wchar: every byte read or written, files or sockets
+    child_cpu_seconds: float | None = None  # its children (data-loader workers, compilers)
+    child_io_bytes: int | None = None
+    age_seconds: float | None = None  # since the process started
+
+    @property
+    def alive(self) -> bool:
+        """False once the process has gone or is a zombie waiting to be reaped."""
+        return self.state not in ("gone", "Z", "X")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +73,7 @@ class JobView:
     world_size: int | None = None
     labels: tuple[tuple[str, str], ...] = ()
     ras_addr: str = DEFAULT_RAS_ADDR
+    collective_timeout_seconds: float | None = None  # what the job declares, if readable
 
     @property
     def gpus(self) -> tuple[str, ...]:
@@ -169,3 +182,27 @@ class RasAnswer:
     text: str
     report: RasReport | None
     seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class GroupProgress:
+    """One process group across the ranks that dumped: who reached which collective."""
+
+    pg: str
+    reached: Mapping[int, tuple[int, str, str]]  # rank -> (seq, op, state) of its last entry
+    waiting_in: tuple[int, str] = (-1, "")  # the collective the others wait in
+    not_joined: tuple[int, ...] = ()  # ranks that never entered it
+    ops_differ: tuple[int, ...] = field(default=())  # ranks in another op at that seq
+
+    def line(self) -> str:
+        """`pg 0: rank 0 at #51 nccl:all_reduce (started); rank 1 ...; not joined: 1`."""
+        parts = [f"rank {r} at #{s} {op} ({st})" for r, (s, op, st) in sorted(self.reached.items())]
+        text = f"process group {self.pg}: " + "; ".join(parts)
+        if self.not_joined:
+            seq, op = self.waiting_in
+            text += f"; not joined {op} #{seq}: rank {', '.join(map(str, self.not_joined))}"
+        if self.ops_differ:
+            text += (
+                f"; in another collective at that step: rank {', '.join(map(str, self.ops_differ))}"
+            )
+        return text

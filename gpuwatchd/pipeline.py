@@ -270,6 +270,7 @@ class Pipeline(Consumers):
         """About once a second on the consumer thread: expiries, hold times, operator clears."""
         self._guarded("tick", self.xids.tick)
         self._guarded("tick", self.engine.tick)
+        self._guarded("hangs", self.hang_monitor.tick)
         self._guarded("tick", self._publish_samples)
 
     def _publish_samples(self) -> None:

@@ -68,8 +68,11 @@ def render(doc: Mapping[str, Any], full: bool) -> str:
         f"hang {doc.get('id')} (event {doc.get('event_id')}) job {doc.get('job')}: "
         f"since {_when(doc.get('since'))}, {state}",
         f"  {doc.get('reason', '')}",
-        f"  signature: {doc.get('signature') or 'none yet'}   signals: {doc.get('signals', '')}",
+        f"  signature: {doc.get('signature') or 'none yet'}   signals: {doc.get('signals', '')}"
+        + (f"   severity: {doc['severity']}" if doc.get("severity") else ""),
     ]
+    if doc.get("cause"):
+        lines.append(f"  cause: {doc['cause']} (incident {doc.get('incident', '')})")
     if not full:
         return "\n".join(lines)
     lines.append(f"  where: {doc.get('where', '')}")
@@ -77,6 +80,12 @@ def render(doc: Mapping[str, Any], full: bool) -> str:
         lines.append(f"  first diverging frame: {doc['diverging_frame']}")
     for m in doc.get("missing") or ():
         lines.append(f"  missing: {m}")
+    if doc.get("stacks_confirmed"):
+        lines.append("  stacks: every rank in the same call in two dumps seconds apart")
+    for g in doc.get("flight_recorder") or ():
+        lines.append(f"  flight recorder: {g}")
+    for e in doc.get("flight_recorder_errors") or ():
+        lines.append(f"  flight recorder: {e}")
     for r in doc.get("ranks") or ():
         counts = ", ".join(f"{k} {v}" for k, v in (r.get("collective_counts") or {}).items())
         lines.append(

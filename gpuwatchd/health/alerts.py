@@ -45,7 +45,8 @@ WORKLOAD_ANNOTATIONS = (
     "mig_uuid",
 )
 WORKLOAD_ATTRS = frozenset((*WORKLOAD_ALERT_LABELS, *WORKLOAD_ANNOTATIONS))
-_XID_LABELS = (*GPU_LABELS, "xid", *WORKLOAD_ALERT_LABELS)
+# incident: shared with a job hang put down to this Xid (health/incident.py)
+_XID_LABELS = (*GPU_LABELS, "xid", "incident", *WORKLOAD_ALERT_LABELS)
 
 
 @dataclass(frozen=True)
@@ -220,7 +221,9 @@ ALERTS: dict[str, AlertInfo] = {
         Action.RESTART_APP,
         "Job {job} looks hung",
         "",
-        ("job", "namespace", "pod", "slurm_job"),
+        # job_id: the same on every node of the job (routing groups by it); role: culprit,
+        # waiting or stalled; incident: the Xid this hang is put down to
+        ("job", "job_id", "namespace", "pod", "slurm_job", "role", "incident"),
     ),
     "ShmNearlyFull": AlertInfo(_W, "shm", Action.NONE, "/dev/shm nearly full", "", ()),
     "ShmStaleSegments": AlertInfo(

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from gpuwatchd.config import Config
 from gpuwatchd.health.alerts import ALERTS, GPU_LABELS, AlertInfo, summary
 from gpuwatchd.health.history import Gpu, History, View
+from gpuwatchd.health.incident import xid_incident
 from gpuwatchd.model import Action, Finding, Labels, Severity, SourceSnapshot, labels_of
 from gpuwatchd.pci import UNKNOWN_BUS
 
@@ -145,7 +146,8 @@ def xid(inp: Inputs) -> list[Finding]:
             name = "GpuXidCritical" if critical else "GpuXidWarning"
             gpu = inp.view.gpu_by_bus(x.pci_bus_id)
             subject = gpu.subject if gpu else labels_of({"pci_bus_id": x.pci_bus_id})
-            scope, labels = "gpu", (("xid", str(x.code)), *x.workload)
+            incident = ("incident", xid_incident(x.pci_bus_id, x.code))
+            scope, labels = "gpu", (("xid", str(x.code)), incident, *x.workload)
         times = f" ({x.count} times)" if x.count > 1 else ""
         detail = f": {x.detail}" if x.detail else ""
         reason = f"{x.kind.capitalize()} {x.code} ({x.name}){times}{detail}"

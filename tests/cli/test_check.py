@@ -101,7 +101,10 @@ def test_xid31_configured_critical_is_critical(write_config, capsys) -> None:
     data = json.loads(capsys.readouterr().out)
     assert data["status"] == "CRITICAL" and data["exit_code"] == 2
     [cond] = data["conditions"]
-    assert cond["alertname"] == "GpuXidCritical" and cond["labels"] == {"xid": "31"}
+    assert cond["alertname"] == "GpuXidCritical" and cond["labels"] == {
+        "xid": "31",
+        "incident": "xid-0000:00:06.0-31",
+    }
     assert cond["subject"]["uuid"] == "GPU-544a204b-219a-29ac-8147-ab3c8c9d52c6"
 
     assert run(["check", "--format", "npd", "--config", str(cfg)]) == 1

@@ -43,6 +43,8 @@ def test_check_config() -> None:
         (["alertname=GpuNvlinkErrors", "severity=warning", "node=n1"], "team"),
         (["alertname=GpuwatchdDown", "severity=warning", "node=n1"], "team"),
         (["alertname=Watchdog", "severity=none"], "team"),
+        (["alertname=JobHangSuspected", "severity=critical", "job_id=slurm:7"], "pager,team"),
+        (["alertname=JobHangSuspected", "severity=warning", "job_id=slurm:7"], "team"),
     ],
 )
 def test_routes(labels: list[str], receivers: str) -> None:
@@ -185,3 +187,27 @@ def test_one_notification_per_node_incident_and_inhibition(
         assert server.alerts(node="n1", alertname=name)[0]["status"]["inhibitedBy"], name
     down = server.alerts(node="n2", alertname="GpuwatchdDown")
     assert down[0]["status"]["state"] == "active"
+
+
+def test_one_notification_per_hung_job_across_nodes_naming_the_culprit(
+    shipped_alertmanager: tuple[AlertmanagerServer, Webhook],
+) -> None:
+    server, hook = shipped_alertmanager
+    job = {"alertname": "JobHangSuspected", "severity": "critical", "job_id": "slurm:4711"}
+    _post(
+        server,
+        [
+            {**job, "node": "n1", "role": "culprit", "job": "slurm:4711.0"},
+            {**job, "node": "n2", "role": "waiting", "job": "slurm:4711.0"},
+            {**job, "node": "n3", "role": "waiting", "job": "slurm:4711.0"},
+            {**job, "job_id": "slurm:4712", "node": "n1", "role": "culprit"},
+        ],
+    )
+    _wait(lambda: len(hook.to("pager")) >= 2)
+    time.sleep(1.5)  # a second group_wait: nothing else may arrive
+    pager = hook.to("pager")
+    assert len(pager) == 2, pager  # one per job, not one per node
+    by_job = {n["groupLabels"]["job_id"]: n for n in pager}  # type: ignore[index]
+    alerts = by_job["slurm:4711"]["alerts"]
+    assert {a["labels"]["node"] for a in alerts} == {"n1", "n2", "n3"}  # type: ignore[index]
+    assert [a["labels"]["node"] for a in alerts if a["labels"]["role"] == "culprit"] == ["n1"]  # type: ignore[index]

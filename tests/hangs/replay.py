@@ -23,7 +23,7 @@ def polls(name: str, gpm: bool = True) -> Iterator[tuple[float, list[JobView], l
         row = json.loads(line)
         gpus = []
         for g in row["gpus"]:
-            fields = {k: g[k] for k in GpuActivity.__dataclass_fields__}
+            fields = {k: g.get(k) for k in GpuActivity.__dataclass_fields__}
             if not gpm:
                 fields.update(sm_active=None, sm_occupancy=None, dram_active=None)
             gpus.append(GpuActivity(**fields))

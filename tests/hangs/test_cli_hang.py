@@ -23,7 +23,7 @@ def _record_peer_death_hang(tmp_path: Path) -> tuple[EventStore, HangMonitor]:
     cfg = dataclasses.replace(
         Config(),
         daemon=DaemonConfig(state_dir=str(tmp_path)),
-        hangs=HangsConfig(stacks=True, ras=False),
+        hangs=HangsConfig(stacks=True, stacks_confirm_seconds=0, ras=False),
     )
     store = EventStore.from_config(cfg)
     text = fixture("pyspy-peerdeath.txt")
@@ -45,17 +45,19 @@ def test_hang_show_lists_and_details_a_recorded_hang(
     assert main(["hang", "show", "--state-dir", str(tmp_path)]) == 0
     listing = capsys.readouterr().out
     assert "hang 1 " in listing and "job torch:127.0.0.1:29544" in listing
-    assert "resolved" in listing and "straggler_or_dead_peer" in listing
+    assert "resolved" in listing and "dead_peer" in listing
+    assert "severity: critical" in listing and "signals: gpu+io+liveness" in listing
 
     assert main(["hang", "show", "1", "--state-dir", str(tmp_path)]) == 0
     detail = capsys.readouterr().out
     assert "rank 0 pid 1031 gpus 0: cuCtxSynchronize_v2" in detail
     assert "missing: rank 1" in detail
+    assert "stacks: every rank in the same call in two dumps" in detail
     assert "--- stack of pid 1031 ---" in detail and "cudaDeviceSynchronize" in detail
 
     assert main(["hang", "show", "1", "--json", "--state-dir", str(tmp_path)]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["signature"] == "straggler_or_dead_peer" and doc["resolved_at"] == 1_800_000_200.0
+    assert doc["signature"] == "dead_peer" and doc["resolved_at"] == 1_800_000_200.0
 
     assert main(["hang", "show", "7", "--state-dir", str(tmp_path)]) == 1
 
@@ -77,7 +79,7 @@ def test_events_id_and_hangs_id_over_http(tmp_path: Path) -> None:
         status, body = http_get(f"http://127.0.0.1:{port}/events/{row['id']}")
         assert status == 200
         forensics = json.loads(body)["attrs"]["forensics"]
-        assert forensics["signature"] == "straggler_or_dead_peer"
+        assert forensics["signature"] == "dead_peer"
         assert "cuCtxSynchronize_v2" in forensics["stacks"]["1031"]["dump"]
         status, body = http_get(f"http://127.0.0.1:{port}/hangs/1")
         assert status == 200 and json.loads(body)["missing"] == ["rank 1"]

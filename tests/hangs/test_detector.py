@@ -24,28 +24,29 @@ def test_rank_missing_at_start_flagged_within_60s() -> None:
     assert "1 local rank(s) running of 2 expected" in v.reason
 
 
-def test_peer_death_flagged_within_60s_naming_the_missing_rank() -> None:
+def test_peer_death_flagged_within_30s_naming_the_dead_rank() -> None:
     found = first_suspicion("peerdeath-polls.jsonl")
     assert found is not None
     t, v = found
-    assert 0 < t <= 60  # never while both peers ran (t < 0)
-    assert v.missing_ranks == (1,)
-    assert dict(v.rank_states) == {1031: "spin"}
-    assert v.signals == "gpm"
+    assert 0 < t < 30  # never while both peers ran (t < 0)
+    assert v.conditions == ("rank_dead",) and v.severity == "critical"
+    assert v.missing_ranks == (1,) and v.dead_pids == (1032,)
+    assert dict(v.rank_states)[1032] == "gone"
+    assert set(v.signals.split("+")) == {"liveness", "io", "gpu"}  # the survivor's GPU spins
 
 
-def test_peer_death_becomes_a_gpu_stall_after_decide_after() -> None:
-    last = replay("peerdeath-polls.jsonl")[-1]
-    t, verdicts = last
+def test_peer_death_stays_a_dead_rank_verdict() -> None:
+    t, verdicts = replay("peerdeath-polls.jsonl")[-1]
     assert t > 60
-    assert verdicts[0].conditions == ("gpu_stall", "rank_missing")
+    assert verdicts[0].conditions == ("rank_dead",)
+    assert dict(verdicts[0].rank_states) == {1031: "waiting", 1032: "gone"}
 
 
-def test_peer_death_without_gpm_falls_back_to_power_and_memory() -> None:
+def test_peer_death_without_gpm_still_flagged_within_30s() -> None:
     found = first_suspicion("peerdeath-polls.jsonl", gpm=False)
     assert found is not None
-    assert found[1].signals == "power+memory"
-    assert 0 < found[0] <= 60
+    assert 0 < found[0] < 30 and found[1].conditions == ("rank_dead",)
+    assert "gpu" in found[1].signals  # power+memory: a spinning kernel
 
 
 def test_healthy_matmul_and_copy_never_flagged_with_or_without_gpm() -> None:
@@ -53,7 +54,8 @@ def test_healthy_matmul_and_copy_never_flagged_with_or_without_gpm() -> None:
         rows = replay("healthy-polls.jsonl", gpm=gpm)
         assert rows[-1][0] > 355  # six minutes of matmul then copy
         assert [v for _, vs in rows for v in vs if v.suspected] == []
-        assert {s for _, vs in rows for v in vs for _, s in v.rank_states} == {"busy"}
+        states = {s for t, vs in rows for v in vs for _, s in v.rank_states if t > 15}
+        assert states == {"progress"} or not gpm  # power alone dips between the two loops
 
 
 def _rank(pid: int, gpu: str, rank: int, cpu: float) -> RankView:
@@ -65,24 +67,24 @@ def test_straggler_one_rank_busy_while_the_other_spins() -> None:
     spin = GpuActivity("0", 1.0, 0.0, 120.0, 700.0, 0.007, 0.0001)
     busy = GpuActivity("1", 1.0, 0.3, 600.0, 700.0, 0.9, 0.3)
     verdicts = []
-    for i in range(62):
+    for i in range(62):  # no RAS: the GPU readings alone
         job = JobView("j", (_rank(10, "0", 0, i * 1.0), _rank(11, "1", 1, i * 1.0)), 2, 2)
         verdicts = det.observe([job], [spin, busy], 100.0 + i)
-    assert verdicts[0].conditions == ("straggler",)
+    assert verdicts[0].conditions == ("straggler",) and verdicts[0].severity == "warning"
     assert verdicts[0].straggler_pids == (11,)
 
 
 def test_cpu_stall_needs_flat_cpu_and_idle_gpus_for_decide_after() -> None:
     idle = GpuActivity("0", 0.0, 0.0, 70.0, 700.0, 0.0, 0.0)
     det = HangDetector(HangThresholds())
-    for i in range(59):
+    for i in range(45):
         job = JobView("j", (_rank(10, "0", 0, 5.0),), None, 2)
         assert not det.observe([job], [idle], 100.0 + i)[0].suspected
     job = JobView("j", (_rank(10, "0", 0, 5.0),), None, 2)
-    assert det.observe([job], [idle], 161.0)[0].conditions == ("cpu_stall",)
+    assert det.observe([job], [idle], 146.0)[0].conditions == ("cpu_stall",)
     # CPU time moves again: progress, the verdict clears at once
     job = JobView("j", (_rank(10, "0", 0, 9.0),), None, 2)
-    assert not det.observe([job], [idle], 162.0)[0].suspected
+    assert not det.observe([job], [idle], 147.0)[0].suspected
 
 
 def test_a_single_process_idle_is_not_a_hang_by_default() -> None:

@@ -53,7 +53,12 @@ def test_processes_group_into_jobs_by_launcher_variables(tmp_path: Path) -> None
     assert torch.ras_addr == "10.0.0.1:29999"
     assert torch.ranks[0].command == "python3 train.py --lr 0.1"
     assert torch.ranks[0].cpu_seconds == read_cpu_seconds(100, str(tmp_path)) > 0
-    assert dict(jobs["slurm:4711.0"].labels) == {"job": "slurm:4711.0", "slurm_job": "4711"}
+    assert dict(jobs["slurm:4711.0"].labels) == {
+        "job": "slurm:4711.0",
+        "job_id": "slurm:4711",  # the same on every node of the job
+        "slurm_job": "4711",
+    }
+    assert dict(torch.labels)["job_id"] == "torch:127.0.0.1:29500"
     assert jobs["pid:300"].expected_local is None
 
 
@@ -81,7 +86,12 @@ def test_jobs_from_the_workloads_source(tmp_path: Path) -> None:
     jobs = {j.job: j for j in jobs_from_workloads([pod, *bare], str(tmp_path))}
     assert set(jobs) == {"k8s:ml/train-0", "torch:127.0.0.1:29600"}
     k8s = jobs["k8s:ml/train-0"]
-    assert dict(k8s.labels) == {"job": "k8s:ml/train-0", "namespace": "ml", "pod": "train-0"}
+    assert dict(k8s.labels) == {
+        "job": "k8s:ml/train-0",
+        "job_id": "torch:127.0.0.1:29500",  # what its pods share across nodes
+        "namespace": "ml",
+        "pod": "train-0",
+    }
     assert [r.rank for r in k8s.ranks] == [0, 1] and k8s.expected_local == 2
     assert [r.pid for r in jobs["torch:127.0.0.1:29600"].ranks] == [20, 21]
 
@@ -110,3 +120,34 @@ def test_monitor_reads_nvml_samples_and_processes_from_the_snapshot(tmp_path: Pa
     (f,) = monitor.findings()
     assert f.alertname == "JobHangSuspected" and "gpm" in f.reason
     assert dict(f.subject) == {"job": "torch:127.0.0.1:29500"}
+
+
+def test_a_rank_still_starting_is_found_beside_its_siblings_not_called_missing() -> None:
+    import os
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29571"}
+    env.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(30)"],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+        )
+        for r in (0, 1)
+    ]
+    try:
+        for p in procs:  # until each has exec'd (before, /proc shows the parent's environ)
+            while b"time.sleep" not in Path(f"/proc/{p.pid}/cmdline").read_bytes():
+                time.sleep(0.01)
+        # NVML lists rank 0 only: rank 1 has no CUDA context yet (still importing)
+        (job,) = jobs_from_gpu_processes({"0": [procs[0].pid]})
+        assert [(r.pid, r.rank, r.gpus) for r in job.ranks] == [
+            (procs[0].pid, 0, ("0",)),
+            (procs[1].pid, 1, ()),
+        ]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

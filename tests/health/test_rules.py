@@ -291,7 +291,10 @@ def test_findings_carry_catalog_and_alert_facts() -> None:
     [f] = run([node()], xids=[xid(79, Severity.CRITICAL, Action.REBOOT_NODE)])
     assert f.severity is Severity.CRITICAL and f.action is Action.REBOOT_NODE
     assert f.remediation == "do the thing" and f.since == T0 - 5
-    assert dict(f.subject) == GPU0 and dict(f.labels) == {"xid": "79"}
+    assert dict(f.subject) == GPU0 and dict(f.labels) == {
+        "xid": "79",
+        "incident": "xid-0000:00:06.0-79",  # shared with a hang it caused
+    }
     assert rules.summary(f) == "Critical Xid 79 on GPU 0"
     [e] = run([node(), node({"ecc_unc_vol": 3})])
     assert "rose from 0 to 3" in e.reason and e.remediation == ALERTS[e.alertname].remediation

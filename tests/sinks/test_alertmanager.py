@@ -420,6 +420,7 @@ def test_real_xid_line_to_alertmanager_and_operator_clear(
             "severity": "critical",
             "node": node,
             "xid": "31",
+            "incident": f"xid-{GPU0['pci_bus_id']}-31",  # shared with a hang it caused
             **GPU0,
         }
         ann = alert["annotations"]

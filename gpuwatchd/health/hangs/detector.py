@@ -1,105 +1,61 @@
-"""Per-job hang decisions from GPU activity and the ranks' CPU time.
+"""Per-job hang decisions from progress: what a working job must move, and what moved.
 
-Four conditions, each held for a while before it counts:
+Signals, strongest first (STYLE 29: a signal the job cannot fake decides):
 
-- gpu_stall: every GPU of the job reads busy (a kernel is resident) while
-  doing nothing. With GPM (Hopper and later) "nothing" is SM activity and
-  occupancy near zero; without it, low power and no memory traffic.
-- cpu_stall: the job's GPUs idle and its processes' CPU time flat.
-- rank_missing: fewer local ranks than the job expects, or a rank that was
-  seen has gone, while the others make no progress (spin, or flat CPU time).
-- straggler: one rank at a different activity than all its peers.
+- liveness: a rank's process gone (or a zombie) while its peers stay alive;
+- NCCL RAS: per-rank collective counts (they only rise when collectives are
+  launched) and the ranks RAS cannot reach;
+- I/O: /proc/PID/io bytes of the rank and of its children (a checkpoint, data
+  loading), and its children's CPU time (data-loader workers, compilers);
+- GPU, supporting only: SM activity (else power) against the GPU's own peak;
+- CPU time of the rank itself: progress only where nothing else speaks (no
+  NCCL), since a rank waiting in a collective burns a core in a synchronize.
 
-`step()` is pure over typed inputs; `HangDetector` keeps the state.
+Conditions (CONDITIONS): `rank_dead` (a rank gone, or RAS names it, while
+the others make no progress), `rank_missing` (fewer ranks than expected at
+start-up while the present ones wait), `collective_stall` (RAS counts flat and
+no rank makes progress), `gpu_stall` / `cpu_stall` (the older signals, for
+jobs without RAS), `straggler` (some ranks progress while others wait: a
+warning, critical once it lasts to the job's collective timeout).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
-from gpuwatchd.jobview import JobView
-from gpuwatchd.model import Sample
+from gpuwatchd.health.hangs.gpu import (
+    GpuActivity,
+    GpuBaseline,
+    HangThresholds,
+    activity_from_samples,
+    classify,
+)
+from gpuwatchd.health.hangs.ras_view import JobRas, RasView, job_ras
+from gpuwatchd.jobview import JobView, RankView
 
 __all__ = [
     "CONDITIONS",
     "GpuActivity",
     "HangDetector",
-    "HangState",
     "HangThresholds",
     "JobVerdict",
+    "RasView",
     "activity_from_samples",
     "classify",
-    "step",
 ]
 
-CONDITIONS = ("gpu_stall", "cpu_stall", "rank_missing", "straggler")
-UTIL = "gpuwatchd_gpu_utilization_ratio"
-POWER = "gpuwatchd_gpu_power_watts"
-POWER_LIMIT = "gpuwatchd_gpu_power_limit_watts"
-SM_ACTIVE = "gpuwatchd_gpu_sm_active_ratio"
-SM_OCCUPANCY = "gpuwatchd_gpu_sm_occupancy_ratio"
-DRAM_ACTIVE = "gpuwatchd_gpu_dram_active_ratio"
-
-
-@dataclass(frozen=True, slots=True)
-class HangThresholds:
-    """When a job counts as hung; defaults match config.HangsConfig."""
-
-    decide_after_seconds: float = 60.0
-    rank_missing_after_seconds: float = 20.0
-    busy_utilization: float = 0.95
-    idle_utilization: float = 0.05
-    max_sm_active: float = 0.05
-    max_sm_occupancy: float = 0.05
-    max_memory_utilization: float = 0.02
-    max_power_ratio: float = 0.3
-    fallback_max_power_watts: float = 150.0
-    max_cpu_ratio: float = 0.05
-    max_gap_seconds: float = 30.0
-    single_process_cpu_stall: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class GpuActivity:
-    """One poll of one GPU; None = not read (GPM fields are None where unsupported)."""
-
-    gpu: str
-    utilization: float | None
-    memory_utilization: float | None = None
-    power_watts: float | None = None
-    power_limit_watts: float | None = None
-    sm_active: float | None = None
-    sm_occupancy: float | None = None
-    dram_active: float | None = None
-
-
-def classify(g: GpuActivity | None, t: HangThresholds) -> tuple[str, str]:
-    """('spin' | 'idle' | 'busy' | 'unknown', which signals decided)."""
-    if g is None or g.utilization is None:
-        return "unknown", ""
-    if g.sm_active is not None and g.sm_occupancy is not None:
-        if g.utilization >= t.busy_utilization and (
-            g.sm_active <= t.max_sm_active and g.sm_occupancy <= t.max_sm_occupancy
-        ):
-            return "spin", "gpm"
-        if g.utilization <= t.idle_utilization:
-            return "idle", "utilization"
-        return "busy", "gpm"
-    if g.utilization <= t.idle_utilization:
-        return "idle", "utilization"
-    if g.utilization < t.busy_utilization or g.memory_utilization is None:
-        return "busy", "utilization"
-    if g.power_watts is None:
-        return "unknown", ""
-    limit = (
-        t.max_power_ratio * g.power_limit_watts
-        if g.power_limit_watts
-        else t.fallback_max_power_watts
-    )
-    if g.memory_utilization <= t.max_memory_utilization and g.power_watts <= limit:
-        return "spin", "power+memory"
-    return "busy", "power+memory"
+CONDITIONS = (
+    "rank_dead",
+    "rank_missing",
+    "collective_stall",
+    "gpu_stall",
+    "cpu_stall",
+    "straggler",
+)
+CRITICAL = frozenset({"rank_dead", "rank_missing", "collective_stall"})
+FORGET_GONE_SECONDS = 300.0
+_ONSET = ("rank_missing", "straggler", "gpu_stall", "cpu_stall")  # held from first seen
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,12 +65,15 @@ class JobVerdict:
     job: str
     conditions: tuple[str, ...]  # those held long enough, in CONDITIONS order
     since: float
-    signals: str  # "gpm", "power+memory", "utilization", "cpu"
-    missing_ranks: tuple[int, ...] = ()
+    signals: str  # which signals decided, "+"-joined: liveness, ras, io, gpu, gpm, cpu
+    missing_ranks: tuple[int, ...] = ()  # ranks gone (local, or named by RAS)
     missing_count: int = 0
-    straggler_pids: tuple[int, ...] = ()
-    rank_states: tuple[tuple[int, str], ...] = ()  # (pid, spin|idle|busy|unknown)
+    straggler_pids: tuple[int, ...] = ()  # ranks making progress while the others wait
+    rank_states: tuple[tuple[int, str], ...] = ()  # (pid, progress|waiting|gone|...)
     reason: str = ""
+    severity: str = ""  # critical | warning; "" = the signature's
+    dead_pids: tuple[int, ...] = ()
+    nodes: tuple[str, ...] = ()  # hosts (RAS) of ranks that lag or died
 
     @property
     def suspected(self) -> bool:
@@ -122,211 +81,337 @@ class JobVerdict:
         return bool(self.conditions)
 
 
-@dataclass(frozen=True)
-class _JobMemory:
-    onset: Mapping[str, float] = field(default_factory=dict)
+@dataclass
+class _Memory:
+    onset: dict[str, float] = field(default_factory=dict)
     last_seen: float = 0.0
-    seen_ranks: Mapping[int, int] = field(default_factory=dict)  # rank -> pid
-    cpu: Mapping[int, tuple[float, float]] = field(default_factory=dict)  # pid -> (t, s)
+    seen: dict[int, int | None] = field(default_factory=dict)  # pid -> rank
+    gone: dict[int, float] = field(default_factory=dict)  # pid -> first seen gone
+    prev: dict[int, tuple[float, RankView]] = field(default_factory=dict)
+    progress_at: dict[int, float] = field(default_factory=dict)  # I/O, children
+    gpu_working: dict[int, bool] = field(default_factory=dict)  # as of the last reading
+    cpu_ratio: dict[int, float] = field(default_factory=dict)
+    ras: JobRas = field(default_factory=JobRas)
 
 
-@dataclass(frozen=True)
-class HangState:
-    """Per job: condition onsets, ranks seen, the last CPU reading of each pid."""
-
-    jobs: Mapping[str, _JobMemory] = field(default_factory=dict)
-
-
-def _cpu_ratio(prev: tuple[float, float] | None, now: float, secs: float | None) -> float | None:
-    if prev is None or secs is None or now <= prev[0]:
+def _rate(now: float, new: float | None, old_t: float, old: float | None) -> float | None:
+    if new is None or old is None or now <= old_t:
         return None
-    return max(0.0, secs - prev[1]) / (now - prev[0])
-
-
-def _current(
-    job: JobView,
-    mem: _JobMemory,
-    gpus: Mapping[str, GpuActivity],
-    now: float,
-    t: HangThresholds,
-) -> tuple[dict[str, bool], dict[str, object]]:
-    """Which conditions hold at this poll, and the details behind them."""
-    states = []
-    signals = set()
-    for r in job.ranks:
-        per_gpu = [classify(gpus.get(g), t) for g in r.gpus] or [("unknown", "")]
-        kinds = {k for k, _ in per_gpu}
-        signals |= {s for _, s in per_gpu if s}
-        state = kinds.pop() if len(kinds) == 1 else "busy" if "busy" in kinds else "unknown"
-        states.append((r.pid, state))
-    cpu_ratios = [_cpu_ratio(mem.cpu.get(r.pid), now, r.cpu_seconds) for r in job.ranks]
-    known = [c for c in cpu_ratios if c is not None]
-    cpu_flat = bool(known) and len(known) == len(cpu_ratios) and max(known) <= t.max_cpu_ratio
-    kinds_all = [s for _, s in states]
-    gpu_stall = bool(kinds_all) and all(k == "spin" for k in kinds_all)
-    distributed = (job.world_size or 1) > 1 or len(job.ranks) > 1
-    cpu_stall = (
-        bool(kinds_all)
-        and all(k == "idle" for k in kinds_all)
-        and cpu_flat
-        and (distributed or t.single_process_cpu_stall)
-    )
-    ranks_now = {r.rank: r.pid for r in job.ranks if r.rank is not None}
-    gone = sorted(set(mem.seen_ranks) - set(ranks_now))
-    short = max(0, job.expected_local - len(job.ranks)) if job.expected_local is not None else 0
-    missing_count = max(short, len(gone))
-    straggler: list[int] = []
-    if len(states) >= 2:
-        # All but one wait in a collective (spin) and one does something else, or all
-        # but one work and one sits idle (a stalled rank).
-        for pid, state in states:
-            others = {s for p, s in states if p != pid}
-            if (others == {"spin"} and state in ("busy", "idle")) or (
-                others == {"busy"} and state == "idle"
-            ):
-                straggler.append(pid)
-    if len(straggler) != 1:
-        straggler = []
-    held = {
-        "gpu_stall": gpu_stall,
-        "cpu_stall": cpu_stall,
-        # a rank gone while the others work is a job winding down, not a hang
-        "rank_missing": missing_count > 0 and (gpu_stall or cpu_stall or cpu_flat),
-        "straggler": bool(straggler),
-    }
-    if cpu_stall:
-        signals.add("cpu")
-    details: dict[str, object] = {
-        "states": tuple(states),
-        "signals": "+".join(sorted(signals)),
-        "gone": tuple(gone),
-        "missing_count": missing_count,
-        "straggler": tuple(straggler),
-        "ranks_now": ranks_now,
-    }
-    return held, details
-
-
-def _needed(cond: str, t: HangThresholds) -> float:
-    return t.rank_missing_after_seconds if cond == "rank_missing" else t.decide_after_seconds
-
-
-def step(
-    state: HangState,
-    jobs: Iterable[JobView],
-    gpus: Iterable[GpuActivity],
-    now: float,
-    t: HangThresholds,
-) -> tuple[HangState, list[JobVerdict]]:
-    """Fold one poll into the state; return a verdict for every job present."""
-    by_gpu = {g.gpu: g for g in gpus}
-    memories: dict[str, _JobMemory] = {}
-    verdicts = []
-    for job in jobs:
-        mem = state.jobs.get(job.job, _JobMemory())
-        if mem.last_seen and now - mem.last_seen > t.max_gap_seconds:
-            mem = replace(mem, onset={}, cpu={})  # a gap: start the clocks again
-        held, details = _current(job, mem, by_gpu, now, t)
-        onset = {c: mem.onset.get(c, now) for c, on in held.items() if on}
-        decided = tuple(c for c in CONDITIONS if c in onset and now - onset[c] >= _needed(c, t))
-        ranks_now = details["ranks_now"]
-        assert isinstance(ranks_now, dict)
-        seen = {**mem.seen_ranks, **ranks_now}
-        cpu = {r.pid: (now, r.cpu_seconds) for r in job.ranks if r.cpu_seconds is not None}
-        memories[job.job] = _JobMemory(onset, now, seen, cpu)
-        since = min((onset[c] for c in decided), default=now)
-        verdicts.append(_verdict(job, decided, since, details))
-    return HangState(memories), verdicts
-
-
-def _verdict(
-    job: JobView, decided: tuple[str, ...], since: float, d: Mapping[str, object]
-) -> JobVerdict:
-    gone = d["gone"]
-    straggler = d["straggler"]
-    states = d["states"]
-    missing_count = d["missing_count"]
-    assert isinstance(gone, tuple) and isinstance(straggler, tuple) and isinstance(states, tuple)
-    assert isinstance(missing_count, int)
-    parts = []
-    signals = str(d["signals"])
-    if "gpu_stall" in decided:
-        parts.append(f"every GPU of the job busy doing nothing ({signals})")
-    if "cpu_stall" in decided:
-        parts.append("GPUs idle and no CPU progress in any rank")
-    if "rank_missing" in decided:
-        names = ", ".join(str(r) for r in gone)
-        expected = f" of {job.expected_local} expected" if job.expected_local else ""
-        parts.append(
-            f"{len(job.ranks)} local rank(s) running{expected}"
-            + (f"; rank {names} left" if names else "")
-        )
-    if "straggler" in decided:
-        parts.append(f"pid {', '.join(map(str, straggler))} at a different activity than its peers")
-    return JobVerdict(
-        job=job.job,
-        conditions=decided,
-        since=since,
-        signals=signals,
-        missing_ranks=gone if "rank_missing" in decided else (),
-        missing_count=missing_count if "rank_missing" in decided else 0,
-        straggler_pids=straggler if "straggler" in decided else (),
-        rank_states=states,
-        reason="; ".join(parts),
-    )
-
-
-def activity_from_samples(samples: Iterable[Sample]) -> list[GpuActivity]:
-    """GPU activity from the NVML source's samples (GPM series when present)."""
-    per: dict[str, dict[str, float]] = {}
-    keys = {
-        POWER: "power",
-        POWER_LIMIT: "limit",
-        SM_ACTIVE: "sm",
-        SM_OCCUPANCY: "occ",
-        DRAM_ACTIVE: "dram",
-    }
-    for s in samples:
-        gpu = s.label("gpu")
-        if not gpu:
-            continue
-        if s.name == UTIL:
-            key = "mem" if s.label("engine") == "memory" else "util"
-        elif s.name in keys:
-            key = keys[s.name]
-        else:
-            continue
-        per.setdefault(gpu, {})[key] = s.value
-    return [
-        GpuActivity(
-            gpu,
-            v.get("util"),
-            v.get("mem"),
-            v.get("power"),
-            v.get("limit"),
-            v.get("sm"),
-            v.get("occ"),
-            v.get("dram"),
-        )
-        for gpu, v in sorted(per.items())
-    ]
+    return max(0.0, new - old) / (now - old_t)
 
 
 class HangDetector:
-    """Keeps the HangState between polls (not thread-safe: one caller)."""
+    """Keeps each job's memory between polls (not thread-safe: one caller)."""
 
     def __init__(self, thresholds: HangThresholds) -> None:
         self.thresholds = thresholds
-        self._state = HangState()
+        self._jobs: dict[str, _Memory] = {}
+        self._baseline = GpuBaseline()
+        self._gpus: dict[str, GpuActivity] = {}
         self._verdicts: list[JobVerdict] = []
 
     def observe(
-        self, jobs: Sequence[JobView], gpus: Sequence[GpuActivity], now: float
+        self,
+        jobs: Sequence[JobView],
+        gpus: Sequence[GpuActivity] | None,
+        now: float,
+        ras: Mapping[str, RasView] | None = None,
     ) -> list[JobVerdict]:
-        """Feed one poll; return every job's verdict (suspected or not)."""
-        self._state, self._verdicts = step(self._state, jobs, gpus, now, self.thresholds)
-        return list(self._verdicts)
+        """Feed one probe (gpus None: no new GPU reading); every job's verdict."""
+        if gpus is not None:
+            for g in gpus:
+                self._baseline.update(g, now)
+            self._gpus = {g.gpu: g for g in gpus}
+        kept: dict[str, _Memory] = {}
+        verdicts = []
+        for job in jobs:
+            if not any(r.alive for r in job.ranks):
+                continue  # the job ended
+            mem = self._jobs.get(job.job) or _Memory()
+            if mem.last_seen and now - mem.last_seen > self.thresholds.max_gap_seconds:
+                mem = _Memory(seen=mem.seen, ras=mem.ras)  # a gap: start the clocks again
+            view = (ras or {}).get(job.job)
+            if view is not None:
+                mem.ras = job_ras(mem.ras, view, job)
+            verdicts.append(self._judge(job, mem, now, gpus is not None))
+            mem.last_seen = now
+            kept[job.job] = mem
+        self._jobs = kept
+        self._verdicts = verdicts
+        return list(verdicts)
 
     def suspected(self) -> list[JobVerdict]:
         """The verdicts of the last poll that suspect a hang."""
         return [v for v in self._verdicts if v.suspected]
+
+    def doubtful(self) -> list[str]:
+        """Jobs worth asking RAS sooner: a rank gone, RAS missing a rank, or counts flat."""
+        return [
+            key for key, m in self._jobs.items() if m.gone or m.ras.missing or m.ras.flat_for() > 0
+        ]
+
+    # --- one job ----------------------------------------------------------------------
+
+    def _track(self, job: JobView, mem: _Memory, now: float, fresh: bool) -> dict[int, set[str]]:
+        """Update per-rank progress; the signals each rank moved at this poll."""
+        t = self.thresholds
+        moved: dict[int, set[str]] = {}
+        for r in job.ranks:
+            if not r.alive:
+                mem.gone.setdefault(r.pid, now)
+                continue
+            mem.seen[r.pid] = r.rank
+            signals: set[str] = set()
+            prev = mem.prev.get(r.pid)
+            if prev is not None:
+                pt, p = prev
+                io = _rate(now, r.io_bytes, pt, p.io_bytes)
+                child_io = _rate(now, r.child_io_bytes, pt, p.child_io_bytes)
+                if max(io or 0.0, child_io or 0.0) >= t.io_progress_bytes_per_second:
+                    signals.add("io")
+                child_cpu = _rate(now, r.child_cpu_seconds, pt, p.child_cpu_seconds)
+                if child_cpu is not None and child_cpu >= t.child_cpu_ratio:
+                    signals.add("children")
+                cpu = _rate(now, r.cpu_seconds, pt, p.cpu_seconds)
+                if cpu is not None:
+                    mem.cpu_ratio[r.pid] = cpu
+            # GPU work is a state as of the last NVML reading, not an event with a window.
+            if fresh:
+                working = any(self._baseline.working(self._gpus.get(g), t) for g in r.gpus)
+                mem.gpu_working[r.pid] = working
+            if mem.gpu_working.get(r.pid):
+                signals.add("gpu")
+            if signals - {"gpu"}:
+                mem.progress_at[r.pid] = now
+            moved[r.pid] = signals
+            mem.prev[r.pid] = (now, r)
+        present = {r.pid for r in job.ranks}
+        for pid in set(mem.seen) - present:  # left the job's view without a goodbye
+            mem.gone.setdefault(pid, now)
+        for pid, at in list(mem.gone.items()):
+            if now - at > FORGET_GONE_SECONDS:  # a restarted job goes on with new ranks
+                del mem.gone[pid]
+                mem.seen.pop(pid, None)
+                mem.prev.pop(pid, None)
+        return moved
+
+    def _recent(self, mem: _Memory, pid: int, now: float, window: float) -> bool:
+        if mem.gpu_working.get(pid):
+            return True
+        at = mem.progress_at.get(pid)
+        return at is not None and now - at < window
+
+    def _judge(self, job: JobView, mem: _Memory, now: float, fresh: bool) -> JobVerdict:
+        t = self.thresholds
+        moved = self._track(job, mem, now, fresh)
+        alive = [r for r in job.ranks if r.alive]
+        ras = mem.ras
+        window = t.progress_window_seconds
+        behind = ras.behind_pids()
+        progressing: list[int] = []
+        waiting: list[int] = []
+        states: list[tuple[int, str]] = []
+        for r in alive:
+            cpu = mem.cpu_ratio.get(r.pid)
+            busy_cpu = cpu is not None and cpu > t.waiting_cpu_ratio
+            if self._recent(mem, r.pid, now, window) or (r.pid in behind and busy_cpu):
+                progressing.append(r.pid)
+                states.append((r.pid, "progress"))
+            else:
+                waiting.append(r.pid)
+                states.append((r.pid, "waiting"))
+        states += [(pid, "gone") for pid in sorted(mem.gone)]
+        cpu_flat = bool(alive) and all(
+            mem.cpu_ratio.get(r.pid, 1.0) <= t.max_cpu_ratio for r in alive
+        )
+        gpu_rs = [self._gpus.get(g) for r in alive for g in r.gpus]
+        resident = any(self._baseline.resident(g, t) for g in gpu_rs)
+        spin = bool(gpu_rs) and all(classify(g, t)[0] == "spin" for g in gpu_rs)
+        quiet_cpu = bool(alive) and all(
+            mem.cpu_ratio.get(r.pid, 1.0) <= t.waiting_cpu_ratio for r in alive
+        )
+
+        def stuck(r: RankView) -> bool:  # a kernel sits on its GPU, or it uses no CPU
+            kernel = any(self._baseline.resident(self._gpus.get(g), t) for g in r.gpus)
+            return kernel or mem.cpu_ratio.get(r.pid, 1.0) <= t.waiting_cpu_ratio
+
+        def in_collective(r: RankView) -> bool:  # a kernel sits, or (no GPM) a core spins
+            gs = [self._gpus.get(g) for g in r.gpus]
+            if any(self._baseline.resident(g, t) for g in gs):
+                return True
+            no_gpm = not gs or any(g is None or g.sm_active is None for g in gs)
+            return no_gpm and mem.cpu_ratio.get(r.pid, 0.0) > t.waiting_cpu_ratio
+
+        # Every rank waits (rather than computes on the CPU, which an idle GPU and a busy
+        # core look like); without GPM a job known to NCCL is given the benefit.
+        gpm = bool(gpu_rs) and all(g is not None and g.sm_active is not None for g in gpu_rs)
+        blocked = bool(alive) and all(stuck(r) for r in alive)
+        stuck_others = blocked or (ras.nccl and not gpm)
+        # Flat counts are a hang when every rank sits in a collective, or RAS flags the
+        # communicator (destroyed, aborted, failed). Ranks idle on both CPU and GPU with
+        # clean communicators are a server waiting for work: cpu_stall's business.
+        collective = bool(alive) and (all(in_collective(r) for r in alive) or ras.flagged())
+        cpu_phase = bool(alive) and all(
+            mem.cpu_ratio.get(r.pid, 0.0) > t.waiting_cpu_ratio for r in alive
+        )
+        young = any(
+            r.age_seconds is not None and r.age_seconds < t.startup_grace_seconds for r in alive
+        )
+        distributed = (job.world_size or 1) > 1 or len(set(mem.seen) | set(mem.gone)) > 1
+
+        held: dict[str, float] = {}  # condition -> since
+        signals: dict[str, str] = {}
+        gone = set(mem.gone)
+        # rank_dead: a rank left and no survivor has moved since; RAS naming it decides too
+        if gone and alive:
+            death = max(mem.gone.values())
+            last_move = max([death, *(mem.progress_at.get(r.pid, death) for r in alive)])
+            if any(mem.gpu_working.get(r.pid) for r in alive):
+                last_move = now  # a survivor's GPU still works
+            # A job known to NCCL waits for one RAS answer after the death (asked at
+            # once): it names the rank missing, or says the job tore NCCL down.
+            asked = not ras.nccl or ras.at > death or now - death >= t.ras_wait_seconds
+            if stuck_others and asked and not ras.torn_down_after(death):
+                held["rank_dead"] = last_move
+                signals["rank_dead"] = "+".join(
+                    ["liveness", "io"]
+                    + ["ras"] * ras.nccl
+                    + ["gpu"] * resident
+                    + ["cpu"] * quiet_cpu
+                )
+        ras_dead = ras.dead_ranks(gone)
+        if ras_dead and not progressing and stuck_others:
+            first = min(s for _, s in ras_dead.values())
+            held["rank_dead"] = min(held.get("rank_dead", first), first)
+            signals["rank_dead"] = "ras" + ("+liveness" if gone else "")
+        # rank_missing: fewer ranks than expected, none of them doing anything
+        known = len(set(mem.seen) | gone)
+        short = (job.expected_local or 0) - max(known, len(job.ranks))
+        if short > 0 and alive and not progressing and (quiet_cpu or resident):
+            held["rank_missing"] = mem.onset.get("rank_missing", now)
+            signals["rank_missing"] = "liveness+" + ("cpu" if quiet_cpu else "gpu")
+        flat_for = ras.flat_for() if not gone else 0.0
+        if not young and not gone:
+            flat = flat_for > 0 and ras.counts_since is not None
+            if flat and not progressing and (collective or cpu_phase):
+                assert ras.counts_since is not None
+                held["collective_stall"] = ras.counts_since
+                signals["collective_stall"] = "+".join(
+                    ["ras", "io"] + ["gpu"] * resident + ["cpu"] * quiet_cpu
+                )
+            elif progressing and waiting and (flat or not ras.nccl):
+                held["straggler"] = mem.onset.get("straggler", now)
+                signals["straggler"] = "+".join(
+                    sorted({s for p in progressing for s in moved.get(p, ())} or {"ras"})
+                )
+        # Without RAS (or before its grace): the GPUs and the CPU, unless counts just rose.
+        counting = ras.rising()
+        if not gone and not progressing and not counting:
+            fallen = bool(gpu_rs) and all(self._baseline.fallen(g, t) for g in gpu_rs)
+            if spin or (fallen and distributed):  # a lone server idles below its peak
+                held["gpu_stall"] = mem.onset.get("gpu_stall", now)
+                signals["gpu_stall"] = "gpu+io" if fallen else classify(gpu_rs[0], t)[1]
+            single = distributed or t.single_process_cpu_stall
+            if cpu_flat and single and not resident:
+                held["cpu_stall"] = mem.onset.get("cpu_stall", now)
+                signals["cpu_stall"] = "cpu+io"
+        mem.onset = {c: s for c, s in held.items() if c in _ONSET}
+        timeout = job.collective_timeout_seconds or t.collective_timeout_seconds
+        need = {
+            "rank_dead": t.dead_peer_after_seconds,
+            "rank_missing": t.rank_missing_after_seconds,
+            "gpu_stall": t.decide_after_seconds,
+            "cpu_stall": t.decide_after_seconds,
+            "straggler": t.straggler_after_seconds,
+        }
+        decided = tuple(
+            c
+            for c in CONDITIONS
+            if c in held
+            and (
+                # ranks busy on the CPU with idle GPUs may compute: wait for the timeout
+                flat_for >= (t.collective_stall_seconds if collective else timeout)
+                if c == "collective_stall"
+                else (c == "rank_dead" and bool(ras_dead)) or now - held[c] >= need[c]
+            )
+        )
+        return self._verdict(
+            job, mem, decided, held, signals, states, progressing, ras_dead, short, now
+        )
+
+    def _verdict(
+        self,
+        job: JobView,
+        mem: _Memory,
+        decided: tuple[str, ...],
+        held: Mapping[str, float],
+        signals: Mapping[str, str],
+        states: list[tuple[int, str]],
+        progressing: list[int],
+        ras_dead: Mapping[int, tuple[str, float]],
+        short: int,
+        now: float,
+    ) -> JobVerdict:
+        t = self.thresholds
+        since = min((held[c] for c in decided), default=now)
+        parts = []
+        gone_ranks = tuple(sorted({r for p in mem.gone if (r := mem.seen.get(p)) is not None}))
+        dead_ranks = tuple(sorted(set(gone_ranks) | set(ras_dead)))
+        nodes = tuple(sorted({host for host, _ in ras_dead.values() if host}))
+        if "rank_dead" in decided:
+            names = ", ".join(str(r) for r in dead_ranks) or "?"
+            pids = ", ".join(str(p) for p in sorted(mem.gone))
+            parts.append(
+                f"rank {names} died"
+                + (f" (pid {pids})" if pids else "")
+                + " and the others have made no progress since"
+                + (" (RAS cannot reach it)" if ras_dead else "")
+            )
+        if "rank_missing" in decided:
+            parts.append(
+                f"{len(job.ranks)} local rank(s) running of {job.expected_local} expected;"
+                " the others never started"
+            )
+        if "collective_stall" in decided:
+            diverge = " and differ between ranks" if mem.ras.diverge() else ""
+            parts.append(
+                f"NCCL collective counts flat for {now - held['collective_stall']:.0f} s{diverge},"
+                " no rank reads, writes or computes"
+            )
+        if "gpu_stall" in decided:
+            parts.append("every GPU of the job busy doing nothing")
+        if "cpu_stall" in decided:
+            parts.append("no rank moved CPU time, I/O or its GPU")
+        if "straggler" in decided:
+            parts.append(
+                f"pid {', '.join(map(str, progressing))} still works while the other ranks wait"
+            )
+        severity = ""
+        if any(c in CRITICAL for c in decided):
+            severity = "critical"
+        elif "straggler" in decided and not set(decided) & {"gpu_stall", "cpu_stall"}:
+            timeout = job.collective_timeout_seconds or t.collective_timeout_seconds
+            severity = "critical" if now - held["straggler"] >= timeout else "warning"
+            if severity == "critical":
+                parts.append(f"for {now - held['straggler']:.0f} s, past the collective timeout")
+        used = sorted({s for c in decided for s in signals.get(c, "").split("+") if s})
+        return JobVerdict(
+            job=job.job,
+            conditions=decided,
+            since=since,
+            signals="+".join(used),
+            missing_ranks=dead_ranks if "rank_dead" in decided else (),
+            missing_count=_missing_count(decided, short, dead_ranks),
+            straggler_pids=tuple(progressing) if "straggler" in decided else (),
+            rank_states=tuple(states),
+            reason="; ".join(parts),
+            severity=severity,
+            dead_pids=tuple(sorted(mem.gone)) if "rank_dead" in decided else (),
+            nodes=nodes,
+        )
+
+
+def _missing_count(decided: tuple[str, ...], short: int, dead: tuple[int, ...]) -> int:
+    if "rank_missing" in decided:
+        return max(short, 0)
+    return len(dead) if "rank_dead" in decided else 0

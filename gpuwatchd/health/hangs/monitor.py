@@ -17,36 +17,33 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config
 from gpuwatchd.errors import ConfigError
+from gpuwatchd.health.hangs.alerts import finding_of, info_samples, severity_of
+from gpuwatchd.health.hangs.causes import XidMemory
 from gpuwatchd.health.hangs.detector import (
+    GpuActivity,
     HangDetector,
-    HangThresholds,
     JobVerdict,
     activity_from_samples,
 )
+from gpuwatchd.health.hangs.gpu import thresholds_from_config
+from gpuwatchd.health.hangs.members import JobMembers
+from gpuwatchd.health.hangs.poller import RasPoller
 from gpuwatchd.health.hangs.record import (
     ALERTNAME,
-    GENERIC_REMEDIATION,
     RULE,
     HangRecord,
     open_hangs,
 )
 from gpuwatchd.health.hangs.signatures import Signature, builtin_catalog, load_catalog
-from gpuwatchd.health.hangs.summary import summarize
-from gpuwatchd.jobview import JobView, RasAnswer, RasError, StackCapture
-from gpuwatchd.model import (
-    Action,
-    Event,
-    Finding,
-    MetricSpec,
-    Sample,
-    Severity,
-    SourceSnapshot,
-)
+from gpuwatchd.health.hangs.summary import stacks_confirm, summarize
+from gpuwatchd.jobview import GroupProgress, JobView, RasAnswer, RasError, StackCapture
+from gpuwatchd.model import Event, Finding, MetricSpec, Sample, SourceSnapshot
 from gpuwatchd.state import NodeSnapshot
 
 __all__ = [
@@ -65,9 +62,10 @@ METRICS: tuple[MetricSpec, ...] = (
         "gpuwatchd_job_hang_info",
         "info",
         "1 for each job on this node suspected to hang (JobHangSuspected): workload is the job"
-        " (pod, Slurm job or launcher id), signature the matched hang signature (pending"
-        " until forensics ran). Absent when no job hangs.",
-        ("workload", "namespace", "pod", "slurm_job", "signature"),
+        " (pod, Slurm job or launcher id), job_id its name on every node, role culprit"
+        " (a rank here died or lags), waiting or stalled, signature the matched hang signature"
+        " (pending until forensics ran). Absent when no job hangs.",
+        ("workload", "job_id", "namespace", "pod", "slurm_job", "role", "signature"),
     ),
     MetricSpec(
         "gpuwatchd_hang_forensics_dropped_total",
@@ -93,22 +91,15 @@ class NodeIO(Protocol):
 
     def ras(self, job: JobView, netns: bool, timeout: float) -> RasAnswer: ...
 
+    def probe(self, jobs: Sequence[JobView], procfs: str) -> list[JobView]: ...
+
+    def flight(
+        self, job: JobView, procfs: str, wait: Callable[[float], object]
+    ) -> tuple[list[GroupProgress], list[str]]: ...
+
 
 class EventWriter(Protocol):
     def write(self, records: Sequence[tuple[Event, str, int]]) -> None: ...
-
-
-def thresholds_from_config(cfg: Config) -> HangThresholds:
-    """The detector's thresholds from the `hangs:` section."""
-    h = cfg.hangs
-    return HangThresholds(
-        decide_after_seconds=h.decide_after_seconds,
-        rank_missing_after_seconds=h.rank_missing_after_seconds,
-        max_sm_active=h.max_sm_active,
-        max_sm_occupancy=h.max_sm_occupancy,
-        max_cpu_ratio=h.max_cpu_ratio,
-        single_process_cpu_stall=h.single_process_cpu_stall,
-    )
 
 
 class HangMonitor:
@@ -124,6 +115,7 @@ class HangMonitor:
         ras_query: RasFn | None = None,
         io: NodeIO | None = None,
         max_queue: int = 16,
+        ras_workers: int = 2,
     ) -> None:
         self._clock = clock
         self._io = io
@@ -138,9 +130,19 @@ class HangMonitor:
         self._listeners: list[Listener] = []
         self._seen_stamp: float | None = None
         self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
         self.dropped = 0
         self._site_catalog: tuple[Signature, ...] | None = None
+        self._poller = RasPoller(self._query_ras, ras_workers)
+        self._xids = XidMemory()
+        self._members = JobMembers()
+        self._probed_at = -1e18
         self.reconfigure(cfg)
+
+    def _query_ras(self, job: JobView) -> RasAnswer:
+        if self._ras_query is None:
+            raise RasError("no RAS client")
+        return self._ras_query(job)
 
     @property
     def catalog(self) -> tuple[Signature, ...]:
@@ -196,17 +198,50 @@ class HangMonitor:
     def on_publish(
         self, snap: NodeSnapshot, source: SourceSnapshot | None = None, events: object = ()
     ) -> None:
-        """Evaluate once per new NVML poll."""
+        """Rebuild the jobs and read the GPUs once per new NVML poll, then evaluate."""
         if not self.cfg.hangs.enabled:
             return
+        if isinstance(events, tuple) and events:
+            self._xids.note(events, self._clock.time())
         nvml = snap.sources.get("nvml")
         if nvml is None or not nvml.ok or nvml.timestamp == self._seen_stamp:
             return
         self._seen_stamp = nvml.timestamp
-        jobs = self.jobs_of(snap)
-        self.observe(
-            jobs, activity_from_samples(nvml.samples), nvml.timestamp or self._clock.time()
-        )
+        gpus = nvml.status.get("gpus")
+        if isinstance(gpus, Mapping):
+            self._xids.note_gpus(gpus)
+        self._members.merge(self.jobs_of(snap))
+        # The poll's own time, never before the last probe (time only moves forward here).
+        now = max(nvml.timestamp or self._clock.time(), self._probed_at)
+        self._evaluate(now, activity_from_samples(nvml.samples))
+
+    def tick(self) -> None:
+        """About once a second (consumer thread): the hang path's own faster probe."""
+        if not self.cfg.hangs.enabled or not self._members:
+            return
+        now = self._clock.time()
+        if now - self._probed_at >= self.cfg.hangs.probe_interval_seconds:
+            self._evaluate(now, None)
+
+    def _evaluate(self, now: float, gpus: Sequence[GpuActivity] | None) -> None:
+        self._probed_at = now
+        jobs = self._members.current(now)
+        if self._io is not None:
+            jobs = self._io.probe(jobs, self.cfg.paths.procfs)
+        jobs = self._members.update(jobs, now)
+        h = self.cfg.hangs
+        if h.ras_poll and h.ras:
+            urgent = self.detector.doubtful()
+            urgent += [j.job for j in jobs if any(not r.alive for r in j.ranks)]
+            self._poller.poll(
+                jobs,
+                now,
+                interval=h.ras_poll_interval_seconds,
+                urgent_interval=h.ras_urgent_interval_seconds,
+                grace=h.startup_grace_seconds,
+                urgent=urgent,
+            )
+        self.observe(jobs, gpus, now)
 
     def jobs_of(self, snap: NodeSnapshot) -> list[JobView]:
         """Jobs from the workloads source when it runs, else from NVML's processes."""
@@ -214,9 +249,10 @@ class HangMonitor:
             return []
         return self._io.jobs(snap, self.cfg.paths.procfs)
 
-    def observe(self, jobs: Sequence[JobView], gpus: Iterable[Any], now: float) -> None:
-        """Feed one poll (also from tests and benchmarks)."""
-        verdicts = self.detector.observe(jobs, list(gpus), now)
+    def observe(self, jobs: Sequence[JobView], gpus: Iterable[Any] | None, now: float) -> None:
+        """Feed one poll or probe (also from tests and benchmarks); gpus None: no new reading."""
+        views = self._poller.views()
+        verdicts = self.detector.observe(jobs, list(gpus) if gpus is not None else None, now, views)
         by_job = {j.job: j for j in jobs}
         changed = False
         resolved: list[HangRecord] = []
@@ -234,11 +270,18 @@ class HangMonitor:
                 known = self._open.get(job)
                 if known is None:
                     rid = self._new_record(by_job[job], v, now)
-                    # the alert waits for forensics (signature, severity) unless they cannot run
-                    changed |= not self._enqueue(rid)
+                    self._records[rid].cause = self._xids.cause(by_job[job], v)
+                    # The alert goes at once when the detector set its severity (a dead rank
+                    # pages in seconds, stacks or not); else it waits for the signature.
+                    queued = self._enqueue(rid)
+                    changed |= not queued or bool(v.severity)
                 else:
                     rec = self._records[known]
+                    was = (rec.verdict.conditions, rec.verdict.severity)
                     rec.job, rec.verdict = by_job[job], v
+                    if (v.conditions, v.severity) != was:  # escalated, or another cause
+                        changed = True
+                        log.warning("hang of job %s now: %s", job, v.reason)
                     interval = self.cfg.hangs.ras_interval_seconds
                     if self.cfg.hangs.ras and rec.ras_at and now - rec.ras_at >= interval:
                         rec.ras_at = now  # one re-query per interval
@@ -281,6 +324,8 @@ class HangMonitor:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the forensics thread (a capture in flight ends at its own deadline)."""
+        self._poller.stop()
+        self._stopping.set()
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout)
@@ -314,22 +359,39 @@ class HangMonitor:
             job, verdict, have_stacks = rec.job, rec.verdict, bool(rec.stacks)
         h = self.cfg.hangs
         caps = dict(rec.stacks)
+        confirmed = rec.stacks_confirmed
         if h.stacks and not have_stacks and self._capture is not None:
-            for r in job.ranks:
-                caps[r.pid] = self._capture(r.pid)
-                if not caps[r.pid].ok:
-                    log.warning("hang %d: no stack of pid %d: %s", rid, r.pid, caps[r.pid].error)
+            live = [r.pid for r in job.ranks if r.alive]
+            first = self._capture_all(live)
+            self._stopping.wait(h.stacks_confirm_seconds)  # a second dump: still there?
+            caps = self._capture_all(live)
+            confirmed = stacks_confirm(first, caps)
+            for pid, cap in caps.items():
+                if not cap.ok:
+                    log.warning("hang %d: no stack of pid %d: %s", rid, pid, cap.error)
         answer: RasAnswer | None = None
         ras_error = ""
-        if h.ras and self._ras_query is not None:
+        fresh = self._poller.answer(job.job, self._clock.time() - h.ras_poll_interval_seconds)
+        if h.ras and fresh is not None and not rec.summary:
+            answer = fresh  # the poll's answer is recent: no second query on the port
+        elif h.ras and _young(job, h.startup_grace_seconds):
+            ras_error = "not asked: the job started less than the start-up grace ago"
+        elif h.ras and self._ras_query is not None:
             try:
                 answer = self._ras_query(job)
             except RasError as e:
                 ras_error = str(e)
         report = answer.report if answer is not None else None
-        summary = summarize(job, verdict, caps, report, self.catalog)
+        groups, flight_errors = rec.flight, rec.flight_errors
+        if h.flight_recorder and self._io is not None and not rec.summary:
+            groups, flight_errors = self._io.flight(job, self.cfg.paths.procfs, self._stopping.wait)
+        facts = {"flight:not_joined" for g in groups if g.not_joined}
+        facts |= {"flight:ops_differ" for g in groups if g.ops_differ}
+        summary = summarize(job, verdict, caps, report, self.catalog, facts)
         with self._lock:
             rec.stacks = caps
+            rec.stacks_confirmed = confirmed
+            rec.flight, rec.flight_errors = groups, flight_errors
             rec.summary = summary
             rec.ras_text = answer.text if answer is not None else rec.ras_text
             rec.ras_error = ras_error
@@ -347,79 +409,35 @@ class HangMonitor:
         if not resolved:
             self._notify(self._clock.time())
 
+    def _capture_all(self, pids: Sequence[int]) -> dict[int, StackCapture]:
+        """Every rank's stack at once (py-spy takes about a second for a PyTorch rank)."""
+        capture = self._capture
+        assert capture is not None
+        with ThreadPoolExecutor(min(8, max(1, len(pids))), "hang-stacks") as pool:
+            return dict(zip(pids, pool.map(capture, pids), strict=True))
+
     def _event(self, rec: HangRecord, doc: Mapping[str, Any]) -> Event:
         return Event(
             kind=RULE,
             source="hangs",
             time=rec.verdict.since,
             message=f"job {rec.job.job}: {rec.verdict.reason}",
-            severity=self._severity(rec),
+            severity=severity_of(rec),
             attrs=(("job", rec.job.job), ("hang_id", str(rec.id)), ("forensics", json.dumps(doc))),
         )
 
     # --- findings ---------------------------------------------------------------------
 
-    @staticmethod
-    def _severity(rec: HangRecord) -> Severity:
-        sig = rec.summary.signature if rec.summary else None
-        return (
-            Severity.CRITICAL
-            if sig is not None and sig.severity == "critical"
-            else Severity.WARNING
-        )
-
     def findings(self) -> list[Finding]:
         """One JobHangSuspected per job suspected now."""
         with self._lock:
-            return [self._finding(self._records[rid]) for rid in self._open.values()]
-
-    def _finding(self, rec: HangRecord) -> Finding:
-        s = rec.summary
-        sig = s.signature if s else None
-        where = s.where_line() if s else ""
-        ranks = ", ".join(f"{r.rank if r.rank is not None else '?'}:{r.pid}" for r in rec.job.ranks)
-        reason = f"Job {rec.job.job} hangs: {rec.verdict.reason}. Ranks (rank:pid): {ranks}."
-        if sig is not None:
-            reason += f" Signature: {sig.title}."
-        if where:
-            reason += f" Where: {where}."
-        labels = [*rec.job.labels, ("ranks", ranks), ("where", where)]
-        labels.append(("signature", sig.name if sig else "pending"))
-        return Finding(
-            rule=RULE,
-            alertname=ALERTNAME,
-            scope="job",
-            subject=tuple(
-                (k, v) for k, v in rec.job.labels if k in ("job", "namespace", "pod", "slurm_job")
-            ),
-            severity=self._severity(rec),
-            reason=reason,
-            action=Action.RESTART_APP,
-            remediation=sig.remediation if sig else GENERIC_REMEDIATION,
-            labels=tuple(labels),
-            since=rec.verdict.since,
-        )
+            return [finding_of(self._records[rid]) for rid in self._open.values()]
 
     def samples(self) -> list[Sample]:
         """The per-job info series (only while suspected) and the dropped counter."""
-        out = [Sample.of("gpuwatchd_hang_forensics_dropped_total", self.dropped)]
         with self._lock:
-            for rid in self._open.values():
-                rec = self._records[rid]
-                lab = dict(rec.job.labels)
-                sig = rec.summary.signature if rec.summary else None
-                out.append(
-                    Sample.of(
-                        "gpuwatchd_job_hang_info",
-                        1,
-                        workload=rec.job.job,
-                        namespace=lab.get("namespace", ""),
-                        pod=lab.get("pod", ""),
-                        slurm_job=lab.get("slurm_job", ""),
-                        signature=sig.name if sig else "pending",
-                    )
-                )
-        return out
+            recs = [self._records[rid] for rid in self._open.values()]
+        return info_samples(recs, self.dropped)
 
     def _notify(self, now: float) -> None:
         found = self.findings()
@@ -447,3 +465,8 @@ class HangMonitor:
             return 200, "application/json", json.dumps(docs[0], indent=1).encode() + b"\n"
         body = {"count": len(docs), "hangs": docs}
         return 200, "application/json", json.dumps(body, indent=1).encode() + b"\n"
+
+
+def _young(job: JobView, grace: float) -> bool:
+    """A rank started less than `grace` ago: RAS may still be setting communicators up."""
+    return any(r.age_seconds is not None and r.age_seconds < grace for r in job.ranks if r.alive)

@@ -13,9 +13,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from gpuwatchd.health.hangs.causes import HardwareCause
 from gpuwatchd.health.hangs.detector import JobVerdict
 from gpuwatchd.health.hangs.summary import HangSummary
-from gpuwatchd.jobview import JobView, StackCapture
+from gpuwatchd.jobview import GroupProgress, JobView, StackCapture
 from gpuwatchd.model import Action, Event, Finding, Severity
 
 __all__ = [
@@ -47,6 +48,10 @@ class HangRecord:
     ras_error: str = ""
     ras_at: float = 0.0
     resolved_at: float | None = None
+    cause: HardwareCause | None = None  # an Xid on a rank's GPU before the hang
+    stacks_confirmed: bool = False  # two dumps seconds apart: every rank in the same call
+    flight: list[GroupProgress] = field(default_factory=list)  # PyTorch's flight recorder
+    flight_errors: list[str] = field(default_factory=list)
 
     def json(self) -> dict[str, Any]:
         """Everything, JSON-able, for /hangs, the store and `gpuwatchd hang show`."""
@@ -60,6 +65,13 @@ class HangRecord:
             "conditions": list(self.verdict.conditions),
             "signals": self.verdict.signals,
             "reason": self.verdict.reason,
+            "severity": self.verdict.severity,
+            "cause": self.cause.text if self.cause else "",
+            "incident": self.cause.incident if self.cause else "",
+            "stacks_confirmed": self.stacks_confirmed,
+            "flight_recorder": [g.line() for g in self.flight],
+            "flight_recorder_errors": list(self.flight_errors),
+            "nodes": list(self.verdict.nodes),
             "signature": s.signature.name if s and s.signature else "",
             "remediation": s.signature.remediation if s and s.signature else "",
             "signatures": list(s.signatures) if s else [],

@@ -9,7 +9,7 @@ where they run, and the facts the signature catalog matches on.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gpuwatchd.health.hangs.detector import JobVerdict
@@ -91,6 +91,18 @@ def where_stuck(capture: StackCapture | None) -> tuple[str, str]:
     return where or _python_or_named(texts), coll
 
 
+def stacks_confirm(first: Mapping[int, StackCapture], second: Mapping[int, StackCapture]) -> bool:
+    """Every rank's main thread in the same call in two dumps taken some seconds apart."""
+    pids = [p for p in first if first[p].ok]
+    if not pids:
+        return False
+    for pid in pids:
+        where, _ = where_stuck(first[pid])
+        if not where or where_stuck(second.get(pid))[0] != where:
+            return False
+    return True
+
+
 def _diverging(stacks: Sequence[StackCapture]) -> str:
     mains = [m for m in (s.main_thread() for s in stacks if s.ok) if m is not None]
     if len(mains) < 2:
@@ -148,8 +160,9 @@ def summarize(
     stacks: Mapping[int, StackCapture],
     report: RasReport | None,
     catalog: Sequence[Signature],
+    extra_facts: Iterable[str] = (),
 ) -> HangSummary:
-    """Combine the detector's verdict, the ranks' stacks and the RAS answer."""
+    """Combine the detector's verdict, the ranks' stacks, the RAS answer (and other facts)."""
     states = dict(verdict.rank_states)
     counts_by_pid: dict[int, Mapping[str, int]] = {}
     if report is not None:
@@ -176,6 +189,7 @@ def summarize(
     facts = {f"cond:{c}" for c in verdict.conditions}
     ras_facts, ras_missing, unresponsive = _ras_facts(report, {r.pid for r in job.ranks})
     facts |= ras_facts
+    facts |= set(extra_facts)
     colls = [r.collective for r in ranks if r.where]
     if len(colls) >= 2:
         distinct = {c for c in colls if c}

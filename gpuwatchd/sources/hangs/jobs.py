@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_RAS_ADDR",
     "JobView",
     "RankView",
+    "job_id",
     "job_key",
     "jobs_from_gpu_processes",
     "jobs_from_workloads",
@@ -28,6 +29,9 @@ __all__ = [
 ]
 
 _ENV_KEYS = (
+    "TORCH_FR_DUMP_TEMP_FILE",
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+    "TORCH_NCCL_DEBUG_INFO_PIPE_FILE",
     "RANK",
     "LOCAL_RANK",
     "WORLD_SIZE",
@@ -114,6 +118,24 @@ def job_key(pid: int, env: Mapping[str, str]) -> str:
     return torch or f"pid:{pid}"
 
 
+def job_id(key: str, envs: Iterable[Mapping[str, str]], slurm_job: str = "") -> str:
+    """The job's name on every node: Slurm job id, else the launcher's run id or
+    MASTER_ADDR:PORT (shared by the pods of one training job), else this node's key."""
+    envs = list(envs)
+    slurm = slurm_job or next((e["SLURM_JOB_ID"] for e in envs if e.get("SLURM_JOB_ID")), "")
+    if slurm:
+        return f"slurm:{slurm}"
+    for env in envs:
+        torch = torch_job_id(
+            env.get("TORCHELASTIC_RUN_ID", ""),
+            env.get("MASTER_ADDR", ""),
+            env.get("MASTER_PORT", ""),
+        )
+        if torch:
+            return torch
+    return key
+
+
 def _expected_local(envs: Iterable[Mapping[str, str]]) -> tuple[int | None, int | None]:
     """(local ranks expected, world size) from the first process that says."""
     for env in envs:
@@ -130,6 +152,52 @@ def _expected_local(envs: Iterable[Mapping[str, str]]) -> tuple[int | None, int 
         if local is not None or world is not None:
             return local, world
     return None, None
+
+
+def _parent(pid: int, procfs: str) -> int | None:
+    try:
+        with open(f"{procfs}/{pid}/stat", "rb") as f:
+            text = f.read().decode(errors="replace")
+        return int(text[text.rfind(")") + 2 :].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _starting_ranks(
+    key: str, pids: list[int], procfs: str
+) -> list[tuple[RankView, Mapping[str, str]]]:
+    """Ranks of the job, started by the same launcher, that hold no CUDA context yet.
+
+    A rank still importing its framework is not listed by NVML; without this the
+    ranks already waiting at the rendezvous would count it as never started.
+    """
+    out: list[tuple[RankView, Mapping[str, str]]] = []
+    seen = set(pids)
+    for parent in {p for p in (_parent(pid, procfs) for pid in pids) if p and p > 1}:
+        try:
+            with open(f"{procfs}/{parent}/task/{parent}/children", "rb") as f:
+                children = [int(c) for c in f.read().split()[:256]]
+        except (OSError, ValueError):
+            continue
+        for child in children:
+            if child in seen:
+                continue
+            seen.add(child)
+            env = read_environ(child, procfs)
+            if not env or job_key(child, env) != key:
+                continue
+            view = RankView(
+                pid=child,
+                gpus=(),
+                rank=_int(env.get("RANK") or env.get("SLURM_PROCID")),
+                local_rank=_int(env.get("LOCAL_RANK") or env.get("SLURM_LOCALID")),
+                world_size=_int(env.get("WORLD_SIZE")),
+                cpu_seconds=read_cpu_seconds(child, procfs),
+                ras_addr=env.get("NCCL_RAS_ADDR") or DEFAULT_RAS_ADDR,
+                command=_command(child, procfs),
+            )
+            out.append((view, env))
+    return out
 
 
 def jobs_from_gpu_processes(
@@ -164,7 +232,9 @@ def jobs_from_gpu_processes(
     jobs = []
     for key, members in sorted(by_job.items()):
         local, world = _expected_local(env for _, env in members)
-        labels = [("job", key)]
+        if local is not None and len(members) < local and environ is None:
+            members += _starting_ranks(key, [v.pid for v, _ in members], procfs)
+        labels = [("job", key), ("job_id", job_id(key, (e for _, e in members)))]
         slurm = next((e["SLURM_JOB_ID"] for _, e in members if e.get("SLURM_JOB_ID")), "")
         if slurm:
             labels.append(("slurm_job", slurm))
@@ -219,7 +289,7 @@ def jobs_from_workloads(workloads: Iterable[Workload], procfs: str = "/proc") ->
             )
         local, world = _expected_local(envs.values())
         key = f"{w.kind}:{w.id}"
-        labels = [("job", key)]
+        labels = [("job", key), ("job_id", job_id(key, envs.values(), w.slurm_job))]
         labels += [(k, v) for k, v in (("namespace", w.namespace), ("pod", w.pod)) if v]
         if w.slurm_job:
             labels.append(("slurm_job", w.slurm_job))

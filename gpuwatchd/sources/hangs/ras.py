@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -101,12 +102,25 @@ def _rank(raw: Mapping[str, object]) -> RasRank:
     )
 
 
-def parse_report(text: str) -> RasReport:
-    """Parse a JSON `STATUS` answer; RasError when it is not one."""
+# NCCL 2.28.9 writes a missing rank as `"nvml_dev": 1` and `"status": {` on
+# consecutive lines without the comma between them; JSON needs one there.
+_MISSING_COMMA = re.compile(r'([0-9"\]}]|true|false|null)(\s*\n\s*")')
+
+
+def _load_json(text: str) -> object:
+    """json.loads, retried once with the commas NCCL 2.28.9 leaves out put back."""
     try:
-        doc = json.loads(text)
-    except ValueError as e:
-        raise RasError(f"RAS answer is not JSON: {e}") from e
+        return json.loads(text)
+    except ValueError as first:
+        try:
+            return json.loads(_MISSING_COMMA.sub(r"\1,\2", text))
+        except ValueError:
+            raise RasError(f"RAS answer is not JSON: {first}") from first
+
+
+def parse_report(text: str) -> RasReport:
+    """Parse a JSON `STATUS` answer (also 2.28.9's malformed one); RasError when not one."""
+    doc = _load_json(text)
     if not isinstance(doc, dict):
         raise RasError("RAS answer is not a JSON object")
     comms = []

@@ -1,0 +1,145 @@
+"""The RAS poll end to end: the monitor's pool asks a RAS replay server on loopback (the
+answers recorded from a 2-rank job on 2x H100 before and after rank 1 was SIGKILLed,
+NCCL 2.28.9's malformed JSON included), never within the start-up grace, one query per
+job at a time, and the answer decides with the probe."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+
+from gpuwatchd.clock import FakeClock
+from gpuwatchd.config import Config
+from gpuwatchd.health.hangs.monitor import HangMonitor
+from gpuwatchd.jobview import JobView, RankView, RasAnswer, StackCapture
+from gpuwatchd.model import SourceSnapshot
+from gpuwatchd.sources.hangs import ras
+from gpuwatchd.state import NodeSnapshot
+from tests.hangs.ras_server import ras_server
+from tests.hangs.replay import fixture
+
+ANSWERS = {a["when"]: a for a in json.loads(fixture("ras-2xh100-deadpeer.json"))["answers"]}
+
+
+class Ranks:
+    """NodeIO with two ranks (the recorded pids) whose probe the test sets."""
+
+    def __init__(self, addr: str, age: float) -> None:
+        self.job = JobView(
+            "torch:127.0.0.1:29500",
+            tuple(RankView(p, (str(i),), i, world_size=2) for i, p in enumerate((593, 594))),
+            2,
+            2,
+            (("job", "t"),),
+            ras_addr=addr,
+        )
+        self.age = age
+        self.dead: set[int] = set()
+        self.cpu = 0.0
+
+    def jobs(self, snap: NodeSnapshot, procfs: str) -> list[JobView]:
+        return [self.job]
+
+    def capture(self, pid: int, timeout: float) -> StackCapture:
+        return StackCapture(pid, False, error="off")
+
+    def ras(self, job: JobView, netns: bool, timeout: float) -> RasAnswer:
+        return ras.query(job.ras_addr, timeout=timeout)
+
+    def flight(self, job: JobView, procfs: str, wait: object) -> tuple[list[object], list[str]]:
+        return [], ["no flight recorder here"]
+
+    def probe(self, jobs: Sequence[JobView], procfs: str) -> list[JobView]:
+        self.cpu += 3.0  # every rank burns a core (the survivor in its synchronize)
+        return [
+            dataclasses.replace(
+                j,
+                ranks=tuple(
+                    dataclasses.replace(
+                        r,
+                        state="gone" if r.pid in self.dead else "S",
+                        cpu_seconds=self.cpu,
+                        io_bytes=0,
+                        age_seconds=self.age,
+                    )
+                    for r in j.ranks
+                ),
+            )
+            for j in jobs
+        ]
+
+
+def _settle(monitor: HangMonitor, n: int = 0) -> None:
+    """Wait (real time) until the pool has answered `n` queries and none is in flight."""
+    end = time.monotonic() + 10
+    poller = monitor._poller
+    while (poller.queries < n or poller._in_flight) and time.monotonic() < end:
+        time.sleep(0.01)
+    assert poller.queries >= n and not poller._in_flight
+
+
+def test_dead_peer_decided_with_the_polled_recorded_answers() -> None:
+    healthy, killed = ANSWERS["healthy"], ANSWERS["+5s after kill"]
+    assert not killed["json_parses"]  # NCCL 2.28.9's answer for a missing rank
+    with ras_server(healthy["text_body"], healthy["json_body"]) as srv:
+        io = Ranks(srv.addr, age=600.0)
+        clock = FakeClock(start=1_800_000_000.0)
+        monitor = HangMonitor(Config(), clock, io=io)  # the real pool of 2 threads
+        try:
+            monitor.on_publish(NodeSnapshot(sources={"nvml": _nvml(clock.time())}))
+            _settle(monitor, 1)
+            assert srv.requests[0] == [
+                "CLIENT PROTOCOL 2",
+                "TIMEOUT 5",
+                "SET FORMAT json",
+                "STATUS",
+            ]
+            for _ in range(5):  # within the cadence: no second query
+                clock.advance(2.0)
+                monitor.tick()
+            assert len(srv.requests) == 1
+            srv.json_answer = killed["json_body"]
+            io.dead.add(594)  # SIGKILL
+            killed_at = clock.time()
+            while clock.time() - killed_at < 30 and not monitor.findings():
+                clock.advance(1.0)
+                monitor.tick()
+                _settle(monitor)
+                monitor.run_pending()
+            (f,) = monitor.findings()
+            assert clock.time() - killed_at <= 10
+            assert "rank 1 died (pid 594)" in f.reason and "RAS cannot reach it" in f.reason
+            assert "ras" in f.reason.split("Decided by: ")[1]
+            doc = monitor.records()[0]
+            assert doc["missing"] == [
+                "rank 1",
+                "rank 1 on 192.0.2.2 pid 594 (RAS, communicator 0xa46b337f78afebcd)",
+            ]
+            assert '"missing_ranks_count": 1' in doc["ras"]["answer"]  # the poll's answer, reused
+        finally:
+            monitor.stop()
+
+
+def test_no_query_within_the_start_up_grace() -> None:
+    healthy = ANSWERS["healthy"]
+    with ras_server(healthy["text_body"], healthy["json_body"]) as srv:
+        io = Ranks(srv.addr, age=10.0)
+        clock = FakeClock(start=1_800_000_000.0)
+        monitor = HangMonitor(Config(), clock, io=io, ras_workers=0)
+        monitor.on_publish(NodeSnapshot(sources={"nvml": _nvml(clock.time())}))
+        for _ in range(20):  # 40 s, the ranks 10-50 s old
+            clock.advance(2.0)
+            io.age += 2.0
+            monitor.tick()
+        assert srv.requests == []
+        for _ in range(10):
+            clock.advance(2.0)
+            io.age += 2.0
+            monitor.tick()
+        assert len(srv.requests) == 1  # asked once the youngest rank is 60 s old
+
+
+def _nvml(stamp: float) -> SourceSnapshot:
+    return SourceSnapshot("nvml", (), True, timestamp=stamp)
