@@ -307,3 +307,17 @@ def test_json_carries_the_gpu_topology(write_config, tmp_path, capsys) -> None:
     }
     assert [g["cpu_affinity"] for g in topology["gpus"]] == ["0-31", "0-31"]
     assert [g["nics"] for g in topology["gpus"]] == [[], []]  # this node has no InfiniBand
+
+
+def test_json_topology_of_a_vm_that_hides_the_nvlink_far_ends(write_config, capsys) -> None:
+    # 2x H100 in a VM: NVML answered FFFFFFFF:FF:FF.0 for every link's far end and
+    # PHB for the pair; nvidia-smi topo -m printed NV18 (fixtures/nvidia-smi/h100x2-topo-m.txt)
+    nvml = FIX / "nvml" / "h100x2-idle-record.json"
+    run(["check", "--json", "--config", str(write_config(NO_XID, nvml=nvml))])
+    topology = json.loads(capsys.readouterr().out)["topology"]
+    assert topology["matrix"] == {
+        "GPU0": {"GPU0": "X", "GPU1": "NV18"},
+        "GPU1": {"GPU1": "X", "GPU0": "NV18"},
+    }
+    assert [g["cpu_affinity"] for g in topology["gpus"]] == ["0-31", "0-31"]
+    assert [g["numa_node"] for g in topology["gpus"]] == [None, None]  # no sysfs, not recorded

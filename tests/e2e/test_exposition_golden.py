@@ -17,6 +17,7 @@ import pytest
 from tests.conftest import FIXTURES, http_get
 
 CAPTURE = FIXTURES / "nvml" / "h200x2-record.json"
+H100X2 = FIXTURES / "nvml" / "h100x2-idle-record.json"  # recorded with the topology calls
 GOLDEN = FIXTURES / "e2e-output.txt"
 # Series whose values depend on the machine or the moment, not on the inputs.
 VOLATILE = re.compile(
@@ -67,12 +68,26 @@ def test_golden_exposition(start_daemon, tmp_path, request) -> None:
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
-def test_promtool_check_metrics_on_real_capture(start_daemon, tmp_path) -> None:
-    d = start_daemon(config(tmp_path), "--nvml-replay", str(CAPTURE))
+@pytest.mark.parametrize("capture", [CAPTURE, H100X2], ids=lambda p: p.stem)
+def test_promtool_check_metrics_on_real_capture(start_daemon, tmp_path, capture: Path) -> None:
+    d = start_daemon(config(tmp_path), "--nvml-replay", str(capture))
     _, body = d.get("/metrics")
     res = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True)
     assert res.returncode == 0, res.stderr.decode()
     assert res.stdout.decode().strip() == "" and res.stderr.decode().strip() == ""
+
+
+def test_status_topology_of_the_2x_h100_vm(start_daemon, tmp_path) -> None:
+    # NVML hid the NVLink far ends there; nvidia-smi topo -m printed NV18, CPUs 0-31
+    d = start_daemon(config(tmp_path), "--nvml-replay", str(H100X2))
+    status, body = d.get("/status")
+    assert status == 200
+    topology = json.loads(body)["sources"]["nvml"]["topology"]
+    assert topology["matrix"] == {
+        "GPU0": {"GPU0": "X", "GPU1": "NV18"},
+        "GPU1": {"GPU1": "X", "GPU0": "NV18"},
+    }
+    assert [g["cpu_affinity"] for g in topology["gpus"]] == ["0-31", "0-31"]
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")

@@ -6,6 +6,11 @@ as that machine answers them (its 18 NVLinks each end at the other GPU, CPUs
 0-31, NUMA node 0; tests/fixtures/nvidia-smi/h200x2-topo-m.txt is the real
 `nvidia-smi topo -m`) must give the same matrix nvidia-smi printed. The PCI
 levels and nearest NICs come from the fixture sysfs tree (tests/fixtures/sys).
+
+The 2x H100 capture (a Firecracker VM) was recorded with the topology calls:
+NVML hid every link's far end (FFFFFFFF:FF:FF.0) and said PHB for the pair,
+while `nvidia-smi topo -m` (tests/fixtures/nvidia-smi/h100x2-topo-m.txt) printed
+NV18; the replay must print NV18 too.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SYS = ROOT / "tests" / "fixtures" / "sys"
 RECORD = ROOT / "tests" / "fixtures" / "nvml" / "h200x2-record.json"
 TOPO_M = ROOT / "tests" / "fixtures" / "nvidia-smi" / "h200x2-topo-m.txt"
+H100X2 = ROOT / "tests" / "fixtures" / "nvml" / "h100x2-idle-record.json"
+H100X2_TOPO_M = ROOT / "tests" / "fixtures" / "nvidia-smi" / "h100x2-topo-m.txt"
 BUSES = ("0000:00:06.0", "0000:00:07.0")
 
 
@@ -170,3 +177,85 @@ def test_record_keeps_the_topology_calls(tmp_path: Path) -> None:
     assert calls["nvlink_remote_pci_info(17)"][0]["value"]["busId"] == "00000000:00:07.0"
     sysfs = vm_sysfs(tmp_path / "sys")
     assert polled_topology(out, sysfs) == polled_topology(source, sysfs)
+
+
+def hidden(active: int = 18, levels: dict[int, str] | None = None, **kw: Any) -> GpuLinks:
+    """A GPU whose every link's far end NVML hides, as in the VM."""
+    return GpuLinks({}, levels or {}, "", hidden=active, active=active, **kw)
+
+
+def matrix(links: dict[int, GpuLinks]) -> dict[int, dict[int, str]]:
+    gpus = [(i, f"0000:00:{6 + i:02x}.0", "") for i in sorted(links)]
+    return {g.index: dict(g.peers) for g in assemble(gpus, links, "/nonexistent").gpus}
+
+
+def test_hidden_far_ends_read_from_the_p2p_status() -> None:
+    # one NVLink peer (a bridged pair): every up link reaches it
+    pair = {0: hidden(12, p2p_nvlink={1: True, 2: False, 3: False}, levels={2: "SYS"})}
+    assert matrix({**pair, 1: hidden(), 2: hidden(), 3: hidden()})[0] == {
+        1: "NV12",
+        2: "SYS",  # NVML said no NVLink: the PCI level
+        3: "",  # no NVLink, and no PCI level known
+    }
+    # three NVLink peers: NV<n> only when the links end at NVSwitches
+    mesh = dict.fromkeys((1, 2, 3), True)
+    assert set(matrix({i: hidden(p2p_nvlink=mesh) for i in range(4)})[0].values()) == {""}
+    switch = {i: hidden(p2p_nvlink=mesh, switched=True) for i in range(4)}
+    assert set(matrix(switch)[0].values()) == {"NV18"}
+
+
+def test_hidden_far_ends_without_p2p_answer() -> None:
+    # older captures: the one other GPU takes every up link; more GPUs stay unknown
+    assert matrix({0: hidden(), 1: hidden()}) == {0: {1: "NV18"}, 1: {0: "NV18"}}
+    assert set(matrix({i: hidden() for i in range(3)})[0].values()) == {""}
+    assert matrix({0: hidden(active=0), 1: hidden()})[0] == {1: ""}  # no link up
+    # some far ends shown, some hidden: how many reach the peer is unknown
+    mixed = GpuLinks({"0000:00:07.0": 2}, {}, "", hidden=16, active=18)
+    assert matrix({0: mixed, 1: hidden()})[0] == {1: "NV2"}
+    mixed = GpuLinks({"0000:00:99.0": 2}, {}, "", hidden=16, active=18)
+    assert matrix({0: mixed, 1: hidden()})[0] == {1: ""}
+
+
+def test_vm_capture_gives_the_machines_nvidia_smi_topo_m(tmp_path: Path) -> None:
+    topo = polled_topology(H100X2, vm_sysfs(tmp_path))
+    assert topo is not None
+    expected = smi().parse_topo(H100X2_TOPO_M.read_text())
+    assert topo.as_json()["matrix"] == {
+        "GPU0": {"GPU0": "X", "GPU1": "NV18"},
+        "GPU1": {"GPU1": "X", "GPU0": "NV18"},
+    }
+    for g in topo.gpus:
+        row = expected[f"GPU{g.index}"]
+        assert dict(g.peers) == {1 - g.index: row[f"GPU{1 - g.index}"]}
+        assert g.cpu_affinity == row["CPU Affinity"] == "0-31"
+        assert str(g.numa_node) == row["NUMA Affinity"]  # from the sysfs tree here
+
+
+def test_p2p_and_numa_answers_are_recorded_and_replayed(tmp_path: Path) -> None:
+    from gpuwatchd.sources.nvml.record import record
+
+    doc = json.loads(H100X2.read_text())
+    for i, dev in enumerate(doc["devices"]):
+        dev["calls"][f"p2p_nvlink_status({1 - i})"] = [{"value": 0}]
+        dev["calls"]["numa_affinity"] = [{"value": [1]}]
+    source = tmp_path / "h100x2-p2p.json"
+    source.write_text(json.dumps(doc))
+    out = tmp_path / "recorded.json"
+    capture = record(out, polls=2, interval=0.0, client=ReplayClient.load(source))
+    calls = capture["devices"][1]["calls"]
+    assert calls["p2p_nvlink_status(0)"][0]["value"] == 0
+    assert calls["numa_affinity"][0]["value"] == [1]
+    topo = polled_topology(out, tmp_path / "no-sysfs")
+    assert topo is not None
+    assert [(g.peers, g.numa_node, g.cpu_affinity) for g in topo.gpus] == [
+        (((1, "NV18"),), 0, "0-31"),
+        (((0, "NV18"),), 0, "0-31"),
+    ]
+    # NVML says no NVLink P2P: the pair's PCI level (PHB in the capture), never NV18
+    for i, dev in enumerate(doc["devices"]):
+        dev["calls"][f"p2p_nvlink_status({1 - i})"] = [
+            {"value": 5}
+        ]  # NVML_P2P_STATUS_NOT_SUPPORTED
+    source.write_text(json.dumps(doc))
+    topo = polled_topology(source, tmp_path / "no-sysfs")
+    assert topo is not None and [g.peers for g in topo.gpus] == [((1, "PHB"),), ((0, "PHB"),)]

@@ -195,3 +195,56 @@ def test_topology_rows_against_topo_m(smi: ModuleType) -> None:
         "topology GPU1 CPU Affinity": "missing in gpuwatchd",
         "topology GPU1 NUMA Affinity": "missing in gpuwatchd",
     }
+
+
+def test_topology_rows_on_the_2x_h100_topo_m(smi: ModuleType) -> None:
+    # the daemon's /status topology of the 2x H100 replay, against that machine's topo -m
+    topology = {
+        "matrix": {"GPU0": {"GPU0": "X", "GPU1": "NV18"}, "GPU1": {"GPU1": "X", "GPU0": "NV18"}},
+        "gpus": [
+            {"gpu": 0, "pci_bus_id": "0000:00:06.0", "numa_node": None, "cpu_affinity": "0-31"},
+            {"gpu": 1, "pci_bus_id": "0000:00:07.0", "numa_node": 0, "cpu_affinity": "0-31"},
+        ],
+    }
+    text = (SMI / "h100x2-topo-m.txt").read_text()
+    assert smi.parse_topo(text)["GPU1"] == {
+        "GPU0": "NV18",
+        "GPU1": "X",
+        "CPU Affinity": "0-31",
+        "NUMA Affinity": "0",
+        "GPU NUMA ID": "N/A",
+    }
+    verdicts = {r["metric"]: r["verdict"] for r in smi.topology_rows(topology, text)}
+    assert verdicts == {
+        "topology GPU0-GPU1": "agree",
+        "topology GPU1-GPU0": "agree",
+        "topology GPU0 CPU Affinity": "agree",
+        "topology GPU0 NUMA Affinity": "missing in gpuwatchd",
+        "topology GPU1 CPU Affinity": "agree",
+        "topology GPU1 NUMA Affinity": "agree",
+    }
+
+
+H100_0 = "GPU-5fe5b788-2279-1aaf-89bd-ea8041ba9c8d"
+H100_1 = "GPU-58cf2fb7-2615-6fe1-283f-8efe2155a985"
+
+
+def test_real_2x_h100_nvlink_outputs_parse(smi: ModuleType) -> None:
+    # idle, 2026-11-26: 18 links a GPU at 26.562 GB/s, no fault counted, no traffic
+    status = smi.parse_nvlink_status((SMI / "h100x2-nvlink-s.txt").read_text())
+    assert sorted(status) == sorted([H100_0, H100_1])
+    assert {link: set() for link in range(18)} == {
+        link: {s for s in (status[H100_0][link], status[H100_1][link]) if s != 26.562e9}
+        for link in range(18)
+    }
+    errors = smi.parse_nvlink_errors((SMI / "h100x2-nvlink-e.txt").read_text())
+    assert sorted(errors) == sorted([H100_0, H100_1])
+    assert all(
+        errors[g][link] == {"replay": 0, "recovery": 0, "crc": 0}
+        for g in (H100_0, H100_1)
+        for link in range(18)
+    )
+    gt = smi.parse_nvlink_throughput((SMI / "h100x2-nvlink-gt-d.txt").read_text())
+    assert sorted(gt) == sorted([H100_0, H100_1])
+    assert all(len(gt[g]) == 18 for g in gt)
+    assert gt[H100_1][17] == {"data_tx": 0, "data_rx": 0}

@@ -284,6 +284,7 @@ DEVICE_CALLS: dict[str, Spec] = {
         ("nvmlDeviceGetNvLinkRemotePciInfo_v2", "nvmlDeviceGetNvLinkRemotePciInfo"),
         _pci,
     ),
+    "nvlink_remote_device_type": (("nvmlDeviceGetNvLinkRemoteDeviceType",), int),  # 2: NVSwitch
     "nvlink_error_counter": (("nvmlDeviceGetNvLinkErrorCounter",), int),
     "supported_event_types": (("nvmlDeviceGetSupportedEventTypes",), int),
     # clocks in MHz by nvmlClockType_t; P-state 0-15 (32 = unknown); MIG mode [current, pending]
@@ -308,10 +309,24 @@ def _cpu_affinity(nv: Any, handle: Any, _gpm: object) -> object:
     return [int(w) for w in nv.nvmlDeviceGetCpuAffinity(handle, words)]
 
 
+def _p2p_nvlink(nv: Any, handle: Any, _gpm: object, peer: int) -> object:
+    """nvmlGpuP2PStatus_t of NVLink P2P to the GPU of index `peer` (0: OK, it has NVLink)."""
+    other = nv.nvmlDeviceGetHandleByIndex(peer)
+    caps = getattr(nv, "NVML_P2P_CAPS_INDEX_NVLINK", 2)
+    return int(nv.nvmlDeviceGetP2PStatus(handle, other, caps))
+
+
+def _numa_affinity(nv: Any, handle: Any, _gpm: object) -> object:
+    """The GPU's nearest NUMA nodes as 64-bit masks (nvidia-smi topo's NUMA Affinity)."""
+    return [int(w) for w in nv.nvmlDeviceGetMemoryAffinity(handle, 1, 0)]  # 0: SCOPE_NODE
+
+
 # device calls that need more than one handle or a size from the host
 TOPOLOGY_CALLS: dict[str, Callable[..., object]] = {
     "topology_common_ancestor": _common_ancestor,
     "cpu_affinity": _cpu_affinity,
+    "p2p_nvlink_status": _p2p_nvlink,
+    "numa_affinity": _numa_affinity,
 }
 
 # nvmlValueType_t -> member of the c_nvmlValue_t union

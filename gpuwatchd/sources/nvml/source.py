@@ -215,7 +215,9 @@ class NvmlSource:
                 continue
             peers = [i for i, _ in of if i != gpu.index]
             failed: dict[str, str] = {}
-            work = partial(read_links, device_getter(device, failed), ident.nvlinks, peers, failed)
+            up = _links_up(gpu.reading)
+            get = device_getter(device, failed)
+            work = partial(read_links, get, ident.nvlinks, peers, failed, up)
             try:
                 links[gpu.index] = self._deadline.call(gpu.key, work, self._timeout)
             except (NvmlError, CallTimeout, StuckError) as exc:
@@ -465,6 +467,12 @@ class NvmlSource:
         self._deadline.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
+
+
+def _links_up(reading: Reading | None) -> int:
+    """The GPU's NVLinks up at its last poll."""
+    samples = reading.samples if reading is not None else ()
+    return sum(1 for s in samples if s.name == "gpuwatchd_nvlink_up" and s.value == 1)
 
 
 def _mig_uuids(reading: Reading | None) -> tuple[str, ...]:

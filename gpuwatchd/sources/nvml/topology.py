@@ -12,6 +12,16 @@ that both reach switches are NV<n> with n the fewer of their switch links,
 which is what nvidia-smi prints there (NV18 on an HGX H100). Otherwise the
 pair's PCI level (NVML's, else sysfs'), once NVML has said there is no NVLink
 between them. Whatever NVML or sysfs cannot say stays unknown ("").
+
+Some VMs hide the far end: every link's remote PCI info reads FFFFFFFF:FF:FF.0
+(2x H100, Firecracker, driver 580). Then NVML's NVLink P2P status
+(`p2p_nvlink_status`) names the GPU's NVLink peers, and each gets NV<n>, n the
+GPU's links that are up, when that is the only peer or every link ends at an
+NVSwitch (`nvlink_remote_device_type`): on both boards each up link reaches
+each NVLink peer. A capture made before P2P status was recorded: NV<n> only
+when every remote answer is hidden and exactly one other GPU exists; else
+unknown. NUMA node: sysfs, else NVML's memory affinity (`numa_affinity`) when
+it names one node.
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpuwatchd.errors import NvmlError
 from gpuwatchd.model import GpuPlace, Topology
@@ -32,6 +42,8 @@ __all__ = ["GpuLinks", "LEVELS", "assemble", "cpu_list", "device_getter", "read_
 LEVELS = {0: "PIX", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
 _NO_LINK = ("NOT_SUPPORTED", "INVALID_ARGUMENT")  # what NVML answers for a link not there
 _RANK = {"PIX": 0, "PXB": 1, "PHB": 2, "NODE": 3, "SYS": 4}
+_HIDDEN = 0xFFFFFFFF  # the domain NVML answers for a far end it may not show
+_NVSWITCH = 2  # nvmlIntNvLinkDeviceType_t
 Get = Callable[..., object]
 
 
@@ -43,6 +55,11 @@ class GpuLinks:
     levels: Mapping[int, str]  # other GPU's index -> PIX .. SYS
     cpus: str
     nvlinks_known: bool = True  # every link answered, or has none (else NVLinks are unknown)
+    hidden: int = 0  # links whose far end NVML answered as FFFFFFFF:FF:FF.0
+    active: int = 0  # links up at the last poll
+    p2p_nvlink: Mapping[int, bool] = field(default_factory=dict)  # peer -> NVLink P2P OK
+    switched: bool = False  # every hidden link ends at an NVSwitch
+    numa_node: int | None = None  # NVML's memory affinity, when it names one node
 
 
 def device_getter(device: NvmlDevice, failed: dict[str, str]) -> Get:
@@ -66,17 +83,25 @@ def device_getter(device: NvmlDevice, failed: dict[str, str]) -> Get:
 
 
 def read_links(
-    get: Get, nvlinks: int, peers: Sequence[int], failed: Mapping[str, str] | None = None
+    get: Get,
+    nvlinks: int,
+    peers: Sequence[int],
+    failed: Mapping[str, str] | None = None,
+    active: int = 0,
 ) -> GpuLinks:
     """One GPU's NVML topology calls; `get` answers None where NVML has no answer,
-    `failed` (call key -> NVML code) says why: NOT_SUPPORTED is "no link", others unknown."""
+    `failed` (call key -> NVML code) says why: NOT_SUPPORTED is "no link", others unknown.
+    `active`: the GPU's links up at its last poll."""
     remote: Counter[str] = Counter()
     known = True
+    hidden: list[int] = []
     for link in range(nvlinks):
         info = get("nvlink_remote_pci_info", link)
         bus = normalize_bus_id(str(info.get("busId", ""))) if isinstance(info, dict) else ""
         if bus:
             remote[bus] += 1
+        elif isinstance(info, dict) and info.get("domain") == _HIDDEN:
+            hidden.append(link)
         elif (failed or {}).get(f"nvlink_remote_pci_info({link})") not in _NO_LINK:
             known = False
     levels = {}
@@ -84,9 +109,30 @@ def read_links(
         level = get("topology_common_ancestor", peer)
         if isinstance(level, int) and level in LEVELS:
             levels[peer] = LEVELS[level]
+    p2p: dict[int, bool] = {}
+    switched = False
+    if hidden:  # far ends not shown: which GPUs does NVLink reach?
+        for peer in peers:
+            status = get("p2p_nvlink_status", peer)
+            if isinstance(status, int):
+                p2p[peer] = status == 0
+        if sum(p2p.values()) > 1:
+            switched = all(get("nvlink_remote_device_type", n) == _NVSWITCH for n in hidden)
     masks = get("cpu_affinity")
     cpus = cpu_list(masks) if isinstance(masks, list) else ""
-    return GpuLinks(dict(remote), levels, cpus, known)
+    nodes = get("numa_affinity")
+    numa = cpu_list(nodes) if isinstance(nodes, list) else ""
+    return GpuLinks(
+        dict(remote),
+        levels,
+        cpus,
+        known,
+        hidden=len(hidden),
+        active=active,
+        p2p_nvlink=p2p,
+        switched=switched,
+        numa_node=int(numa) if numa.isdigit() else None,
+    )
 
 
 def cpu_list(masks: Sequence[int]) -> str:
@@ -120,13 +166,13 @@ def assemble(
         for other, other_bus, _ in gpus:
             if other == index:
                 continue
-            direct = got.remote.get(other_bus, 0) if got else 0
             fabric = min(switched.get(index, 0), switched.get(other, 0))
-            rel = f"NV{direct or fabric}" if direct or fabric else ""
+            nvlink = _nvlinks(got, other, other_bus, fabric, len(gpus))
+            rel = nvlink or ""
             a, b = places[bus], places[other_bus]
-            if rel or got is None or not got.nvlinks_known:
+            if nvlink is None or rel:
                 pass  # joined by NVLink, or NVML could not say whether: no PCI guess
-            elif other in got.levels:
+            elif got is not None and other in got.levels:
                 rel = got.levels[other]
             elif a is not None and b is not None:
                 rel = smi_relation(a, b)
@@ -145,13 +191,44 @@ def assemble(
                 index=index,
                 pci_bus_id=bus,
                 uuid=uuid,
-                numa_node=place.numa_node if place is not None else None,
+                numa_node=_numa(place, got),
                 cpu_affinity=got.cpus if got else "",
                 peers=tuple(peers),
                 nics=tuple(near),
             )
         )
     return Topology(tuple(out))
+
+
+def _nvlinks(
+    got: GpuLinks | None, other: int, other_bus: str, fabric: int, gpus: int
+) -> str | None:
+    """NV<n> from a GPU to `other`, "" for no NVLink, None when NVML cannot say."""
+    if got is None:
+        return None
+    direct = got.remote.get(other_bus, 0)
+    if direct or fabric:
+        return f"NV{direct or fabric}"
+    if not got.nvlinks_known:
+        return None
+    if not got.hidden:
+        return ""
+    if got.remote or not got.active:
+        return None  # some far ends shown, some hidden; or no link up: n unknown
+    if other in got.p2p_nvlink:
+        if not got.p2p_nvlink[other]:
+            return ""
+        alone = sum(got.p2p_nvlink.values()) == 1
+        return f"NV{got.active}" if alone or got.switched else None
+    if not got.p2p_nvlink and gpus == 2:
+        return f"NV{got.active}"  # no P2P answer (older captures): the one other GPU
+    return None
+
+
+def _numa(place: PciPlace | None, got: GpuLinks | None) -> int | None:
+    if place is not None and place.numa_node is not None:
+        return place.numa_node
+    return got.numa_node if got is not None else None
 
 
 def _place(sysfs: str, bus: str) -> PciPlace | None:
