@@ -23,6 +23,7 @@ COMMANDS: tuple[str, ...] = (
     "gpuwatchd.cli.check",
     "gpuwatchd.cli.clear",
     "gpuwatchd.cli.hang",
+    "gpuwatchd.cli.diag",
 )
 
 

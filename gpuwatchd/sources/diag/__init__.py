@@ -1,7 +1,6 @@
-"""Active GPU diagnostics: a short-lived worker process does the CUDA work.
+"""Active GPU diagnostics, the daemon's side: NVML reads, the worker process, dcgmi.
 
-The daemon and the CLI never import CUDA: `runner` starts
-`python -m gpuwatchd.sources.diag.worker` in its own process group, reads
-one JSON measurement per line, and kills the group to cancel. NVML
-counters before and after are read here through the NVML client.
+The CUDA work runs in `python -m gpuwatchd.diag.worker`, started by
+`runner` in its own process group and killed as a group to cancel; the
+daemon and the CLI never import CUDA.
 """

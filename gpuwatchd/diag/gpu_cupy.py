@@ -29,19 +29,10 @@ class CupyBackend:
         self._fill_hash = cupy.ElementwiseKernel(
             "uint32 seed", "uint32 x", _HASH + " x = v;", "gpuwatchd_fill_hash"
         )
-        self._bad_const = cupy.ReductionKernel(
-            "uint32 x, uint32 p",
-            "uint64 y",
-            "x != p ? 1 : 0",
-            "a + b",
-            "y = a",
-            "0",
-            "gpuwatchd_bad_const",
-        )
         self._bad_hash = cupy.ElementwiseKernel(
             "uint32 x, uint32 seed",
-            "uint32 bad",
-            _HASH + " bad = (x != v) ? 1 : 0;",
+            "bool bad",
+            _HASH + " bad = x != v;",
             "gpuwatchd_bad_hash",
         )
 
@@ -153,9 +144,11 @@ class CupyBackend:
                         chunk.fill(pattern)
                 for i, chunk in enumerate(chunks):
                     if pattern is None:
-                        bad += int(self._bad_hash(chunk, cp.uint32(i)).sum(dtype=cp.uint64))
+                        flags = self._bad_hash(chunk, cp.uint32(i))
                     else:
-                        bad += int(self._bad_const(chunk, cp.uint32(pattern)))
+                        flags = chunk != cp.uint32(pattern)
+                    bad += int(cp.count_nonzero(flags))
+                    del flags
                 moved += 2 * chunk_bytes * len(chunks)
             self._sync(dev)
             seconds = time.perf_counter() - t0

@@ -1,4 +1,4 @@
-"""`python -m gpuwatchd.sources.diag.worker`: the GPU half of `gpuwatchd diag`.
+"""`python -m gpuwatchd.diag.worker`: the GPU half of `gpuwatchd diag`.
 
 Runs in its own process group, started by the runner, and prints one JSON
 `Measurement` per line as each check ends, then `{"done": true}`. It
@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from gpuwatchd.sources.diag.measure import Measurement
+from gpuwatchd.diag.measure import Measurement
 
 __all__ = ["Options", "load_backend", "main", "run_checks"]
 
@@ -49,10 +49,10 @@ def load_backend(name: str) -> Any:
     for candidate in order:
         try:
             if candidate == "cupy":
-                from gpuwatchd.sources.diag.gpu_cupy import CupyBackend
+                from gpuwatchd.diag.gpu_cupy import CupyBackend
 
                 return CupyBackend()
-            from gpuwatchd.sources.diag.gpu_torch import TorchBackend
+            from gpuwatchd.diag.gpu_torch import TorchBackend
 
             return TorchBackend()
         except ImportError as exc:
@@ -89,26 +89,16 @@ def run_checks(backend: Any, tier: str, gpus: Sequence[int], opt: Options) -> It
             return tflops, err < 0.02, f"{dtype} {opt.gemm_n}^3, max error {err:.2e} of scale"
 
         yield _timed("gemm", g, "TFLOP/s", gemm)
-        yield _timed(
-            "h2d_bandwidth",
-            g,
-            "GB/s",
-            lambda dev=dev: (
-                backend.h2d(dev, opt.h2d_bytes, opt.copy_iters) / 1e9,
-                True,
-                "pinned host memory",
-            ),
-        )
-        yield _timed(
-            "d2d_bandwidth",
-            g,
-            "GB/s",
-            lambda dev=dev: (
-                backend.d2d(dev, opt.copy_bytes, opt.copy_iters) / 1e9,
-                True,
-                "bytes read plus written",
-            ),
-        )
+
+        def h2d(dev: int = dev) -> tuple[float | None, bool, str]:
+            return backend.h2d(dev, opt.h2d_bytes, opt.copy_iters) / 1e9, True, "pinned host memory"
+
+        def d2d(dev: int = dev) -> tuple[float | None, bool, str]:
+            rate = backend.d2d(dev, opt.copy_bytes, opt.copy_iters)
+            return rate / 1e9, True, "bytes read plus written"
+
+        yield _timed("h2d_bandwidth", g, "GB/s", h2d)
+        yield _timed("d2d_bandwidth", g, "GB/s", d2d)
     if tier != "standard":
         return
     for src, dst in itertools.permutations(gpus, 2):

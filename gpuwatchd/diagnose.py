@@ -1,0 +1,159 @@
+"""One `gpuwatchd diag` run: NVML before, the worker (or dcgmi), NVML after, verdicts.
+
+Shared by the command line and the daemon's scheduled and pre-resume runs.
+The run refuses to start on a busy GPU and is cancelled, not failed, when a
+process other than the worker appears on a GPU or `busy()` names a job.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from gpuwatchd.diag.measure import Measurement, checks_of
+from gpuwatchd.health.diag import DiagResult, evaluate, load_floors, verdict
+from gpuwatchd.sources.diag.dcgm import run_dcgmi
+from gpuwatchd.sources.diag.nvml_reads import (
+    GpuSnapshot,
+    counter_checks,
+    foreign_pids,
+    read_gpus,
+    sanity_checks,
+)
+from gpuwatchd.sources.diag.runner import WorkerRun, worker_command
+from gpuwatchd.sources.nvml.client import NvmlClient
+
+__all__ = ["DiagOptions", "DiagReport", "run_diag"]
+
+Busy = Callable[[], str]  # why the node is busy (a job, a pod), or ""
+
+
+@dataclass(frozen=True)
+class DiagOptions:
+    """What to run and how."""
+
+    tier: str = "quick"
+    gpus: tuple[int, ...] = ()
+    python: str = ""  # the interpreter with CuPy or PyTorch; default: this one
+    backend: str = "auto"
+    timeout: float = 300.0
+    dcgm_level: int = 2
+    floors_file: str = ""
+    fake_worker: str = ""  # test only: canned measurements instead of a GPU
+
+
+@dataclass(frozen=True)
+class DiagReport:
+    """The outcome of one run; `cancelled` runs carry no results and fail nothing."""
+
+    tier: str
+    started: float
+    seconds: float
+    verdict: str
+    results: tuple[DiagResult, ...] = ()
+    backend: str = ""
+    cancelled: str = ""
+    error: str = ""
+    gpus: tuple[str, ...] = ()
+    freed_seconds: float = 0.0
+    models: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (the CLI's --json and the stored event)."""
+        out = asdict(self)
+        out["results"] = [asdict(r) for r in self.results]
+        return out
+
+
+def _cancelled(opts: DiagOptions, t0: float, wall: float, why: str, **kw: Any) -> DiagReport:
+    return DiagReport(opts.tier, wall, time.monotonic() - t0, "UNKNOWN", cancelled=why, **kw)
+
+
+def run_diag(
+    opts: DiagOptions,
+    client: NvmlClient,
+    busy: Busy | None = None,
+    on_start: Callable[[WorkerRun], None] | None = None,
+) -> DiagReport:
+    """Run one tier on this node's GPUs (NVML already initialised)."""
+    t0, wall = time.monotonic(), time.time()
+    before = read_gpus(client, opts.gpus)
+    models = {str(g.index): g.name for g in before if g.name}
+    gpus = tuple(str(g.index) for g in before)
+    why = _busy_now(before, None, busy)
+    if why:
+        return _cancelled(opts, t0, wall, why, gpus=gpus, models=models)
+    measurements: list[Measurement] = sanity_checks(before)
+    backend, error, freed = "", "", 0.0
+    if opts.tier == "dcgm":
+        measurements.append(run_dcgmi(opts.dcgm_level, opts.timeout))
+    else:
+        worker = WorkerRun(
+            worker_command(
+                opts.tier,
+                [g.index for g in before if not g.error],
+                opts.python,
+                opts.backend,
+                opts.fake_worker,
+            ),
+            opts.timeout,
+            should_cancel=lambda pid: _busy_now(read_gpus(client, opts.gpus), pid, busy),
+        )
+        if on_start is not None:
+            on_start(worker)
+        outcome = worker.run()
+        if outcome.cancelled:
+            return _cancelled(
+                opts,
+                t0,
+                wall,
+                outcome.cancelled,
+                gpus=gpus,
+                models=models,
+                freed_seconds=outcome.freed_seconds,
+                backend=outcome.backend,
+            )
+        backend, error = outcome.backend, outcome.error
+        measurements += outcome.measurements
+        if opts.tier == "standard":
+            measurements += counter_checks(before, read_gpus(client, opts.gpus))
+        measurements += _missing(opts.tier, measurements, gpus, error)
+    results = tuple(evaluate(measurements, models, load_floors(opts.floors_file)))
+    return DiagReport(
+        opts.tier,
+        wall,
+        time.monotonic() - t0,
+        verdict(results),
+        results,
+        backend,
+        error=error,
+        gpus=gpus,
+        freed_seconds=freed,
+        models=models,
+    )
+
+
+def _busy_now(gpus: Sequence[GpuSnapshot], worker_pid: int | None, busy: Busy | None) -> str:
+    pids = foreign_pids(gpus, worker_pid)
+    if pids:
+        return "GPU in use by process " + ", ".join(str(p) for p in pids[:5])
+    return busy() if busy is not None else ""
+
+
+def _missing(
+    tier: str, got: Sequence[Measurement], gpus: Sequence[str], error: str
+) -> list[Measurement]:
+    """An error result for each per-GPU check the worker never reported (it died)."""
+    if not error:
+        return []
+    seen = {(m.check, m.gpu) for m in got}
+    per_gpu = ("gemm", "h2d_bandwidth", "d2d_bandwidth", "memory_pattern")
+    return [
+        Measurement(check, gpu, None, "", error=error)
+        for check in checks_of(tier)
+        if check in per_gpu
+        for gpu in gpus
+        if (check, gpu) not in seen
+    ]
