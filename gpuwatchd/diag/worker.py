@@ -35,7 +35,7 @@ class Options:
     copy_bytes = 1 * GIB
     h2d_bytes = 256 * MIB
     p2p_bytes = 256 * MIB
-    copy_iters = 10
+    copy_iters = 20
     all_reduce_bytes = 1 * GIB
     all_reduce_iters = 20
     memory_fraction = 0.9
