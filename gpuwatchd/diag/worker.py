@@ -141,7 +141,11 @@ def run_checks(backend: Any, tier: str, gpus: Sequence[int], opt: Options) -> It
 
 
 def _fake(path: str) -> int:
-    """Replay canned measurements: {"sleep": s} lines pause, others are printed."""
+    """Replay canned lines: {"sleep": s} pauses, {"exit": n} exits without the final
+    line, {"spawn": argv, "pidfile": f} starts a child in the worker's process group
+    (as CUDA libraries start helpers) and writes its pid; others are printed."""
+    import subprocess
+
     with open(path, encoding="utf-8") as f:
         for line in f:
             if not line.strip():
@@ -149,6 +153,11 @@ def _fake(path: str) -> int:
             data = json.loads(line)
             if "sleep" in data:
                 time.sleep(float(data["sleep"]))
+            elif "spawn" in data:
+                child = subprocess.Popen(data["spawn"])
+                with open(data["pidfile"] + ".tmp", "w", encoding="utf-8") as pidfile:
+                    pidfile.write(str(child.pid))
+                os.replace(data["pidfile"] + ".tmp", data["pidfile"])
             elif "exit" in data:
                 return int(data["exit"])
             else:

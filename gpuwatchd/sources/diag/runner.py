@@ -111,8 +111,12 @@ class WorkerRun:
         self.pid = proc.pid
         lines: queue.Queue[str | None] = queue.Queue()
         errors: list[str] = []
-        threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
-        threading.Thread(target=_tail, args=(proc.stderr, errors), daemon=True).start()
+        readers = [
+            threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True),
+            threading.Thread(target=_tail, args=(proc.stderr, errors), daemon=True),
+        ]
+        for reader in readers:
+            reader.start()
         done = False
         deadline = t0 + self.timeout
         next_check = t0
@@ -155,6 +159,11 @@ class WorkerRun:
                     + (f": {tail}" if tail else "")
                 )
         _kill_group(proc.pid)  # anything it left behind in its group
+        for reader in readers:
+            reader.join(2.0)  # the pipes end with the group
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
 
     @staticmethod
     def _take(line: str, out: WorkerOutcome) -> bool:
