@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-__all__ = ["CHECKS", "TIERS", "Measurement", "checks_of"]
+__all__ = ["CHECKS", "Measurement", "TIERS", "checks_of"]
 
 TIERS = ("quick", "standard", "dcgm")
 
