@@ -7,11 +7,13 @@ process other than the worker appears on a GPU or `busy()` names a job.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from gpuwatchd.config import Config
 from gpuwatchd.diag.measure import Measurement, checks_of
 from gpuwatchd.health.diag import DiagResult, evaluate, load_floors, verdict
 from gpuwatchd.sources.diag.dcgm import run_dcgmi
@@ -25,7 +27,10 @@ from gpuwatchd.sources.diag.nvml_reads import (
 from gpuwatchd.sources.diag.runner import WorkerRun, worker_command
 from gpuwatchd.sources.nvml.client import NvmlClient
 
-__all__ = ["DiagOptions", "DiagReport", "run_diag"]
+__all__ = ["FAKE_WORKER_ENV", "DiagOptions", "DiagReport", "open_nvml", "options_for", "run_diag"]
+
+# Test only: a canned worker script (the worker's --fake mode) instead of the GPU work.
+FAKE_WORKER_ENV = "GPUWATCHD_DIAG_FAKE_WORKER"
 
 Busy = Callable[[], str]  # why the node is busy (a job, a pod), or ""
 
@@ -59,12 +64,44 @@ class DiagReport:
     gpus: tuple[str, ...] = ()
     freed_seconds: float = 0.0
     models: dict[str, str] = field(default_factory=dict)
+    buses: dict[str, str] = field(default_factory=dict)  # GPU index -> PCI bus id
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (the CLI's --json and the stored event)."""
         out = asdict(self)
         out["results"] = [asdict(r) for r in self.results]
         return out
+
+
+def options_for(cfg: Config, tier: str, gpus: Sequence[int] = ()) -> DiagOptions:
+    """DiagOptions from the config's diag section."""
+    d = cfg.diag
+    return DiagOptions(
+        tier=tier,
+        gpus=tuple(gpus),
+        python=d.python,
+        backend=d.backend,
+        timeout=d.timeout_seconds,
+        dcgm_level=d.dcgm_level,
+        floors_file=d.floors_file,
+        fake_worker=os.environ.get(FAKE_WORKER_ENV, ""),
+    )
+
+
+def open_nvml(cfg: Config, replay: str = "") -> NvmlClient:
+    """An initialised NVML client: the capture `replay` (or sources.nvml.replay), else NVML."""
+    path = replay or cfg.sources.nvml.replay
+    client: NvmlClient
+    if path:
+        from gpuwatchd.sources.nvml.replay import ReplayClient
+
+        client = ReplayClient.load(path)
+    else:
+        from gpuwatchd.sources.nvml.client import Pynvml
+
+        client = Pynvml()
+    client.init()
+    return client
 
 
 def _cancelled(opts: DiagOptions, t0: float, wall: float, why: str, **kw: Any) -> DiagReport:
@@ -81,10 +118,11 @@ def run_diag(
     t0, wall = time.monotonic(), time.time()
     before = read_gpus(client, opts.gpus)
     models = {str(g.index): g.name for g in before if g.name}
+    buses = {str(g.index): g.pci_bus_id for g in before if g.pci_bus_id}
     gpus = tuple(str(g.index) for g in before)
     why = _busy_now(before, None, busy)
     if why:
-        return _cancelled(opts, t0, wall, why, gpus=gpus, models=models)
+        return _cancelled(opts, t0, wall, why, gpus=gpus, models=models, buses=buses)
     measurements: list[Measurement] = sanity_checks(before)
     backend, error, freed = "", "", 0.0
     if opts.tier == "dcgm":
@@ -132,6 +170,7 @@ def run_diag(
         gpus=gpus,
         freed_seconds=freed,
         models=models,
+        buses=buses,
     )
 
 

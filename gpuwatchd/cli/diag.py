@@ -9,11 +9,12 @@ not run, the node was busy, or the run was cancelled).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from typing import Any
 
-from gpuwatchd.diagnose import DiagOptions, DiagReport, run_diag
+from gpuwatchd.diagnose import DiagOptions, DiagReport, open_nvml, options_for, run_diag
 
 __all__ = ["register", "render_text"]
 
@@ -53,45 +54,27 @@ def argparse_suppress() -> str:
 
 def options_from(args: Any) -> DiagOptions:
     """DiagOptions from the config's diag section, then the command line."""
-    base = DiagOptions(tier=args.tier)
-    if args.config:
-        from gpuwatchd import config
+    from gpuwatchd import config
 
-        cfg = config.load(args.config)
-        d = getattr(cfg, "diag", None)
-        if d is not None:
-            base = DiagOptions(
-                tier=args.tier,
-                python=d.python,
-                backend=d.backend,
-                timeout=d.timeout_seconds,
-                dcgm_level=d.dcgm_level,
-                floors_file=d.floors_file,
-            )
-    return DiagOptions(
-        tier=args.tier,
-        gpus=tuple(args.gpu),
+    base = options_for(config.load(args.config), args.tier, args.gpu)
+    return dataclasses.replace(
+        base,
         python=args.python or base.python,
         backend=args.backend or base.backend,
         timeout=args.timeout or base.timeout,
         dcgm_level=args.dcgm_level or base.dcgm_level,
         floors_file=args.floors or base.floors_file,
-        fake_worker=args.fake_worker or "",
+        fake_worker=args.fake_worker or base.fake_worker,
     )
 
 
 def _run_diag(args: Any) -> int:
+    from gpuwatchd import config
+
+    cfg = config.load(args.config)
     opts = options_from(args)
-    if args.nvml_replay:
-        from gpuwatchd.sources.nvml.replay import ReplayClient
-
-        client: Any = ReplayClient.load(args.nvml_replay)
-    else:
-        from gpuwatchd.sources.nvml.client import Pynvml
-
-        client = Pynvml()
     try:
-        client.init()
+        client = open_nvml(cfg, args.nvml_replay or "")
     except Exception as exc:
         print(f"UNKNOWN: NVML: {exc}")
         return EXIT["UNKNOWN"]

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from gpuwatchd.diag.measure import Measurement
 from gpuwatchd.errors import NvmlError
+from gpuwatchd.pci import normalize_bus_id
 from gpuwatchd.sources.nvml.client import NvmlClient, NvmlDevice
 
 __all__ = ["GpuSnapshot", "counter_checks", "foreign_pids", "read_gpus", "sanity_checks"]
@@ -29,6 +30,7 @@ class GpuSnapshot:
     remap_failure: bool = False
     pids: tuple[int, ...] = ()
     error: str = ""
+    pci_bus_id: str = ""
 
 
 def _num(value: object) -> float | None:
@@ -40,6 +42,11 @@ def _get(dev: NvmlDevice, name: str, *args: int) -> object:
         return dev.call(name, *args)
     except NvmlError:
         return None  # not supported here: the check says so, it does not fail
+
+
+def _bus(pci: object) -> str:
+    bus = pci.get("busId") if isinstance(pci, dict) else None
+    return normalize_bus_id(bus) if isinstance(bus, str) else ""
 
 
 def read_gpus(client: NvmlClient, only: Sequence[int] = ()) -> list[GpuSnapshot]:
@@ -71,6 +78,7 @@ def read_gpus(client: NvmlClient, only: Sequence[int] = ()) -> list[GpuSnapshot]
                 bool(rows[2]),
                 bool(rows[3]),
                 pids,
+                pci_bus_id=_bus(_get(dev, "pci_info")),
             )
         )
     return out
