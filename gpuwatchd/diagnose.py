@@ -16,6 +16,8 @@ from typing import Any
 from gpuwatchd.config import Config
 from gpuwatchd.diag.measure import Measurement, checks_of
 from gpuwatchd.health.diag import DiagResult, evaluate, load_floors, verdict
+from gpuwatchd.sinks.diag_store import record_run, repeat_offenders
+from gpuwatchd.sinks.store import EventStore
 from gpuwatchd.sources.diag.dcgm import run_dcgmi
 from gpuwatchd.sources.diag.nvml_reads import (
     GpuSnapshot,
@@ -27,7 +29,15 @@ from gpuwatchd.sources.diag.nvml_reads import (
 from gpuwatchd.sources.diag.runner import WorkerRun, worker_command
 from gpuwatchd.sources.nvml.client import NvmlClient
 
-__all__ = ["FAKE_WORKER_ENV", "DiagOptions", "DiagReport", "open_nvml", "options_for", "run_diag"]
+__all__ = [
+    "FAKE_WORKER_ENV",
+    "DiagOptions",
+    "DiagReport",
+    "open_nvml",
+    "options_for",
+    "run_diag",
+    "run_recorded",
+]
 
 # Test only: a canned worker script (the worker's --fake mode) instead of the GPU work.
 FAKE_WORKER_ENV = "GPUWATCHD_DIAG_FAKE_WORKER"
@@ -196,3 +206,39 @@ def _missing(
         for gpu in gpus
         if (check, gpu) not in seen
     ]
+
+
+def run_recorded(
+    cfg: Config,
+    store: EventStore,
+    tier: str,
+    trigger: str,
+    busy: Busy | None = None,
+    on_start: Callable[[WorkerRun], None] | None = None,
+) -> tuple[DiagReport, list[tuple[str, str]]]:
+    """Run `tier` with the config's options, store it; also the repeat offenders after it."""
+    try:
+        client = open_nvml(cfg)
+    except Exception as exc:  # no driver, no pynvml: nothing ran, nothing failed
+        t = time.time()
+        return DiagReport(tier, t, 0.0, "UNKNOWN", error=f"NVML: {exc}"), []
+    try:
+        report = run_diag(options_for(cfg, tier), client, busy, on_start)
+    finally:
+        try:
+            client.shutdown()
+        except Exception:
+            pass
+    record_run(
+        store,
+        tier=report.tier,
+        verdict=report.verdict,
+        results=report.results,
+        buses=report.buses,
+        seconds=report.seconds,
+        cancelled=report.cancelled,
+        trigger=trigger,
+        t=report.started,
+    )
+    offenders = repeat_offenders(store, time.time(), cfg.diag.inspect_after_failures)
+    return report, offenders
