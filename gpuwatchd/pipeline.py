@@ -21,6 +21,8 @@ from typing import Any
 
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config
+from gpuwatchd.diagnose import scheduler as diag_scheduler
+from gpuwatchd.diagnose.scheduler import DiagScheduler
 from gpuwatchd.errors import GpuwatchdError, StoreError
 from gpuwatchd.forensics import NodeForensics
 from gpuwatchd.health import engine as engine_mod
@@ -86,6 +88,7 @@ CONSUMER_METRICS: tuple[MetricSpec, ...] = (
     *HANG_METRICS,
     *alertmanager.METRICS,
     *remediation.METRICS,
+    *diag_scheduler.METRICS,
     *store.METRICS,
 )
 
@@ -203,6 +206,8 @@ class Pipeline(Consumers):
         self.engine.add_listener(self.sink.update)
         self.remediation = RemediationSink(cfg, clock, node, self.store)
         self.engine.add_listener(self.remediation.update)
+        self.diag = DiagScheduler(cfg, state, clock, self.store, node)
+        self.engine.add_listener(self.diag.update)
         # Job hangs: their own detector and forensics thread; their alerts go through a
         # sink of their own (its own outbox), beside the engine's.
         self.hang_monitor = HangMonitor(cfg, clock, self.store, io=NodeForensics())
@@ -241,6 +246,7 @@ class Pipeline(Consumers):
             "health": self.engine.status(),
             "alerts": self.sink.status(),
             "remediation": self.remediation.status(),
+            "diag": self.diag.status(),
         }
 
     # --- the consumer thread ----------------------------------------------------------
@@ -249,6 +255,7 @@ class Pipeline(Consumers):
         """Start the alert senders and the consumer thread."""
         self.sink.start()
         self.remediation.start()
+        self.diag.start()
         self.hang_sink.start()
         self.hang_monitor.start()
         self._heartbeat = self._clock.monotonic()
@@ -294,6 +301,9 @@ class Pipeline(Consumers):
         if mark != self._remediation_published:
             self._remediation_published = mark
             self._state.publish_extra("remediation", self.remediation.samples())
+        diag = tuple(self.diag.samples())
+        if self._state.snapshot().extra.get("diag") != diag:
+            self._state.publish_extra("diag", diag)
 
     def stale(self, max_age: float) -> list[str]:
         """["consumer"] if the consumer thread made no progress for `max_age` + a tick."""
@@ -327,6 +337,11 @@ class Pipeline(Consumers):
         self.remediation = RemediationSink(cfg, self._clock, self._node, self.store)
         self.engine.add_listener(self.remediation.update)
         self.remediation.start()
+        self.diag.stop()
+        self.engine.remove_listener(self.diag.update)
+        self.diag = DiagScheduler(cfg, self._state, self._clock, self.store, self._node)
+        self.engine.add_listener(self.diag.update)
+        self.diag.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Drain and stop the consumer (sources are stopped first), flush alerts, close."""
@@ -337,6 +352,7 @@ class Pipeline(Consumers):
             if self._thread.is_alive():
                 log.error("consumer thread did not stop in %.0fs", timeout)
         self.remediation.stop()
+        self.diag.stop(timeout)
         self.hang_monitor.stop(timeout)
         self.hang_sink.stop(flush_timeout=timeout)
         self.sink.stop(flush_timeout=timeout)

@@ -18,8 +18,8 @@ from gpuwatchd.sinks.store import EventStore
 
 __all__ = [
     "FAIL_KIND",
-    "RUN_KIND",
     "REPEAT_WINDOW_SECONDS",
+    "RUN_KIND",
     "RecordedRun",
     "failures_by_gpu",
     "last_runs",

@@ -11,7 +11,13 @@ from gpuwatchd.errors import NvmlError
 from gpuwatchd.pci import normalize_bus_id
 from gpuwatchd.sources.nvml.client import NvmlClient, NvmlDevice
 
-__all__ = ["GpuSnapshot", "counter_checks", "foreign_pids", "read_gpus", "sanity_checks"]
+__all__ = [
+    "GpuSnapshot",
+    "counter_checks",
+    "foreign_pids",
+    "read_gpus",
+    "sanity_checks",
+]
 
 UNCORRECTED, CORRECTED, VOLATILE = 1, 0, 0  # nvmlMemoryErrorType_t, nvmlEccCounterType_t
 

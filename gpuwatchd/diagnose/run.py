@@ -30,9 +30,9 @@ from gpuwatchd.sources.diag.runner import WorkerRun, worker_command
 from gpuwatchd.sources.nvml.client import NvmlClient
 
 __all__ = [
-    "FAKE_WORKER_ENV",
     "DiagOptions",
     "DiagReport",
+    "FAKE_WORKER_ENV",
     "open_nvml",
     "options_for",
     "run_diag",
