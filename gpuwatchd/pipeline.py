@@ -25,6 +25,7 @@ from gpuwatchd.diagnose import scheduler as diag_scheduler
 from gpuwatchd.diagnose.scheduler import DiagScheduler
 from gpuwatchd.errors import GpuwatchdError, StoreError
 from gpuwatchd.forensics import NodeForensics
+from gpuwatchd.health import diag_rule as _diag_rule  # noqa: F401 (registers its rule)
 from gpuwatchd.health import engine as engine_mod
 from gpuwatchd.health import fabric as _fabric  # noqa: F401 (registers its rule)
 from gpuwatchd.health import storage as _storage  # noqa: F401 (registers its rule)
