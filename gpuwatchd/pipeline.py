@@ -386,6 +386,10 @@ class StoreReader:
     def load_gpu_baseline(self) -> int:
         return self._store.load_gpu_baseline()
 
+    def event_store(self) -> EventStore:
+        """The store underneath, for read-only helpers (stored diag runs)."""
+        return self._store
+
     def save_gpu_baseline(self, count: int) -> None:
         """Nothing: the baseline is the daemon's."""
 
