@@ -36,10 +36,11 @@ from gpuwatchd.health.xid.stage import METRICS as XID_METRICS
 from gpuwatchd.health.xid.stage import XidStage
 from gpuwatchd.http.app import Route
 from gpuwatchd.http.endpoints import events_route
-from gpuwatchd.model import Clear, Event, GpuInventory, MetricSpec, Sample
+from gpuwatchd.model import Clear, Event, Finding, GpuInventory, MetricSpec, Sample
 from gpuwatchd.sinks import store
 from gpuwatchd.sinks.alertmanager import sink as alertmanager
 from gpuwatchd.sinks.alertmanager.sink import AlertSink
+from gpuwatchd.sinks.evidence import EvidenceRecorder, evidence_route
 from gpuwatchd.sinks.remediation import sink as remediation
 from gpuwatchd.sinks.remediation.sink import RemediationSink
 from gpuwatchd.sinks.store import EventStore
@@ -209,6 +210,9 @@ class Pipeline(Consumers):
         self.engine.add_listener(self.remediation.update)
         self.diag = DiagScheduler(cfg, state, clock, self.store, node)
         self.engine.add_listener(self.diag.update)
+        self.evidence = EvidenceRecorder(cfg, self.store, state)
+        self.engine.add_listener(self.evidence.update)
+        self.remediation.before_act = self._evidence_before_act
         # Job hangs: their own detector and forensics thread; their alerts go through a
         # sink of their own (its own outbox), beside the engine's.
         self.hang_monitor = HangMonitor(cfg, clock, self.store, io=NodeForensics())
@@ -221,12 +225,16 @@ class Pipeline(Consumers):
             listen_port=listen_port,
         )
         self.hang_monitor.add_listener(self.hang_sink.update)
+        self.hang_monitor.add_listener(self.evidence.update)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._heartbeat = clock.monotonic()
         self._sink_published: tuple[int, int] = (-1, -1)
         self._remediation_published: tuple[int, int] = (-1, -1)
         self._consumer_published: tuple[object, ...] = ()
+
+    def _evidence_before_act(self, finding: Finding) -> str:
+        return self.evidence.ensure(finding, "before remediation")
 
     def _new_sink(self, cfg: Config) -> AlertSink:
         db = os.path.join(cfg.daemon.state_dir, store.DB_NAME)
@@ -240,6 +248,7 @@ class Pipeline(Consumers):
             "/events": events_route(self.store),
             "/alerts": self.sink.route_alerts,
             "/hangs": self.hang_monitor.route,
+            "/evidence": evidence_route(self.cfg),
         }
 
     def status(self) -> Mapping[str, Any]:
@@ -336,6 +345,7 @@ class Pipeline(Consumers):
         self.remediation.stop()
         self.engine.remove_listener(self.remediation.update)
         self.remediation = RemediationSink(cfg, self._clock, self._node, self.store)
+        self.remediation.before_act = self._evidence_before_act
         self.engine.add_listener(self.remediation.update)
         self.remediation.start()
         self.diag.stop()

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from gpuwatchd.config.fields import opt
 
-__all__ = ["DiagConfig"]
+__all__ = ["DiagConfig", "EvidenceConfig"]
 
 
 @dataclass(frozen=True)
@@ -34,4 +34,25 @@ class DiagConfig:
         3,
         "the same check failing on the same GPU this often in 30 days: drain_and_inspect",
         min=1,
+    )
+
+
+@dataclass(frozen=True)
+class EvidenceConfig:
+    """Evidence bundles under <state_dir>/evidence, one per critical incident."""
+
+    enabled: bool = opt(
+        True, "write a bundle when a critical condition is raised and before remediation acts"
+    )
+    max_bundles: int = opt(20, "keep at most this many bundles (oldest removed)", min=1)
+    max_bundle_bytes: int = opt(
+        8 << 20, "bytes per bundle at most (each part cut to fit)", min=4096
+    )
+    kmsg_records: int = opt(2000, "newest kernel log records kept in a bundle", min=0)
+    events: int = opt(200, "newest stored events kept in a bundle", min=0)
+    bug_report: bool = opt(
+        False, "also run nvidia-bug-report.sh when installed (slow: minutes, tens of MiB)"
+    )
+    bug_report_timeout_seconds: float = opt(
+        300.0, "nvidia-bug-report.sh is stopped after this long", min=10
     )

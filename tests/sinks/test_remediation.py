@@ -265,6 +265,12 @@ remediation:
         assert engaged in d.get("/metrics")[1].decode()
         status, body = d.get("/events?kind=remediation")
         assert b'"result": "done"' in body or b'"result":"done"' in body
+        # Evidence first: the Xid's bundle exists and the drain names it.
+        bundles = json.loads(d.get("/evidence")[1])["bundles"]
+        assert [b["incident"].split("|")[0] for b in bundles] == ["GpuXidCritical"]
+        assert f"(evidence {bundles[0]['id']})".encode() in body
+        status, one = d.get(f"/evidence/{bundles[0]['id']}")
+        assert status == 200 and b"Xid" in json.loads(one)["kmsg.txt"].encode()
 
         monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
         # NVML is the daemon's replay, not the config's: this test is about the chain.
