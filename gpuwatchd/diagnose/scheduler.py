@@ -85,7 +85,12 @@ METRICS: tuple[MetricSpec, ...] = (
         " drain_and_inspect",
         _PER_CHECK,
     ),
-    MetricSpec("gpuwatchd_diag_running", "gauge", "1 while the daemon runs a diag"),
+    MetricSpec(
+        "gpuwatchd_diag_running",
+        "gauge",
+        "1 while the daemon runs a diag (exported where diag.schedule_seconds or"
+        " diag.after_critical lets it start runs)",
+    ),
 )
 
 
@@ -255,8 +260,7 @@ class DiagScheduler:
 
     def start(self) -> None:
         """Start the scheduling thread (only when something can be due)."""
-        d = self.cfg.diag
-        if d.schedule_seconds <= 0 and not d.after_critical:
+        if not self.active:
             return
         self._thread = threading.Thread(target=self._loop, name="diag", daemon=True)
         self._thread.start()
@@ -295,8 +299,15 @@ class DiagScheduler:
             if fresh != self._samples:
                 self._samples = fresh
                 self.version += 1
+        if not self.active:  # unused: no series beyond what stored runs say
+            return list(self._samples)
         running = Sample.of("gpuwatchd_diag_running", 1 if self._running else 0)
         return [*self._samples, running]
+
+    @property
+    def active(self) -> bool:
+        """Whether the daemon may start runs itself (a schedule or after_critical)."""
+        return self.cfg.diag.schedule_seconds > 0 or self.cfg.diag.after_critical
 
     def status(self) -> Mapping[str, Any]:
         """For /status: what runs now, the last runs, repeat offenders."""
