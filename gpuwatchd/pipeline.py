@@ -21,8 +21,11 @@ from typing import Any
 
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config
+from gpuwatchd.diagnose import scheduler as diag_scheduler
+from gpuwatchd.diagnose.scheduler import DiagScheduler
 from gpuwatchd.errors import GpuwatchdError, StoreError
 from gpuwatchd.forensics import NodeForensics
+from gpuwatchd.health import diag_rule as _diag_rule  # noqa: F401 (registers its rule)
 from gpuwatchd.health import engine as engine_mod
 from gpuwatchd.health import fabric as _fabric  # noqa: F401 (registers its rule)
 from gpuwatchd.health import storage as _storage  # noqa: F401 (registers its rule)
@@ -33,10 +36,11 @@ from gpuwatchd.health.xid.stage import METRICS as XID_METRICS
 from gpuwatchd.health.xid.stage import XidStage
 from gpuwatchd.http.app import Route
 from gpuwatchd.http.endpoints import events_route
-from gpuwatchd.model import Clear, Event, GpuInventory, MetricSpec, Sample
+from gpuwatchd.model import Clear, Event, Finding, GpuInventory, MetricSpec, Sample
 from gpuwatchd.sinks import store
 from gpuwatchd.sinks.alertmanager import sink as alertmanager
 from gpuwatchd.sinks.alertmanager.sink import AlertSink
+from gpuwatchd.sinks.evidence import EvidenceRecorder, evidence_route
 from gpuwatchd.sinks.remediation import sink as remediation
 from gpuwatchd.sinks.remediation.sink import RemediationSink
 from gpuwatchd.sinks.store import EventStore
@@ -86,6 +90,7 @@ CONSUMER_METRICS: tuple[MetricSpec, ...] = (
     *HANG_METRICS,
     *alertmanager.METRICS,
     *remediation.METRICS,
+    *diag_scheduler.METRICS,
     *store.METRICS,
 )
 
@@ -203,6 +208,11 @@ class Pipeline(Consumers):
         self.engine.add_listener(self.sink.update)
         self.remediation = RemediationSink(cfg, clock, node, self.store)
         self.engine.add_listener(self.remediation.update)
+        self.diag = DiagScheduler(cfg, state, clock, self.store, node)
+        self.engine.add_listener(self.diag.update)
+        self.evidence = EvidenceRecorder(cfg, self.store, state)
+        self.engine.add_listener(self.evidence.update)
+        self.remediation.before_act = self._evidence_before_act
         # Job hangs: their own detector and forensics thread; their alerts go through a
         # sink of their own (its own outbox), beside the engine's.
         self.hang_monitor = HangMonitor(cfg, clock, self.store, io=NodeForensics())
@@ -215,12 +225,16 @@ class Pipeline(Consumers):
             listen_port=listen_port,
         )
         self.hang_monitor.add_listener(self.hang_sink.update)
+        self.hang_monitor.add_listener(self.evidence.update)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._heartbeat = clock.monotonic()
         self._sink_published: tuple[int, int] = (-1, -1)
         self._remediation_published: tuple[int, int] = (-1, -1)
         self._consumer_published: tuple[object, ...] = ()
+
+    def _evidence_before_act(self, finding: Finding) -> str:
+        return self.evidence.ensure(finding, "before remediation")
 
     def _new_sink(self, cfg: Config) -> AlertSink:
         db = os.path.join(cfg.daemon.state_dir, store.DB_NAME)
@@ -234,6 +248,7 @@ class Pipeline(Consumers):
             "/events": events_route(self.store),
             "/alerts": self.sink.route_alerts,
             "/hangs": self.hang_monitor.route,
+            "/evidence": evidence_route(self.cfg),
         }
 
     def status(self) -> Mapping[str, Any]:
@@ -241,6 +256,7 @@ class Pipeline(Consumers):
             "health": self.engine.status(),
             "alerts": self.sink.status(),
             "remediation": self.remediation.status(),
+            "diag": self.diag.status(),
         }
 
     # --- the consumer thread ----------------------------------------------------------
@@ -249,6 +265,7 @@ class Pipeline(Consumers):
         """Start the alert senders and the consumer thread."""
         self.sink.start()
         self.remediation.start()
+        self.diag.start()
         self.hang_sink.start()
         self.hang_monitor.start()
         self._heartbeat = self._clock.monotonic()
@@ -295,6 +312,9 @@ class Pipeline(Consumers):
         if mark != self._remediation_published:
             self._remediation_published = mark
             self._state.publish_extra("remediation", self.remediation.samples())
+        diag = tuple(self.diag.samples())
+        if self._state.snapshot().extra.get("diag") != diag:
+            self._state.publish_extra("diag", diag)
 
     def stale(self, max_age: float) -> list[str]:
         """["consumer"] if the consumer thread made no progress for `max_age` + a tick."""
@@ -326,8 +346,14 @@ class Pipeline(Consumers):
         self.remediation.stop()
         self.engine.remove_listener(self.remediation.update)
         self.remediation = RemediationSink(cfg, self._clock, self._node, self.store)
+        self.remediation.before_act = self._evidence_before_act
         self.engine.add_listener(self.remediation.update)
         self.remediation.start()
+        self.diag.stop()
+        self.engine.remove_listener(self.diag.update)
+        self.diag = DiagScheduler(cfg, self._state, self._clock, self.store, self._node)
+        self.engine.add_listener(self.diag.update)
+        self.diag.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Drain and stop the consumer (sources are stopped first), flush alerts, close."""
@@ -338,6 +364,7 @@ class Pipeline(Consumers):
             if self._thread.is_alive():
                 log.error("consumer thread did not stop in %.0fs", timeout)
         self.remediation.stop()
+        self.diag.stop(timeout)
         self.hang_monitor.stop(timeout)
         self.hang_sink.stop(flush_timeout=timeout)
         self.sink.stop(flush_timeout=timeout)
@@ -369,6 +396,10 @@ class StoreReader:
 
     def load_gpu_baseline(self) -> int:
         return self._store.load_gpu_baseline()
+
+    def event_store(self) -> EventStore:
+        """The store underneath, for read-only helpers (stored diag runs)."""
+        return self._store
 
     def save_gpu_baseline(self, count: int) -> None:
         """Nothing: the baseline is the daemon's."""

@@ -1,4 +1,5 @@
-"""Command line: `gpuwatchd run | record | config | xid | check | clear`, one module each."""
+"""Command line: `gpuwatchd run | record | config | xid | check | clear | hang | diag | evidence`,
+one module each."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ COMMANDS: tuple[str, ...] = (
     "gpuwatchd.cli.check",
     "gpuwatchd.cli.clear",
     "gpuwatchd.cli.hang",
+    "gpuwatchd.cli.diag",
+    "gpuwatchd.cli.evidence",
 )
 
 

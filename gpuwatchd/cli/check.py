@@ -243,6 +243,7 @@ class Verdict:
     notes: list[str] = field(default_factory=list)
     workloads: list[dict[str, object]] = field(default_factory=list)  # on unhealthy GPUs
     topology: dict[str, object] | None = None  # GPU links, NUMA, CPUs, nearest NICs
+    diag: list[dict[str, object]] = field(default_factory=list)  # the last stored diag run
 
     @property
     def exit_code(self) -> int:
@@ -262,8 +263,11 @@ def check(cfg: Config, clock: Clock | None = None, timeout: float = 30.0) -> Ver
     notes: list[str] = []
     state = State()
     store = open_store_reader(cfg, notes)
+    diag: list[dict[str, object]] = []
     try:
         chain = Consumers(one_shot_config(cfg), state, clock, store, (), one_shot=True)
+        if store is not None:  # the last diag results count like the daemon's (GpuDiagFailed)
+            diag = _stored_diag(cfg, store.event_store(), state, clock.time())
         got = collect(cfg, clock, timeout, state=state)
         chain.drain()
         snap = state.snapshot()
@@ -290,11 +294,20 @@ def check(cfg: Config, clock: Clock | None = None, timeout: float = 30.0) -> Ver
     nvml = snap.sources.get("nvml")
     if nvml is not None and nvml.inventory is not None and nvml.inventory.topology is not None:
         verdict.topology = nvml.inventory.topology.as_json()
+    verdict.diag = diag
     held = snap.sources.get("workloads")
     if held is not None:
         gpus = [v for f in findings if f.severity >= Severity.WARNING for _, v in f.subject]
         verdict.workloads = workloads_on_gpus(held.status, gpus)
     return verdict
+
+
+def _stored_diag(cfg: Config, es: Any, state: State, now: float) -> list[dict[str, object]]:
+    from gpuwatchd.diagnose.scheduler import diag_samples
+    from gpuwatchd.sinks.diag_store import last_runs
+
+    state.publish_extra("diag", diag_samples(es, now, cfg.diag.inspect_after_failures))
+    return [dataclasses.asdict(r) for r in last_runs(es, 1)]
 
 
 # --- output ----------------------------------------------------------------------
@@ -365,6 +378,7 @@ def render_json(v: Verdict) -> str:
         "gpus": v.gpus,
         "conditions": [finding_json(f) for f in v.findings],
         "workloads": v.workloads,
+        "diag": v.diag,
         "sources": {
             p.name: {"readable": p.readable, "detail": p.describe()} for p in v.polled.values()
         },

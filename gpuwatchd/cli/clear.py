@@ -42,6 +42,11 @@ def register(subparsers: Any) -> None:
         help="undo remediation: resume the Slurm node gpuwatchd drained, set GpuHealthy=True,"
         " remove the taint",
     )
+    c.add_argument(
+        "--force",
+        action="store_true",
+        help="with --resume: skip the diag standard run that must pass first (recorded)",
+    )
     c.add_argument("--config", metavar="FILE", help="YAML config (default: built-in defaults)")
     c.add_argument("--state-dir", metavar="DIR", help="override daemon.state_dir")
     c.set_defaults(func=_run_clear)
@@ -101,6 +106,9 @@ def _resume(cfg: Config, args: argparse.Namespace) -> int:
         os.path.join(cfg.daemon.state_dir, DB_NAME), cfg.store.max_events, cfg.store.max_age_days
     )
     try:
+        refused = _verify(cfg, store, args)
+        if refused is not None:
+            return refused
         lines = resume(cfg, node, store, operator(), args.reason)
         for line in lines or ["nothing to resume: no remediation is configured or in effect"]:
             print(line)
@@ -110,6 +118,56 @@ def _resume(cfg: Config, args: argparse.Namespace) -> int:
     finally:
         store.close()
     return 0
+
+
+def _verify(cfg: Config, store: EventStore, args: argparse.Namespace) -> int | None:
+    """Run diag standard before a resume; None to go ahead, else the exit code."""
+    from gpuwatchd.cli.diag import EXIT, render_text
+    from gpuwatchd.diagnose import run_recorded
+    from gpuwatchd.sinks.remediation.sink import engaged_actions, record
+
+    rem = cfg.remediation
+    engaged, _ = engaged_actions(store)
+    if not (
+        engaged or rem.slurm.drain_on or rem.kubernetes.condition_on or rem.kubernetes.taint_on
+    ):
+        return None  # nothing to resume
+    who = operator()
+    if args.force:
+        record(
+            store,
+            "all",
+            "resume_forced",
+            f"resume without diag, forced by {who}",
+            time.time(),
+            who=who,
+            reason=args.reason,
+        )
+        print("diag skipped (--force); recorded as a forced resume")
+        return None
+    if not cfg.diag.verify_before_resume:
+        return None
+    report, offenders = run_recorded(cfg, store, "standard", "resume")
+    sys.stdout.write(render_text(report))
+    for check, gpu in offenders:
+        print(
+            f"drain_and_inspect: {check} failed on GPU {gpu} "
+            f"{cfg.diag.inspect_after_failures}+ times in 30 days"
+        )
+    if report.verdict == "OK":
+        return None
+    why = report.cancelled or report.error or f"diag standard {report.verdict}"
+    record(
+        store,
+        "all",
+        "resume_refused",
+        f"not resumed: {why}",
+        time.time(),
+        who=who,
+        reason=args.reason,
+    )
+    print(f"not resumed: {why} (gpuwatchd clear --resume --force skips the check)", file=sys.stderr)
+    return EXIT.get(report.verdict, 3)
 
 
 def _clear_gpus(cfg: Config, args: argparse.Namespace) -> None:

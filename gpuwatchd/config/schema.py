@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpuwatchd.config.diag import DiagConfig, EvidenceConfig
 from gpuwatchd.config.fields import opt, section
 from gpuwatchd.config.hangs import HangsConfig
 
@@ -496,3 +497,5 @@ class Config:
     remediation: RemediationConfig = section(
         RemediationConfig, "opt-in actions: Slurm drain, Kubernetes condition and taint"
     )
+    diag: DiagConfig = section(DiagConfig, "active GPU checks on an idle node (docs/diag.md)")
+    evidence: EvidenceConfig = section(EvidenceConfig, "evidence bundles before remediation")

@@ -191,6 +191,16 @@ ALERTS: dict[str, AlertInfo] = {
         "fail. Check nvidia-fabricmanager (systemctl status, its log), then reset the GPUs "
         "or reboot the node; if the GPU still does not register, have the baseboard inspected.",
     ),
+    "GpuDiagFailed": AlertInfo(
+        _W,
+        "diag",
+        Action.DRAIN_AND_INSPECT,
+        "Diag check {check} failed on GPU {gpu}",
+        "An active check (gpuwatchd diag) failed: a figure below its floor or a wrong result. "
+        "Keep the node out of service, read `gpuwatchd diag --tier standard` and its floor "
+        "sources, and run the dcgm tier; a GPU that fails the same check again is inspected.",
+        ("check", "gpu"),
+    ),
     "FabricManagerDown": AlertInfo(
         _C,
         "nvml",

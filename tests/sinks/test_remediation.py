@@ -4,6 +4,7 @@ guard read from Slurm, and resume only through `gpuwatchd clear --resume`."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from collections.abc import Iterator
@@ -15,11 +16,13 @@ from gpuwatchd import config
 from gpuwatchd.cli import main
 from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import Config
+from gpuwatchd.diagnose import FAKE_WORKER_ENV
 from gpuwatchd.model import Action, Finding, Severity, labels_of
 from gpuwatchd.sinks.remediation.policy import due, reason_text
 from gpuwatchd.sinks.remediation.sink import RemediationSink, engaged_actions, spread_offset
 from gpuwatchd.sinks.remediation.slurm import parse_sinfo
 from gpuwatchd.sinks.store import EventStore
+from tests.diag.fakes import H100_IDLE, HEALTHY_H100, canned, result
 from tests.slurm_cluster import SlurmCluster, slurm_cluster
 
 HOLD = 300.0
@@ -124,12 +127,22 @@ def _wait_state(slurm: SlurmCluster, want: str, timeout: float = 15.0) -> tuple[
     return got
 
 
+def healthy_gpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lines: list[dict[str, object]]
+) -> str:
+    """Config text and environment for a diag run over a replayed H100 and a fake worker."""
+    monkeypatch.setenv(FAKE_WORKER_ENV, canned(tmp_path, lines))
+    return f"sources: {{nvml: {{replay: {H100_IDLE}}}}}"
+
+
 @pytest.mark.timeout(120)
 def test_drain_with_reason_then_resume_on_clear(
     slurm: SlurmCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
-    cfg = make_cfg(tmp_path, node=slurm.node)
+    cfg = make_cfg(
+        tmp_path, node=slurm.node, extra=healthy_gpus(tmp_path, monkeypatch, HEALTHY_H100)
+    )
     clock = FakeClock(T0)
     store = EventStore.from_config(cfg, clock.time)
     sink = RemediationSink(cfg, clock, slurm.node, store, env=slurm.env)
@@ -252,14 +265,110 @@ remediation:
         assert engaged in d.get("/metrics")[1].decode()
         status, body = d.get("/events?kind=remediation")
         assert b'"result": "done"' in body or b'"result":"done"' in body
+        # Evidence first: the Xid's bundle exists and the drain names it.
+        bundles = json.loads(d.get("/evidence")[1])["bundles"]
+        assert [b["incident"].split("|")[0] for b in bundles] == ["GpuXidCritical"]
+        assert f"(evidence {bundles[0]['id']})".encode() in body
+        status, one = d.get(f"/evidence/{bundles[0]['id']}")
+        assert status == 200 and b"Xid" in json.loads(one)["kmsg.txt"].encode()
 
         monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
-        args = ["clear", "--all", "--resume", "--config", str(d.config)]
+        # NVML is the daemon's replay, not the config's: this test is about the chain.
+        args = ["clear", "--all", "--resume", "--force", "--config", str(d.config)]
         assert main([*args, "--state-dir", str(tmp_path / "state")]) == 0
         assert _wait_state(slurm, "idle")[0] == "idle"
         time.sleep(4)  # two hold times: the cleared Xid must not drain again
         assert _state(slurm)[0] == "idle", d.output()[-3000:]
     finally:
+        slurm.run(["scontrol", "update", f"nodename={slurm.node}", "state=resume"], check=False)
+
+
+def _drain(slurm: SlurmCluster, cfg: Config, tmp_path: Path) -> tuple[RemediationSink, EventStore]:
+    # Real time: the CLI's store prunes by its own clock.
+    now = time.time()
+    clock = FakeClock(now)
+    store = EventStore.from_config(cfg, clock.time)
+    sink = RemediationSink(cfg, clock, slurm.node, store, env=slurm.env)
+    sink.update([finding(since=now - HOLD)])
+    [d] = sink.step(now)
+    assert d.action == "slurm_drain"
+    assert _wait_state(slurm, "drain")[0].startswith("drain")
+    return sink, store
+
+
+@pytest.mark.timeout(120)
+def test_resume_refused_when_diag_fails_and_forced_resume_recorded(
+    slurm: SlurmCluster,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
+    slow = [result("gemm", "0", 200.0, "TFLOP/s"), result("d2d_bandwidth", "0", 3000.0, "GB/s")]
+    cfg = make_cfg(tmp_path, node=slurm.node, extra=healthy_gpus(tmp_path, monkeypatch, slow))
+    sink, store = _drain(slurm, cfg, tmp_path)
+    args = ["clear", "--resume", "--config", str(tmp_path / "config.yaml")]
+    try:
+        assert main(args) == 2  # CRITICAL: the GEMM is below its floor
+        out = capsys.readouterr()
+        assert "FAIL      gemm" in out.out and "not resumed: diag standard CRITICAL" in out.err
+        time.sleep(1.0)
+        assert _state(slurm)[0].startswith("drain")  # still out of service
+        assert engaged_actions(store)[0] == {"slurm_drain"}
+        results = [r["attrs"]["result"] for r in store.recent(10, kind="remediation")]
+        assert results[0] == "resume_refused"
+        [fail] = store.recent(5, kind="diag_fail")
+        assert fail["attrs"]["check"] == "gemm" and fail["pci_bus_id"]
+        [run] = store.recent(5, kind="diag")
+        assert run["attrs"]["trigger"] == "resume" and run["attrs"]["verdict"] == "CRITICAL"
+
+        assert main([*args, "--force", "--reason", "GPU swapped"]) == 0
+        assert _wait_state(slurm, "idle")[0] == "idle"
+        results = [r["attrs"]["result"] for r in store.recent(10, kind="remediation")]
+        assert results[:2] == ["resumed", "resume_forced"]
+        assert len(store.recent(5, kind="diag")) == 1  # --force ran no diag
+    finally:
+        sink.stop()
+        store.close()
+        slurm.run(["scontrol", "update", f"nodename={slurm.node}", "state=resume"], check=False)
+
+
+@pytest.mark.timeout(120)
+def test_resume_waits_while_a_gpu_is_busy(
+    slurm: SlurmCluster,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    capture = json.loads(H100_IDLE.read_text())
+    capture["script"] = [
+        {
+            "device": 0,
+            "call": "compute_running_processes",
+            "value": [{"pid": other.pid, "used_memory": 1}],
+        }
+    ]
+    (tmp_path / "busy.json").write_text(json.dumps(capture))
+    monkeypatch.setenv(FAKE_WORKER_ENV, canned(tmp_path, HEALTHY_H100))
+    cfg = make_cfg(
+        tmp_path, node=slurm.node, extra=f"sources: {{nvml: {{replay: {tmp_path / 'busy.json'}}}}}"
+    )
+    sink, store = _drain(slurm, cfg, tmp_path)
+    try:
+        assert main(["clear", "--resume", "--config", str(tmp_path / "config.yaml")]) == 3
+        assert _state(slurm)[0].startswith("drain")
+        [run] = store.recent(5, kind="diag")
+        assert run["attrs"]["cancelled"] == f"GPU in use by process {other.pid}"
+        assert store.recent(5, kind="diag_fail") == []  # busy is not a failure
+    finally:
+        other.kill()
+        other.wait()
+        sink.stop()
+        store.close()
         slurm.run(["scontrol", "update", f"nodename={slurm.node}", "state=resume"], check=False)
 
 

@@ -27,11 +27,13 @@ from gpuwatchd import config  # noqa: E402
 from gpuwatchd.cli import main  # noqa: E402
 from gpuwatchd.clock import FakeClock  # noqa: E402
 from gpuwatchd.config import Config  # noqa: E402
+from gpuwatchd.diagnose import FAKE_WORKER_ENV  # noqa: E402
 from gpuwatchd.errors import GpuwatchdError  # noqa: E402
 from gpuwatchd.model import Finding, Severity, labels_of  # noqa: E402
 from gpuwatchd.sinks.remediation.kubernetes import TAINT_KEY, KubernetesNode  # noqa: E402
 from gpuwatchd.sinks.remediation.sink import RemediationSink  # noqa: E402
 from gpuwatchd.sinks.store import EventStore  # noqa: E402
+from tests.diag.fakes import H100_IDLE, HEALTHY_H100, canned  # noqa: E402
 
 NODE = json.loads(
     (Path(__file__).resolve().parents[1] / "fixtures" / "kubernetes" / "node.json").read_text()
@@ -141,7 +143,10 @@ def lost() -> Finding:
 
 
 def test_condition_and_taint_written_then_resumed(
-    api: FakeApiServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    api: FakeApiServer,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     cfg = make_cfg(tmp_path, api.url)
     store = EventStore.from_config(cfg)
@@ -176,8 +181,13 @@ def test_condition_and_taint_written_then_resumed(
         {"key": TAINT_KEY, "value": "GpuLost", "effect": "NoSchedule"},
     ]
 
-    assert main(["clear", "--resume", "--config", str(tmp_path / "config.yaml")]) == 0
+    # GpuHealthy=True only after diag standard passes (a replayed H100, canned results).
+    conf = tmp_path / "config.yaml"
+    conf.write_text(conf.read_text() + f"sources: {{nvml: {{replay: {H100_IDLE}}}}}\n")
+    monkeypatch.setenv(FAKE_WORKER_ENV, canned(tmp_path, HEALTHY_H100))
+    assert main(["clear", "--resume", "--config", str(conf)]) == 0
     out = capsys.readouterr().out
+    assert out.startswith("OK: diag standard")
     assert "GpuHealthy=True" in out and "taint removed" in out
     assert api.condition()["status"] == "True"
     assert api.condition()["reason"] == "OperatorResumed"

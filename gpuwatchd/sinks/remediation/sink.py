@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from gpuwatchd.clock import Clock
@@ -118,6 +118,8 @@ class RemediationSink:
         self._retry_at: dict[str, float] = {}
         self._engaged, self._resumed_at = engaged_actions(store)
         self._spread = spread_offset(self.slurm.node, cfg.remediation.slurm.spread_seconds)
+        # Called before any action with the finding; returns the evidence bundle's id.
+        self.before_act: Callable[[Finding], str] | None = None
 
     @property
     def active(self) -> bool:
@@ -184,6 +186,7 @@ class RemediationSink:
         try:
             if d.action == "slurm_drain" and not self._guard_allows(d, now, reason):
                 return
+            evidence = self.before_act(d.finding) if self.before_act is not None else ""
             self._act(d, reason)
         except Exception as exc:  # a bug or a surprise must not retry every second either
             if not isinstance(exc, (GpuwatchdError, OSError)):
@@ -193,7 +196,8 @@ class RemediationSink:
             log.error("remediation %s failed: %s (retry in %.0fs)", d.action, exc, RETRY_SECONDS)
             return
         self._engaged.add(d.action)
-        self._result(d.action, "done", f"{d.action}: {reason}", now, reason)
+        bundle = f" (evidence {evidence})" if evidence else ""
+        self._result(d.action, "done", f"{d.action}: {reason}{bundle}", now, reason)
         log.warning("remediation %s on %s: %s", d.action, self._node, reason)
 
     def _act(self, d: Decision, reason: str) -> None:

@@ -1,0 +1,126 @@
+"""`gpuwatchd diag`: active GPU checks (quick, standard, dcgm) with Nagios exit codes.
+
+The CUDA work runs in a worker process (`python -m gpuwatchd.diag.worker`,
+from the `gpuwatchd[diag]` extra or any interpreter with CuPy or PyTorch:
+`--python`); this process reads NVML and compares each figure with its
+floor. Exit 0 OK, 2 CRITICAL (a check failed), 3 UNKNOWN (a check could
+not run, the node was busy, or the run was cancelled).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from typing import Any
+
+from gpuwatchd.diagnose import DiagOptions, DiagReport, open_nvml, options_for, run_diag
+
+__all__ = ["register", "render_text"]
+
+EXIT = {"OK": 0, "WARNING": 1, "CRITICAL": 2, "UNKNOWN": 3}
+
+
+def register(subparsers: Any) -> None:
+    """Add the `diag` subcommand."""
+    p = subparsers.add_parser(
+        "diag",
+        help="active GPU checks on an idle node (exit 0 OK, 2 CRITICAL, 3 UNKNOWN)",
+        description="Run GEMM, copy, NCCL and memory checks against per-model floors "
+        "(docs/diag.md). Refuses to run while a process uses a GPU.",
+    )
+    p.add_argument("--tier", choices=("quick", "standard", "dcgm"), default="quick")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument(
+        "--gpu", type=int, action="append", default=[], metavar="N", help="only GPU N (repeat)"
+    )
+    p.add_argument("--config", metavar="FILE", help="YAML config (its diag section)")
+    p.add_argument("--python", metavar="EXE", help="interpreter with CuPy or PyTorch")
+    p.add_argument("--backend", choices=("auto", "cupy", "torch"), help="GPU library")
+    p.add_argument("--floors", metavar="FILE", help="site floors, matched before the shipped ones")
+    p.add_argument("--timeout", type=float, metavar="S", help="give up after S seconds")
+    p.add_argument("--dcgm-level", type=int, choices=(1, 2, 3, 4), help="dcgmi diag -r N")
+    p.add_argument("--nvml-replay", metavar="FILE", help="replay a recorded NVML capture")
+    p.add_argument("--fake-worker", metavar="FILE", help=argparse_suppress())
+    p.set_defaults(func=_run_diag)
+
+
+def argparse_suppress() -> str:
+    """Hidden options (test-only worker mode) carry no help."""
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+def options_from(args: Any) -> DiagOptions:
+    """DiagOptions from the config's diag section, then the command line."""
+    from gpuwatchd import config
+
+    base = options_for(config.load(args.config), args.tier, args.gpu)
+    return dataclasses.replace(
+        base,
+        python=args.python or base.python,
+        backend=args.backend or base.backend,
+        timeout=args.timeout or base.timeout,
+        dcgm_level=args.dcgm_level or base.dcgm_level,
+        floors_file=args.floors or base.floors_file,
+        fake_worker=args.fake_worker or base.fake_worker,
+    )
+
+
+def _run_diag(args: Any) -> int:
+    from gpuwatchd import config
+
+    cfg = config.load(args.config)
+    opts = options_from(args)
+    try:
+        client = open_nvml(cfg, args.nvml_replay or "")
+    except Exception as exc:
+        print(f"UNKNOWN: NVML: {exc}")
+        return EXIT["UNKNOWN"]
+    try:
+        report = run_diag(opts, client)
+    finally:
+        try:
+            client.shutdown()
+        except Exception:
+            pass
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2, sort_keys=True))
+    else:
+        sys.stdout.write(render_text(report))
+    return EXIT.get(report.verdict, 3)
+
+
+def _num(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.0f}" if abs(value) >= 100 or value == int(value) else f"{value:.2f}"
+
+
+def render_text(report: DiagReport) -> str:
+    """The report for a human: verdict line, one line per result, floor sources below."""
+    head = f"{report.verdict}: diag {report.tier}"
+    if report.cancelled:
+        head += f" cancelled ({report.cancelled})"
+    else:
+        failed = [r for r in report.results if r.outcome == "fail"]
+        head += f", {len(report.results)} results, {len(failed)} failed"
+    head += f" in {report.seconds:.1f}s" + (f" [{report.backend}]" if report.backend else "")
+    lines = [head]
+    if report.error:
+        lines.append(f"  worker: {report.error}")
+    sources: list[str] = []
+    for r in report.results:
+        mark = ""
+        if r.floor is not None:
+            if r.floor_source not in sources:
+                sources.append(r.floor_source)
+            mark = f" (floor {_num(r.floor)} [{sources.index(r.floor_source) + 1}])"
+        lines.append(
+            f"  {r.outcome.upper():9} {r.check:15} gpu {r.gpu:5} {_num(r.measured):>8} "
+            f"{r.unit}{mark}  {r.detail}"
+        )
+    for i, source in enumerate(sources, 1):
+        lines.append(f"  [{i}] {source}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,244 @@
+"""One `gpuwatchd diag` run: NVML before, the worker (or dcgmi), NVML after, verdicts.
+
+Shared by the command line and the daemon's scheduled and pre-resume runs.
+The run refuses to start on a busy GPU and is cancelled, not failed, when a
+process other than the worker appears on a GPU or `busy()` names a job.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from gpuwatchd.config import Config
+from gpuwatchd.diag.measure import Measurement, checks_of
+from gpuwatchd.health.diag import DiagResult, evaluate, load_floors, verdict
+from gpuwatchd.sinks.diag_store import record_run, repeat_offenders
+from gpuwatchd.sinks.store import EventStore
+from gpuwatchd.sources.diag.dcgm import run_dcgmi
+from gpuwatchd.sources.diag.nvml_reads import (
+    GpuSnapshot,
+    counter_checks,
+    foreign_pids,
+    read_gpus,
+    sanity_checks,
+)
+from gpuwatchd.sources.diag.runner import WorkerRun, worker_command
+from gpuwatchd.sources.nvml.client import NvmlClient
+
+__all__ = [
+    "DiagOptions",
+    "DiagReport",
+    "FAKE_WORKER_ENV",
+    "open_nvml",
+    "options_for",
+    "run_diag",
+    "run_recorded",
+]
+
+# Test only: a canned worker script (the worker's --fake mode) instead of the GPU work.
+FAKE_WORKER_ENV = "GPUWATCHD_DIAG_FAKE_WORKER"
+
+Busy = Callable[[], str]  # why the node is busy (a job, a pod), or ""
+
+
+@dataclass(frozen=True)
+class DiagOptions:
+    """What to run and how."""
+
+    tier: str = "quick"
+    gpus: tuple[int, ...] = ()
+    python: str = ""  # the interpreter with CuPy or PyTorch; default: this one
+    backend: str = "auto"
+    timeout: float = 300.0
+    dcgm_level: int = 2
+    floors_file: str = ""
+    fake_worker: str = ""  # test only: canned measurements instead of a GPU
+
+
+@dataclass(frozen=True)
+class DiagReport:
+    """The outcome of one run; `cancelled` runs carry no results and fail nothing."""
+
+    tier: str
+    started: float
+    seconds: float
+    verdict: str
+    results: tuple[DiagResult, ...] = ()
+    backend: str = ""
+    cancelled: str = ""
+    error: str = ""
+    gpus: tuple[str, ...] = ()
+    freed_seconds: float = 0.0
+    models: dict[str, str] = field(default_factory=dict)
+    buses: dict[str, str] = field(default_factory=dict)  # GPU index -> PCI bus id
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (the CLI's --json and the stored event)."""
+        out = asdict(self)
+        out["results"] = [asdict(r) for r in self.results]
+        return out
+
+
+def options_for(cfg: Config, tier: str, gpus: Sequence[int] = ()) -> DiagOptions:
+    """DiagOptions from the config's diag section."""
+    d = cfg.diag
+    return DiagOptions(
+        tier=tier,
+        gpus=tuple(gpus),
+        python=d.python,
+        backend=d.backend,
+        timeout=d.timeout_seconds,
+        dcgm_level=d.dcgm_level,
+        floors_file=d.floors_file,
+        fake_worker=os.environ.get(FAKE_WORKER_ENV, ""),
+    )
+
+
+def open_nvml(cfg: Config, replay: str = "") -> NvmlClient:
+    """An initialised NVML client: the capture `replay` (or sources.nvml.replay), else NVML."""
+    path = replay or cfg.sources.nvml.replay
+    client: NvmlClient
+    if path:
+        from gpuwatchd.sources.nvml.replay import ReplayClient
+
+        client = ReplayClient.load(path)
+    else:
+        from gpuwatchd.sources.nvml.client import Pynvml
+
+        client = Pynvml()
+    client.init()
+    return client
+
+
+def _cancelled(opts: DiagOptions, t0: float, wall: float, why: str, **kw: Any) -> DiagReport:
+    return DiagReport(opts.tier, wall, time.monotonic() - t0, "UNKNOWN", cancelled=why, **kw)
+
+
+def run_diag(
+    opts: DiagOptions,
+    client: NvmlClient,
+    busy: Busy | None = None,
+    on_start: Callable[[WorkerRun], None] | None = None,
+) -> DiagReport:
+    """Run one tier on this node's GPUs (NVML already initialised)."""
+    t0, wall = time.monotonic(), time.time()
+    before = read_gpus(client, opts.gpus)
+    models = {str(g.index): g.name for g in before if g.name}
+    buses = {str(g.index): g.pci_bus_id for g in before if g.pci_bus_id}
+    gpus = tuple(str(g.index) for g in before)
+    why = _busy_now(before, None, busy)
+    if why:
+        return _cancelled(opts, t0, wall, why, gpus=gpus, models=models, buses=buses)
+    measurements: list[Measurement] = sanity_checks(before)
+    backend, error, freed = "", "", 0.0
+    if opts.tier == "dcgm":
+        measurements.append(run_dcgmi(opts.dcgm_level, opts.timeout))
+    else:
+        worker = WorkerRun(
+            worker_command(
+                opts.tier,
+                [g.index for g in before if not g.error],
+                opts.python,
+                opts.backend,
+                opts.fake_worker,
+            ),
+            opts.timeout,
+            should_cancel=lambda pid: _busy_now(read_gpus(client, opts.gpus), pid, busy),
+        )
+        if on_start is not None:
+            on_start(worker)
+        outcome = worker.run()
+        if outcome.cancelled:
+            return _cancelled(
+                opts,
+                t0,
+                wall,
+                outcome.cancelled,
+                gpus=gpus,
+                models=models,
+                freed_seconds=outcome.freed_seconds,
+                backend=outcome.backend,
+            )
+        backend, error = outcome.backend, outcome.error
+        measurements += outcome.measurements
+        if opts.tier == "standard":
+            measurements += counter_checks(before, read_gpus(client, opts.gpus))
+        measurements += _missing(opts.tier, measurements, gpus, error)
+    results = tuple(evaluate(measurements, models, load_floors(opts.floors_file)))
+    return DiagReport(
+        opts.tier,
+        wall,
+        time.monotonic() - t0,
+        verdict(results),
+        results,
+        backend,
+        error=error,
+        gpus=gpus,
+        freed_seconds=freed,
+        models=models,
+        buses=buses,
+    )
+
+
+def _busy_now(gpus: Sequence[GpuSnapshot], worker_pid: int | None, busy: Busy | None) -> str:
+    pids = foreign_pids(gpus, worker_pid)
+    if pids:
+        return "GPU in use by process " + ", ".join(str(p) for p in pids[:5])
+    return busy() if busy is not None else ""
+
+
+def _missing(
+    tier: str, got: Sequence[Measurement], gpus: Sequence[str], error: str
+) -> list[Measurement]:
+    """An error result for each per-GPU check the worker never reported (it died)."""
+    if not error:
+        return []
+    seen = {(m.check, m.gpu) for m in got}
+    per_gpu = ("gemm", "h2d_bandwidth", "d2d_bandwidth", "memory_pattern")
+    return [
+        Measurement(check, gpu, None, "", error=error)
+        for check in checks_of(tier)
+        if check in per_gpu
+        for gpu in gpus
+        if (check, gpu) not in seen
+    ]
+
+
+def run_recorded(
+    cfg: Config,
+    store: EventStore,
+    tier: str,
+    trigger: str,
+    busy: Busy | None = None,
+    on_start: Callable[[WorkerRun], None] | None = None,
+) -> tuple[DiagReport, list[tuple[str, str]]]:
+    """Run `tier` with the config's options, store it; also the repeat offenders after it."""
+    try:
+        client = open_nvml(cfg)
+    except Exception as exc:  # no driver, no pynvml: nothing ran, nothing failed
+        t = time.time()
+        return DiagReport(tier, t, 0.0, "UNKNOWN", error=f"NVML: {exc}"), []
+    try:
+        report = run_diag(options_for(cfg, tier), client, busy, on_start)
+    finally:
+        try:
+            client.shutdown()
+        except Exception:
+            pass
+    record_run(
+        store,
+        tier=report.tier,
+        verdict=report.verdict,
+        results=report.results,
+        buses=report.buses,
+        seconds=report.seconds,
+        cancelled=report.cancelled,
+        trigger=trigger,
+        t=report.started,
+    )
+    offenders = repeat_offenders(store, time.time(), cfg.diag.inspect_after_failures)
+    return report, offenders
