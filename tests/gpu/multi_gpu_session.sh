@@ -23,7 +23,7 @@
 # Env: PYTHON (python3), GW_CONFIG (a config file for the daemon; default: none = defaults),
 # BUDGET (harness seconds per scenarios phase, 520), HANG_SECONDS (90), CONTROL_SECONDS (180),
 # GW_ARGS (extra `gpuwatchd run` arguments), GW_PORT (10370), GW_STATE (/tmp/gw-state),
-# GW_RUN (/tmp/gw-daemon: its pid, log, identity files), HARNESS_ARGS (extra harness arguments, e.g.
+# GW_RUN (/tmp/gw-daemon: its pid, log, identity files), WORK_ROOT (/tmp: phase work dirs), HARNESS_ARGS (extra harness arguments, e.g.
 # `--dry-run` to try the phases without a GPU, with GW_ARGS="--nvml-replay FILE").
 set -u
 phases=${1:?phase}
@@ -298,7 +298,7 @@ fi
 for phase in "${list[@]}"; do
   tag=${phase//[^A-Za-z0-9._-]/_}  # the only characters a returned file name may hold
   start=$(date +%s.%N)
-  w=/tmp/gpuscen-$tag-$(date -u +%H%M%S)
+  w=${WORK_ROOT:-/tmp}/gpuscen-$tag-$(date -u +%H%M%S)
   mkdir -p "$w"
   {
     note "phase $phase -> $w"

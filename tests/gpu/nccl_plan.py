@@ -161,3 +161,44 @@ def plan(scens: list[Scenario], ngpus: int, args: argparse.Namespace) -> list[di
 def too_wide(s: Scenario, ngpus: int) -> str:
     """Why a scenario cannot run on ngpus GPUs ('' when it can)."""
     return f"needs {s.gpus} GPU(s); {ngpus} here" if s.gpus > ngpus else ""
+
+
+def short_watch(hang_s: float) -> list[str]:
+    """A hang watched shorter than the daemon's default decision window cannot be flagged."""
+    try:
+        from gpuwatchd.health.hangs.detector import HangThresholds
+
+        window = HangThresholds().decide_after_seconds
+    except Exception:  # the daemon's code is not importable here
+        return []
+    if hang_s >= window + 10:
+        return []
+    return [f"--hang-seconds {hang_s:.0f} < the detector's {window:.0f} s window + a poll"]
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """The arguments of tests/gpu/nccl_scenarios.py."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("names", nargs="*", help=f"scenarios or suites ({', '.join(SUITES)})")
+    ap.add_argument("--out", default="gpuscen-out")
+    ap.add_argument(
+        "--gpus",
+        type=int,
+        help="GPUs to spread the scenarios over (default: those visible; with --dry-run 4)",
+    )
+    ap.add_argument("--hang-seconds", type=float, default=90.0, help="watch a hang this long")
+    ap.add_argument("--control-seconds", type=float, default=180.0, help="main phase of controls")
+    ap.add_argument("--settle", type=float, default=10.0, help="training before kill or fault")
+    ap.add_argument("--warm", type=float, default=8.0, help="training before `ready`")
+    ap.add_argument("--startup-timeout", type=float, default=120.0)
+    ap.add_argument("--budget", type=float, default=540.0, help="seconds for the whole run")
+    ap.add_argument("--daemon-url", default="http://127.0.0.1:10370", help="'' = no daemon")
+    ap.add_argument("--ras-port-base", type=int, default=28100)
+    ap.add_argument("--master-port-base", type=int, default=29600)
+    ap.add_argument("--scratch", default="/tmp/gpuscen-ckpt", help="checkpoint files (deleted)")
+    ap.add_argument(
+        "--full-hangs", action="store_true", help="watch each hang --hang-seconds even once flagged"
+    )
+    ap.add_argument("--plan", action="store_true", help="print the schedule and exit")
+    ap.add_argument("--dry-run", action="store_true", help="fake ranks that sleep (no GPU)")
+    return ap

@@ -50,7 +50,16 @@ from nccl_observe import (  # noqa: E402
     task_cpu_seconds,
     trigger_flight_recorder,
 )
-from nccl_plan import SCENARIOS, SUITES, Scenario, devices, expand, plan, too_wide  # noqa: E402
+from nccl_plan import (  # noqa: E402
+    SCENARIOS,
+    Scenario,
+    devices,
+    expand,
+    parser,
+    plan,
+    short_watch,
+    too_wide,
+)
 
 JOBS = os.path.join(HERE, "nccl_jobs.py")
 RUN = "torch.distributed.run"  # torchrun, where the script is not on PATH
@@ -265,11 +274,15 @@ class Run:
         return None
 
     def job_key(self) -> str:
-        """The daemon's name for this job, from rank 0's environment."""
+        """The daemon's name for this job, from rank 0's environment.
+
+        Keeps each rank's launcher variables (what the daemon's job view reads) in the trace.
+        """
         pid = self.ranks().get(0)
         try:
-            from gpuwatchd.sources.hangs.jobs import job_key
+            from gpuwatchd.sources.hangs.jobs import job_key, read_environ
 
+            self.trace["environ"] = {str(r): read_environ(p) for r, p in self.ranks().items()}
             with open(f"/proc/{pid}/environ", "rb") as f:
                 pairs = [kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv]
             return job_key(int(pid or 0), {k.decode(): v.decode() for k, v in pairs})
@@ -441,30 +454,7 @@ def execute(scens: list[Scenario], args: argparse.Namespace) -> list[dict[str, A
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("names", nargs="*", help=f"scenarios or suites ({', '.join(SUITES)})")
-    ap.add_argument("--out", default="gpuscen-out")
-    ap.add_argument(
-        "--gpus",
-        type=int,
-        help="GPUs to spread the scenarios over (default: those visible; with --dry-run 4)",
-    )
-    ap.add_argument("--hang-seconds", type=float, default=90.0, help="watch a hang this long")
-    ap.add_argument("--control-seconds", type=float, default=180.0, help="main phase of controls")
-    ap.add_argument("--settle", type=float, default=10.0, help="training before kill or fault")
-    ap.add_argument("--warm", type=float, default=8.0, help="training before `ready`")
-    ap.add_argument("--startup-timeout", type=float, default=120.0)
-    ap.add_argument("--budget", type=float, default=540.0, help="seconds for the whole run")
-    ap.add_argument("--daemon-url", default="http://127.0.0.1:10370", help="'' = no daemon")
-    ap.add_argument("--ras-port-base", type=int, default=28100)
-    ap.add_argument("--master-port-base", type=int, default=29600)
-    ap.add_argument("--scratch", default="/tmp/gpuscen-ckpt", help="checkpoint files (deleted)")
-    ap.add_argument(
-        "--full-hangs", action="store_true", help="watch each hang --hang-seconds even once flagged"
-    )
-    ap.add_argument("--plan", action="store_true", help="print the schedule and exit")
-    ap.add_argument("--dry-run", action="store_true", help="fake ranks that sleep (no GPU)")
-    args = ap.parse_args(argv)
+    args = parser(__doc__.split("\n\n")[0]).parse_args(argv)
     scens = expand(args.names, args)
     if args.dry_run and args.gpus is None:
         args.gpus = 4  # fake ranks need no GPU
@@ -472,6 +462,9 @@ def main(argv: list[str] | None = None) -> int:
     args.gpus = len(args.devices)
     rows = plan(scens, args.gpus, args)
     total = max((r.get("end", 0.0) for r in rows), default=0.0)
+    warnings = short_watch(args.hang_seconds)
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr, flush=True)
     if args.plan:
         for r in rows:
             if "skipped" in r:
@@ -491,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(time.time() - started, 1),
         "planned_seconds": round(total),
         "args": vars(args),
+        "warnings": warnings,
         "rows": result,
     }
     with open(os.path.join(args.out, "summary.json"), "w") as f:
