@@ -18,8 +18,10 @@ ROOT = Path(__file__).resolve().parent.parent
 HARNESS = ROOT / "tests" / "gpu" / "nccl_scenarios.py"
 
 
-def harness(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def harness(*args: str, timeout: float = 60, **env_extra: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("CUDA_VISIBLE_DEVICES", None)  # only where a test sets it
+    env.update(env_extra)
     return subprocess.run(
         [sys.executable, str(HARNESS), *args],
         capture_output=True,
@@ -33,13 +35,63 @@ def harness(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
 def test_each_session_call_fits_its_budget_and_together_they_run_every_scenario() -> None:
     names: list[str] = []
     for suite in ("a", "b"):
-        out = harness("--plan", suite)
+        out = harness("--plan", "--gpus", "4", suite)  # the suites are cut for 4 GPUs
         assert out.returncode == 0, out.stderr
         *rows, total = out.stdout.strip().splitlines()
         assert float(total.split("~")[1].split()[0]) <= 540, total
         names += [r.split()[-1] for r in rows]
-    every = harness("--plan", "all").stdout.strip().splitlines()[:-1]
+    every = harness("--plan", "--gpus", "4", "all").stdout.strip().splitlines()[:-1]
     assert sorted(names) == sorted(r.split()[-1] for r in every)
+
+
+def fake_nvidia_smi(tmp_path: Path, gpus: int) -> str:
+    """A PATH whose nvidia-smi -L lists `gpus` GPUs (the first one with a MIG instance)."""
+    lines = [f"GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i:08d})" for i in range(gpus)]
+    lines.insert(1, "  MIG 1g.10gb     Device  0: (UUID: MIG-00000000)")
+    exe = tmp_path / "nvidia-smi"
+    exe.write_text("#!/bin/sh\ncat <<'EOF'\n" + "\n".join(lines) + "\nEOF\n")
+    exe.chmod(0o755)
+    return f"{tmp_path}:{os.environ['PATH']}"
+
+
+def test_scenarios_are_planned_on_the_gpus_the_machine_has(tmp_path: Path) -> None:
+    out = harness("--plan", "hangs", PATH=fake_nvidia_smi(tmp_path, 2))
+    assert out.returncode == 0, out.stderr
+    *rows, total = out.stdout.strip().splitlines()
+    assert "on 2 GPUs (nvidia-smi -L)" in total, total
+    assert all("[2" not in r and ", 3]" not in r for r in rows), rows  # no GPU 2 or 3
+    masked = harness("--plan", "hangs", CUDA_VISIBLE_DEVICES="3", PATH=fake_nvidia_smi(tmp_path, 4))
+    *rows, total = masked.stdout.strip().splitlines()
+    assert "on 1 GPUs (CUDA_VISIBLE_DEVICES)" in total, total
+    assert [r.split()[-1] for r in rows if "skip" not in r] == ["rendezvous_missing"]
+    assert all("needs 2 GPU(s); 1 here" in r for r in rows if "skip" in r)
+
+
+@pytest.mark.slow
+def test_a_scenario_wider_than_the_machine_is_skipped_not_started(tmp_path: Path) -> None:
+    out = harness(
+        "--dry-run",
+        "--out",
+        str(tmp_path),
+        "--daemon-url",
+        "",
+        "--gpus",
+        "1",
+        "--hang-seconds",
+        "2",
+        "dead_peer",
+        "rendezvous_missing",
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {
+        r.get("scenario"): r for r in json.loads((tmp_path / "summary.json").read_text())["rows"]
+    }
+    assert rows["dead_peer"] == {"scenario": "dead_peer", "skipped": "needs 2 GPU(s); 1 here"}
+    assert not (tmp_path / "dead_peer").exists()
+    trace = json.loads((tmp_path / "rendezvous_missing" / "trace.json").read_text())
+    assert trace["devices"] == ["0"] and "nvml" in trace
+    rank = trace["samples"][-1]["ranks"]["0"]
+    assert rank["alive"] and rank["task_cpu_s"] is not None  # the daemon's CPU reading too
 
 
 @pytest.mark.slow

@@ -13,12 +13,17 @@
 # finish       last reads of the daemon, SIGTERM to it, its log, state and footprint, then
 #              tests/gpu/footprint.py (daemon beside bare pynvml, 60 s, idle).
 #
-# Every phase writes OUTDIR/PHASE.tar.gz (everything), OUTDIR/PHASE-summary.json and
-# OUTDIR/PHASE.log. A `scenarios-*` phase on a fresh machine (daemon gone) installs the
-# wheels and starts the daemon first. NVLink multicast stays off in every process.
+# Every phase writes OUTDIR/PHASE.tar.gz (everything; PHASE with characters other than
+# letters, digits, '.', '_', '-' made '_': scenarios-a+b -> scenarios-a_b.tar.gz) and adds
+# its part to OUTDIR/session-summary.json and OUTDIR/session.log: at most 6 phases per
+# call, so at most 8 files. A `scenarios-*` phase on a fresh machine (daemon gone) installs
+# the wheels and starts the daemon first. Every phase says at its start and end whether
+# the daemon this session started (pid + start time) still runs, and keeps the daemon's
+# fault log, run marker and new kernel `segfault` lines. NVLink multicast stays off.
 # Env: PYTHON (python3), GW_CONFIG (a config file for the daemon; default: none = defaults),
 # BUDGET (harness seconds per scenarios phase, 520), HANG_SECONDS (90), CONTROL_SECONDS (180),
-# GW_ARGS (extra `gpuwatchd run` arguments), HARNESS_ARGS (extra harness arguments, e.g.
+# GW_ARGS (extra `gpuwatchd run` arguments), GW_PORT (10370), GW_STATE (/tmp/gw-state),
+# GW_RUN (/tmp/gw-daemon: its pid, log, identity files), WORK_ROOT (/tmp: phase work dirs), HARNESS_ARGS (extra harness arguments, e.g.
 # `--dry-run` to try the phases without a GPU, with GW_ARGS="--nvml-replay FILE").
 set -u
 phases=${1:?phase}
@@ -30,10 +35,14 @@ py=${PYTHON:-python3}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$repo${PYTHONPATH:+:$PYTHONPATH}
 export PATH=/tmp/site/bin:$PATH
-gw_url=http://127.0.0.1:10370
-gw_state=/tmp/gw-state
-gw_pidfile=/tmp/gw-daemon.pid
-gw_log=/tmp/gw-daemon.log
+gw_listen=127.0.0.1:${GW_PORT:-10370}
+gw_url=http://$gw_listen
+gw_state=${GW_STATE:-/tmp/gw-state}
+gw_run=${GW_RUN:-/tmp/gw-daemon}  # the session's own files about the daemon: .pid .log .id .seen
+gw_pidfile=$gw_run.pid
+gw_log=$gw_run.log
+gw_id=$gw_run.id      # "PID STARTTIME" of the daemon this session started last
+gw_seen=$gw_run.seen  # kernel segfault lines already reported
 
 note() { echo "$(date -u +%H:%M:%S) $*"; }
 run_to() { # FILE SECONDS CMD...: output to FILE, bounded
@@ -49,7 +58,16 @@ try:
 except urllib.error.HTTPError as e:  # an answer all the same (503 while sources start)
     sys.stdout.buffer.write(e.read())' "$gw_url$1" >"$2" 2>&1
 }
-daemon_pid() { [ -s $gw_pidfile ] && kill -0 "$(cat $gw_pidfile)" 2>/dev/null && cat $gw_pidfile; }
+proc_start() { # PID: its start time (clock ticks after boot; with the pid, unique); fails
+  local st      # once it is gone or a zombie (an unreaped daemon keeps its /proc entry)
+  st=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+  st=${st##*) }
+  # shellcheck disable=SC2086  # split into the fields on purpose
+  set -- $st
+  case $1 in Z | X) return 1 ;; esac
+  echo "${20}"
+}
+daemon_pid() { [ -s $gw_pidfile ] && proc_start "$(cat $gw_pidfile)" >/dev/null && cat $gw_pidfile; }
 daemon_proc() { # FILE: the daemon's RSS and CPU seconds now (for CPU % over a phase)
   local pid
   pid=$(daemon_pid) || { echo '{"daemon": "not running"}' >"$1"; return; }
@@ -82,14 +100,18 @@ ensure_daemon() { # W: starts the daemon when it is not running (a fresh machine
   fi
   install_wheels
   mkdir -p $gw_state
-  local cfg=()
+  local cfg=() pid
   [ -n "${GW_CONFIG:-}" ] && cfg=(--config "$GW_CONFIG")
-  # setsid + nohup: its own session, so it outlives this call and survives its end
+  rm -f $gw_pidfile
+  # setsid + nohup: its own session, so it outlives this call and survives its end; started
+  # from a subshell, so it is no job of this script (a bare `wait` would wait for it)
   # shellcheck disable=SC2086  # GW_ARGS: extra daemon arguments, split on purpose
-  setsid nohup bash -c 'echo $$ >'$gw_pidfile'; exec "$@"' gw "$py" -m gpuwatchd run "${cfg[@]}" \
-    --state-dir $gw_state --listen 127.0.0.1:10370 ${GW_ARGS:-} >>$gw_log 2>&1 </dev/null &
-  sleep 0.5
-  note "daemon started (pid $(cat $gw_pidfile)), waiting for /healthz"
+  (setsid nohup bash -c 'echo $$ >'$gw_pidfile'; exec "$@"' gw "$py" -m gpuwatchd run "${cfg[@]}" \
+    --state-dir $gw_state --listen $gw_listen ${GW_ARGS:-} >>$gw_log 2>&1 </dev/null &)
+  for _ in $(seq 1 20); do [ -s $gw_pidfile ] && break; sleep 0.25; done
+  pid=$(cat $gw_pidfile 2>/dev/null)
+  echo "$pid $(proc_start "$pid")" >$gw_id
+  note "daemon started (pid $pid, start time $(proc_start "$pid")), waiting for /healthz"
   for _ in $(seq 1 60); do
     http_get /healthz "$1/healthz-start.txt" && { note "daemon answers"; return; }
     daemon_pid >/dev/null || break
@@ -97,6 +119,41 @@ ensure_daemon() { # W: starts the daemon when it is not running (a fresh machine
   done
   note "daemon did not answer within 30 s; tail of its log:"
   tail -20 $gw_log
+}
+
+new_segfaults() { # FILE: kernel segfault/trap lines not reported before (dmesg, bounded)
+  timeout 10 dmesg 2>/dev/null | grep -E 'segfault|traps:' >"$1.all"
+  touch $gw_seen
+  grep -vxFf $gw_seen "$1.all" >"$1"
+  cat "$1" >>$gw_seen
+  rm -f "$1.all"
+  [ -s "$1" ] || rm -f "$1"
+}
+
+daemon_check() { # W TAG: is the daemon this session started still running? its fault traces
+  local w=$1 tag=$2 pid='' start='' state f
+  [ -s $gw_id ] && read -r pid start <$gw_id
+  if [ -z "$pid" ]; then
+    state="none expected (not started yet, or stopped by finish)"
+  elif [ -n "$start" ] && [ "$(proc_start "$pid")" = "$start" ]; then
+    state=alive
+  else
+    state=GONE
+  fi
+  note "daemon check at $tag: pid ${pid:-none} (start time ${start:-?}) $state"
+  printf '{"at": "%s", "t": %s, "pid": "%s", "starttime": "%s", "state": "%s"}\n' \
+    "$tag" "$(date +%s)" "$pid" "$start" "$state" >>"$w/daemon-check.jsonl"
+  # the run marker says a run did not stop cleanly; a new start moves the fault log to .1
+  for f in gpuwatchd.run gpuwatchd-fault.log gpuwatchd-fault.log.1; do
+    [ -s "$gw_state/$f" ] && cp "$gw_state/$f" "$w/$tag-$f"
+  done
+  new_segfaults "$w/$tag-segfaults.txt"
+  [ -s "$w/$tag-segfaults.txt" ] && { note "new kernel segfault lines:"; cat "$w/$tag-segfaults.txt"; }
+  if [ "$state" = GONE ]; then
+    note "the daemon died; its fault log and the tail of its log:"
+    head -60 "$gw_state/gpuwatchd-fault.log" 2>/dev/null
+    tail -20 $gw_log
+  fi
 }
 
 versions() { # FILE
@@ -143,7 +200,8 @@ phase_scenarios() { # W SUITE
   daemon_reads "$w" before
   local knobs=(--budget "${BUDGET:-520}" --hang-seconds "${HANG_SECONDS:-90}"
     --control-seconds "${CONTROL_SECONDS:-180}")
-  "$py" tests/gpu/nccl_scenarios.py --plan "${knobs[@]}" $names >"$w/plan.txt" 2>&1
+  # shellcheck disable=SC2086  # HARNESS_ARGS: extra harness arguments (--dry-run ...)
+  "$py" tests/gpu/nccl_scenarios.py --plan "${knobs[@]}" ${HARNESS_ARGS:-} $names >"$w/plan.txt" 2>&1
   if [ "$names" = a ]; then  # a capture while the first hangs (dead peers) last
     (sleep 50 && run_to "$w/record-hang.log" 120 "$py" -m gpuwatchd record \
       --out "$w/record-hang.json" --polls 30 --interval 2) >/dev/null 2>&1 &
@@ -165,7 +223,7 @@ phase_scenarios() { # W SUITE
     pkill -TERM -P "$p" 2>/dev/null
     kill "$p" 2>/dev/null
   done
-  wait
+  wait "${bg[@]}" 2>/dev/null  # these only: the daemon is no child of ours, but be sure
   cp "$w/scen/summary.json" "$w/summary.json" 2>/dev/null
   daemon_proc "$w/daemon-proc-after.json"
   daemon_reads "$w" after
@@ -180,30 +238,42 @@ phase_finish() { # W
   smi_nvlink "$w" final
   if pid=$(daemon_pid); then
     kill -TERM "$pid"
-    for _ in $(seq 1 40); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
-    if kill -0 "$pid" 2>/dev/null; then note "daemon ignored SIGTERM for 20 s; SIGKILL"; kill -KILL "$pid"; fi
+    for _ in $(seq 1 40); do proc_start "$pid" >/dev/null || break; sleep 0.5; done
+    if proc_start "$pid" >/dev/null; then note "daemon ignored SIGTERM for 20 s; SIGKILL"; kill -KILL "$pid"; fi
     note "daemon stopped"
   fi
-  rm -f $gw_pidfile
+  rm -f $gw_pidfile $gw_id  # stopped on purpose: the end check expects no daemon
   cp $gw_log "$w/daemon.log" 2>/dev/null
-  tar -C /tmp -czf "$w/gw-state.tar.gz" gw-state 2>/dev/null
+  tar -C "$(dirname $gw_state)" -czf "$w/gw-state.tar.gz" "$(basename $gw_state)" 2>/dev/null
   run_to "$w/footprint.log" 200 "$py" tests/gpu/footprint.py --seconds 60 --out "$w/footprint.json"
 }
 
-summarize() { # W PHASE START: OUTDIR/PHASE-summary.json
-  "$py" - "$1" "$2" "$3" "$outdir/$2-summary.json" <<'EOF'
+summarize() { # W PHASE START: the phase's part of OUTDIR/session-summary.json
+  "$py" - "$1" "$2" "$3" "$outdir/session-summary.json" <<'EOF'
 import json, os, sys, time
 w, phase, start, out = sys.argv[1:5]
 doc = {"phase": phase, "seconds": round(time.time() - float(start), 1), "files": sorted(os.listdir(w))}
+try:
+    doc["daemon_checks"] = [json.loads(ln) for ln in open(os.path.join(w, "daemon-check.jsonl"))]
+except (OSError, ValueError) as e:
+    doc["daemon_checks"] = f"absent: {e.__class__.__name__}"
+doc["segfaults"] = [ln.rstrip() for n in doc["files"] if n.endswith("segfaults.txt")
+                    for ln in open(os.path.join(w, n))]
 for name in ("summary.json", "daemon-proc-before.json", "daemon-proc-after.json", "footprint.json"):
     try:
         doc[name] = json.load(open(os.path.join(w, name)))
     except (OSError, ValueError) as e:
         doc[name] = f"absent: {e.__class__.__name__}"
 b, a = doc.get("daemon-proc-before.json"), doc.get("daemon-proc-after.json")
-if isinstance(b, dict) and isinstance(a, dict) and "cpu_s" in b and "cpu_s" in a:
+if isinstance(b, dict) and isinstance(a, dict) and "cpu_s" in b and "cpu_s" in a \
+        and a.get("pid") == b.get("pid"):  # one daemon all along, else no rate
     doc["daemon_cpu_percent_of_one_core"] = round(100 * (a["cpu_s"] - b["cpu_s"]) / (a["t"] - b["t"]), 3)
-json.dump(doc, open(out, "w"), indent=1, default=str)
+try:
+    session = json.load(open(out))
+except (OSError, ValueError):
+    session = {"phases": []}
+session["phases"].append(doc)
+json.dump(session, open(out, "w"), indent=1, default=str)
 EOF
 }
 
@@ -217,22 +287,32 @@ pack() { # W PHASE: OUTDIR/PHASE.tar.gz under 15 MiB (big bulk files dropped fir
   done
 }
 
-for phase in ${phases//,/ }; do
+read -ra list <<<"${phases//,/ }"
+for phase in "${list[@]}"; do
   case $phase in start | scenarios-?* | finish) ;; *) note "unknown phase $phase"; exit 2 ;; esac
+done
+if [ ${#list[@]} -gt 6 ]; then  # files back per call: one tar.gz per phase + 2
+  note "at most 6 phases per call (${#list[@]} given)"
+  exit 2
+fi
+for phase in "${list[@]}"; do
+  tag=${phase//[^A-Za-z0-9._-]/_}  # the only characters a returned file name may hold
   start=$(date +%s.%N)
-  w=/tmp/gpuscen-$phase-$(date -u +%H%M%S)
+  w=${WORK_ROOT:-/tmp}/gpuscen-$tag-$(date -u +%H%M%S)
   mkdir -p "$w"
   {
     note "phase $phase -> $w"
+    daemon_check "$w" begin
     case $phase in
       start) phase_start "$w" ;;
       scenarios-*) phase_scenarios "$w" "${phase#scenarios-}" ;;
       finish) phase_finish "$w" ;;
     esac
+    daemon_check "$w" end
     note "phase $phase done"
-  } 2>&1 | tee "$outdir/$phase.log"
-  cp "$outdir/$phase.log" "$w/phase.log"
+  } 2>&1 | tee "$w/phase.log"
+  cat "$w/phase.log" >>"$outdir/session.log"
   summarize "$w" "$phase" "$start"
-  pack "$w" "$phase"
-  note "$phase: $(ls -la "$outdir/$phase.tar.gz" | awk '{print $5}') bytes in $outdir/$phase.tar.gz"
+  pack "$w" "$tag"
+  note "$phase: $(stat -c %s "$outdir/$tag.tar.gz") bytes in $outdir/$tag.tar.gz" | tee -a "$outdir/session.log"
 done

@@ -58,6 +58,24 @@ def proc_sample(pid: int) -> dict[str, Any]:
     return out
 
 
+def task_cpu_seconds(pid: int) -> float | None:
+    """utime+stime summed over /proc/PID/task/*/stat, as the daemon's job view reads it."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    ticks = 0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                raw = f.read()
+        except OSError:
+            continue  # a thread that ended between listdir and open
+        fields = raw[raw.rindex(")") + 2 :].split()
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / CLK_TCK
+
+
 def ras_raw(
     addr: str, fmt: str = "json", verbose: bool = False, timeout: float = 8.0
 ) -> dict[str, Any]:
@@ -348,6 +366,7 @@ class NvmlSampler(threading.Thread):
         self.path = os.path.join(out_dir, "nvml.jsonl")
         self.stop_event = threading.Event()
         self.error = ""
+        self.rows: list[dict[str, Any]] = []  # also in memory: each trace keeps its window
 
     def run(self) -> None:
         try:
@@ -362,7 +381,9 @@ class NvmlSampler(threading.Thread):
                 start = time.monotonic()
                 try:
                     _, pids, raw = gpus.read()
-                    f.write(json.dumps({"t": time.time(), "gpus": raw, "pids": pids}) + "\n")
+                    row = {"t": time.time(), "gpus": raw, "pids": pids}
+                    self.rows.append(row)
+                    f.write(json.dumps(row) + "\n")
                     f.flush()
                 except Exception as e:
                     self.error = f"{type(e).__name__}: {e}"
@@ -399,6 +420,8 @@ def summary_row(t: dict[str, Any]) -> dict[str, Any]:
         "where": last.get("where", ""),
         "ras_answers": len(t["ras"]),
         "ras_errors": sum(1 for r in t["ras"] if r.get("error")),
+        # answers gpuwatchd's parser rejects (NCCL 2.28.9 writes a comma short for missing ranks)
+        "ras_parse_errors": sum(1 for r in t["ras"] if "error" in (r.get("parsed") or {})),
         "fr_files": len(t.get("fr_files", {})),
         "pyspy_ok": sum(1 for r in t["pyspy"] if r.get("rc") == 0),
         "kmsg_lines": len(t.get("kmsg", [])),
@@ -412,3 +435,17 @@ def summary_row(t: dict[str, Any]) -> dict[str, Any]:
         "notes": t["notes"],
     }
     return row
+
+
+def nvml_window(
+    rows: list[dict[str, Any]], gpus: list[str], since: float, until: float
+) -> list[dict[str, Any]]:
+    """The NVML samples of [since, until] for these GPUs (all of them when named by UUID)."""
+    keep = set(gpus) if all(g.isdigit() for g in gpus) else None
+    out = []
+    for row in list(rows):
+        if since <= row["t"] <= until:
+            per_gpu = [g for g in row["gpus"] if keep is None or str(g.get("gpu")) in keep]
+            pids = {k: v for k, v in row["pids"].items() if keep is None or k in keep}
+            out.append({"t": row["t"], "gpus": per_gpu, "pids": pids})
+    return out

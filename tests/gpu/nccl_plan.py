@@ -8,6 +8,9 @@ on estimated durations).
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,11 +79,69 @@ def expand(names: list[str], args: argparse.Namespace) -> list[Scenario]:
     )
 
 
+def visible_devices() -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES as a list (indices or UUIDs), None when it is not set."""
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is None:
+        return None
+    out: list[str] = []
+    for tok in cvd.split(","):
+        tok = tok.strip()
+        if not tok or tok.startswith("-"):
+            break  # CUDA stops at the first invalid entry
+        out.append(tok)
+    return out
+
+
+def count_gpus(timeout: float = 20.0) -> tuple[int, str]:
+    """(GPUs on this machine, how that was learnt): nvidia-smi -L, else torch, bounded."""
+    try:
+        r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=timeout)
+        if r.returncode == 0:  # MIG lines are indented under their GPU: count GPUs only
+            return sum(ln.startswith("GPU ") for ln in r.stdout.splitlines()), "nvidia-smi -L"
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    code = "import torch; print(torch.cuda.device_count())"
+    try:
+        r = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=3 * timeout
+        )
+        return int(r.stdout.strip().splitlines()[-1]), "torch.cuda.device_count()"
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return 0, "no nvidia-smi, no torch"
+
+
+def devices(wanted: int | None, fake: bool) -> tuple[list[str], str]:
+    """The devices the harness may hand out (CUDA_VISIBLE_DEVICES values) and their source.
+
+    Never more than exist, unless fake (--plan, --dry-run): there --gpus may exceed them.
+    """
+    visible = visible_devices()
+    if visible is not None:
+        # torch counts through the mask already; nvidia-smi ignores it
+        found, how = len(visible), "CUDA_VISIBLE_DEVICES"
+    else:
+        found, how = count_gpus()
+        visible = [str(i) for i in range(found)]
+    if wanted is None:
+        return visible, how
+    if wanted > found and not fake:
+        return visible, f"{how}; --gpus {wanted} cut to the {found} found"
+    visible += [str(i) for i in range(found, wanted)]  # fake GPUs beyond the real ones
+    return visible[:wanted], how
+
+
 def plan(scens: list[Scenario], ngpus: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The schedule the harness follows (start whatever fits, in order), on estimates."""
-    t, free, pending = 0.0, list(range(ngpus)), list(scens)
+    """The schedule the harness follows (start whatever fits, in order), on estimates.
+
+    A scenario wider than the machine is a row with "skipped" and never starts.
+    """
+    t, free = 0.0, list(range(ngpus))
     running: list[tuple[float, list[int]]] = []
-    rows: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = [
+        {"name": s.name, "skipped": too_wide(s, ngpus)} for s in scens if too_wide(s, ngpus)
+    ]
+    pending = [s for s in scens if not too_wide(s, ngpus)]
     while pending:
         for s in list(pending):
             if len(free) >= s.gpus:
@@ -90,10 +151,54 @@ def plan(scens: list[Scenario], ngpus: int, args: argparse.Namespace) -> list[di
                 running.append((end, gpus))
                 rows.append({"name": s.name, "gpus": gpus, "start": t, "end": end})
                 pending.remove(s)
-        if pending and not running:
-            raise SystemExit(f"{pending[0].name} needs {pending[0].gpus} GPUs; {ngpus} given")
         if pending:
             t = min(e for e, _ in running)
             free += [g for e, gs in running if e == t for g in gs]
             running = [(e, gs) for e, gs in running if e != t]
     return rows
+
+
+def too_wide(s: Scenario, ngpus: int) -> str:
+    """Why a scenario cannot run on ngpus GPUs ('' when it can)."""
+    return f"needs {s.gpus} GPU(s); {ngpus} here" if s.gpus > ngpus else ""
+
+
+def short_watch(hang_s: float) -> list[str]:
+    """A hang watched shorter than the daemon's default decision window cannot be flagged."""
+    try:
+        from gpuwatchd.health.hangs.detector import HangThresholds
+
+        window = HangThresholds().decide_after_seconds
+    except Exception:  # the daemon's code is not importable here
+        return []
+    if hang_s >= window + 10:
+        return []
+    return [f"--hang-seconds {hang_s:.0f} < the detector's {window:.0f} s window + a poll"]
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """The arguments of tests/gpu/nccl_scenarios.py."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("names", nargs="*", help=f"scenarios or suites ({', '.join(SUITES)})")
+    ap.add_argument("--out", default="gpuscen-out")
+    ap.add_argument(
+        "--gpus",
+        type=int,
+        help="GPUs to spread the scenarios over (default: those visible; with --dry-run 4)",
+    )
+    ap.add_argument("--hang-seconds", type=float, default=90.0, help="watch a hang this long")
+    ap.add_argument("--control-seconds", type=float, default=180.0, help="main phase of controls")
+    ap.add_argument("--settle", type=float, default=10.0, help="training before kill or fault")
+    ap.add_argument("--warm", type=float, default=8.0, help="training before `ready`")
+    ap.add_argument("--startup-timeout", type=float, default=120.0)
+    ap.add_argument("--budget", type=float, default=540.0, help="seconds for the whole run")
+    ap.add_argument("--daemon-url", default="http://127.0.0.1:10370", help="'' = no daemon")
+    ap.add_argument("--ras-port-base", type=int, default=28100)
+    ap.add_argument("--master-port-base", type=int, default=29600)
+    ap.add_argument("--scratch", default="/tmp/gpuscen-ckpt", help="checkpoint files (deleted)")
+    ap.add_argument(
+        "--full-hangs", action="store_true", help="watch each hang --hang-seconds even once flagged"
+    )
+    ap.add_argument("--plan", action="store_true", help="print the schedule and exit")
+    ap.add_argument("--dry-run", action="store_true", help="fake ranks that sleep (no GPU)")
+    return ap

@@ -42,13 +42,24 @@ from nccl_observe import (  # noqa: E402
     DaemonPoller,
     KmsgReader,
     NvmlSampler,
+    nvml_window,
     proc_sample,
     pyspy,
     ras_raw,
     summary_row,
+    task_cpu_seconds,
     trigger_flight_recorder,
 )
-from nccl_plan import SCENARIOS, SUITES, Scenario, expand, plan  # noqa: E402
+from nccl_plan import (  # noqa: E402
+    SCENARIOS,
+    Scenario,
+    devices,
+    expand,
+    parser,
+    plan,
+    short_watch,
+    too_wide,
+)
 
 JOBS = os.path.join(HERE, "nccl_jobs.py")
 RUN = "torch.distributed.run"  # torchrun, where the script is not on PATH
@@ -65,6 +76,7 @@ class Run:
         self.trace: dict[str, Any] = {
             "scenario": asdict(s),
             "gpus": gpus,
+            "devices": [args.devices[g] for g in gpus],
             "samples": [],
             "ras": [],
             "pyspy": [],
@@ -83,7 +95,9 @@ class Run:
         env.update(
             PYTHONUNBUFFERED="1",
             OMP_NUM_THREADS="2",
-            CUDA_VISIBLE_DEVICES=",".join(map(str, self.gpus)),
+            CUDA_VISIBLE_DEVICES=",".join(self.args.devices[g] for g in self.gpus),
+            # indices as nvidia-smi and NVML number them (the default is fastest first)
+            CUDA_DEVICE_ORDER=os.environ.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID"),
             NCCL_RAS_ADDR=f"127.0.0.1:{self.args.ras_port_base + self.idx}",
             # both spellings: releases read the TORCH_NCCL_ or the newer TORCH_FR_ names
             TORCH_NCCL_DEBUG_INFO_PIPE_FILE=os.path.join(fr, "pipe_"),
@@ -260,11 +274,15 @@ class Run:
         return None
 
     def job_key(self) -> str:
-        """The daemon's name for this job, from rank 0's environment."""
+        """The daemon's name for this job, from rank 0's environment.
+
+        Keeps each rank's launcher variables (what the daemon's job view reads) in the trace.
+        """
         pid = self.ranks().get(0)
         try:
-            from gpuwatchd.sources.hangs.jobs import job_key
+            from gpuwatchd.sources.hangs.jobs import job_key, read_environ
 
+            self.trace["environ"] = {str(r): read_environ(p) for r, p in self.ranks().items()}
             with open(f"/proc/{pid}/environ", "rb") as f:
                 pairs = [kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv]
             return job_key(int(pid or 0), {k.decode(): v.decode() for k, v in pairs})
@@ -283,6 +301,7 @@ class Run:
         row: dict[str, Any] = {"t": round(now, 3), "ranks": {}}
         for r, pid in ranks.items():
             row["ranks"][str(r)] = {"pid": pid, **proc_sample(pid)}
+            row["ranks"][str(r)]["task_cpu_s"] = task_cpu_seconds(pid)
         row["launchers"] = {str(p.pid): p.poll() for p in self.procs}
         self.trace["samples"].append(row)
 
@@ -347,6 +366,9 @@ class Run:
             for n in ("start", "ready", "phase", "hang", "faulted", "returned", "done")
         }
         self.trace["kmsg"] = self.ctx.kmsg.between(t0, t_end + 2)
+        # GPU activity beside the /proc samples: what a detector replay needs, in one file
+        self.trace["nvml"] = nvml_window(self.ctx.nvml.rows, self.trace["devices"], t0, t_end)
+        self.trace["nvml_error"] = self.ctx.nvml.error
         det = self.ctx.daemon.detection(self.match, t0, t_end + 2) if self.ctx.daemon else {}
         start = self.trace.get("hang_start") or self.trace.get("window_start") or t0
         for k in ("first_seen", "alert_first_seen"):
@@ -366,6 +388,7 @@ class Context:
 
 
 def execute(scens: list[Scenario], args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
     ctx = Context(args)
     ctx.kmsg.start()
     if not args.dry_run:
@@ -374,10 +397,13 @@ def execute(scens: list[Scenario], args: argparse.Namespace) -> list[dict[str, A
         ctx.daemon.start()
     deadline = time.monotonic() + args.budget
     free = list(range(args.gpus))
+    for s in scens:  # never started on GPUs that are not there
+        if too_wide(s, args.gpus):
+            rows.append({"scenario": s.name, "skipped": too_wide(s, args.gpus)})
+            print(f"skip {s.name}: {too_wide(s, args.gpus)}", flush=True)
     lock = threading.Lock()
-    rows: list[dict[str, Any]] = []
     threads: list[threading.Thread] = []
-    pending = list(scens)
+    pending = [s for s in scens if not too_wide(s, args.gpus)]
 
     def worker(s: Scenario, gpus: list[int]) -> None:
         try:
@@ -428,34 +454,26 @@ def execute(scens: list[Scenario], args: argparse.Namespace) -> list[dict[str, A
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("names", nargs="*", help=f"scenarios or suites ({', '.join(SUITES)})")
-    ap.add_argument("--out", default="gpuscen-out")
-    ap.add_argument("--gpus", type=int, default=4, help="GPUs to spread the scenarios over")
-    ap.add_argument("--hang-seconds", type=float, default=90.0, help="watch a hang this long")
-    ap.add_argument("--control-seconds", type=float, default=180.0, help="main phase of controls")
-    ap.add_argument("--settle", type=float, default=10.0, help="training before kill or fault")
-    ap.add_argument("--warm", type=float, default=8.0, help="training before `ready`")
-    ap.add_argument("--startup-timeout", type=float, default=120.0)
-    ap.add_argument("--budget", type=float, default=540.0, help="seconds for the whole run")
-    ap.add_argument("--daemon-url", default="http://127.0.0.1:10370", help="'' = no daemon")
-    ap.add_argument("--ras-port-base", type=int, default=28100)
-    ap.add_argument("--master-port-base", type=int, default=29600)
-    ap.add_argument("--scratch", default="/tmp/gpuscen-ckpt", help="checkpoint files (deleted)")
-    ap.add_argument(
-        "--full-hangs", action="store_true", help="watch each hang --hang-seconds even once flagged"
-    )
-    ap.add_argument("--plan", action="store_true", help="print the schedule and exit")
-    ap.add_argument("--dry-run", action="store_true", help="fake ranks that sleep (no GPU)")
-    args = ap.parse_args(argv)
+    args = parser(__doc__.split("\n\n")[0]).parse_args(argv)
     scens = expand(args.names, args)
+    if args.dry_run and args.gpus is None:
+        args.gpus = 4  # fake ranks need no GPU
+    args.devices, args.gpu_source = devices(args.gpus, fake=args.plan or args.dry_run)
+    args.gpus = len(args.devices)
     rows = plan(scens, args.gpus, args)
-    total = max((r["end"] for r in rows), default=0.0)
+    total = max((r.get("end", 0.0) for r in rows), default=0.0)
+    warnings = short_watch(args.hang_seconds)
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr, flush=True)
     if args.plan:
         for r in rows:
-            print(f"{r['start']:6.0f} {r['end']:6.0f} s  GPUs {r['gpus']}  {r['name']}")
+            if "skipped" in r:
+                print(f"  skip  {r['skipped']}  {r['name']}")
+            else:
+                print(f"{r['start']:6.0f} {r['end']:6.0f} s  GPUs {r['gpus']}  {r['name']}")
         mins = f"{total / 60:.1f} min"
-        print(f"total ~{total:.0f} s ({mins}) on {args.gpus} GPUs; budget {args.budget:.0f} s")
+        how = f"{args.gpus} GPUs ({args.gpu_source})"
+        print(f"total ~{total:.0f} s ({mins}) on {how}; budget {args.budget:.0f} s")
         return 0
     os.environ.update(MULTICAST_OFF)
     os.makedirs(args.out, exist_ok=True)
@@ -466,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(time.time() - started, 1),
         "planned_seconds": round(total),
         "args": vars(args),
+        "warnings": warnings,
         "rows": result,
     }
     with open(os.path.join(args.out, "summary.json"), "w") as f:
