@@ -128,20 +128,20 @@ class ProcTree:
             if "state" not in r:  # reaped: no /proc entry any more
                 shutil.rmtree(base, ignore_errors=True)
                 continue
-            env = "".join(f"{k}={v}\0" for k, v in self.env[rank].items())
-            self._put(f"{pid}/environ", env)
-            self._put(f"{pid}/cmdline", "python3\0tests/gpu/nccl_jobs.py\0dead_peer\0")
+            if not os.path.exists(os.path.join(base, "environ")):
+                env = "".join(f"{k}={v}\0" for k, v in self.env[rank].items())
+                self._put(f"{pid}/environ", env)
+                self._put(f"{pid}/cmdline", "python3\0tests/gpu/nccl_jobs.py\0dead_peer\0")
+                os.makedirs(os.path.join(base, "root", "run", "job", "fr"), exist_ok=True)
             self._put(f"{pid}/stat", _stat(pid, r))
             self._put(f"{pid}/task/{pid}/stat", _stat(pid, r))  # one task: the totals
             self._put(f"{pid}/io", _io(r))
-            os.makedirs(os.path.join(base, "root", "run", "job", "fr"), exist_ok=True)
 
     def _put(self, rel: str, text: str) -> None:
         path = os.path.join(self.root, rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + ".new", "w") as f:
+        with open(path, "w") as f:  # read by the same thread between steps
             f.write(text)
-        os.replace(path + ".new", path)
 
 
 def rank_env(rank: int, ras_addr: str) -> dict[str, str]:
