@@ -134,7 +134,9 @@ verdict = []
 
 def probe():
     deadline = time.monotonic() + 30
-    while daemon.httpd is None or not daemon.pipeline or not daemon.pipeline.wait_idle(0.1):
+    # the HTTP socket is up before the sources start: wait for NVML's first poll too
+    while (daemon.httpd is None or not daemon.pipeline or not daemon.pipeline.wait_idle(0.1)
+           or "nvml" not in daemon.state.snapshot().sources):
         if time.monotonic() > deadline:
             verdict.append("daemon did not start")
             os.kill(os.getpid(), signal.SIGTERM)
