@@ -77,12 +77,16 @@ class Node:
         self.next_nvml = first + phase
         self.ras_asked: list[float] = []
         self.timeline: list[tuple[float, str, str, str]] = []
+        self.extra_wchar: dict[int, int] = {}  # rank -> bytes it wrote beyond the recording
 
     def step(
         self, t: float, ranks: dict[int, dict[str, Any]], nvml: dict[str, Any], ras_json: str
     ) -> None:
         """One second of the node: /proc now, an NVML poll when due, the consumer's tick."""
         self.clock.advance(t - self.clock.time())
+        for rank, extra in self.extra_wchar.items():
+            if "wchar" in ranks[rank]:
+                ranks = {**ranks, rank: {**ranks[rank], "wchar": ranks[rank]["wchar"] + extra}}
         self.proc.write(self.boot + t - self.launch, ranks)
         self.srv.json_answer = ras_json
         asked = len(self.srv.requests)
@@ -199,6 +203,35 @@ def test_real_dead_peer_forensics_stacks_and_flight_recorder(
     ]
     assert doc["flight_recorder_errors"] == []
     assert doc["ras"]["error"].startswith("not asked: the job started less than")
+
+
+DUMP_WCHAR = 269_688  # rank 0's wchar across its dump at +20 s (trace.json samples)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the monitor's own flight recorder trigger (at its verdict) makes rank 0 write"
+    " its 270 KB dump; the next /proc probe reads that as I/O progress and resolves the page",
+)
+def test_the_monitors_own_flight_trigger_does_not_clear_its_page(
+    tmp_path: Path, srv: RasReplayServer
+) -> None:
+    """Defaults (flight_recorder on): rank 0 writes what it wrote when the harness asked."""
+    node = Node(tmp_path, srv, Config(), 0.0)
+    fr = FlightRank(node.proc, TRACE.pids[0], 0, read("fr-dump-rank0.pkl", "rb"))
+    first_json = TRACE.ras_answer(KILL + 60, "json") or ""
+    try:
+        for t, ranks in TRACE.samples():
+            if t - KILL > 19.0:  # the harness's own trigger came at +20 s
+                break
+            node.step(t, ranks, TRACE.nvml_row(t), TRACE.ras_answer(t, "json") or first_json)
+            node.monitor.run_pending()
+            node.extra_wchar[0] = fr.triggered * DUMP_WCHAR
+    finally:
+        fr.close()
+    assert fr.triggered == 1
+    at, _ = node.found[0]
+    assert all(found for t, found in node.found if t >= at), node.timeline
 
 
 def test_recorded_flight_dump_parses_safely_with_the_step_rank_0_reached() -> None:
