@@ -12,7 +12,6 @@ remediation acts and whenever a critical finding first opens.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -53,6 +52,8 @@ def incident_key(f: Finding) -> str:
 
 
 def _bundle_id(key: str, t: float) -> str:
+    import hashlib  # here: it maps libcrypto, and only a bundle being written needs it
+
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(t))
     digest = hashlib.sha1(f"{key}|{t}".encode()).hexdigest()[:10]
     return f"{stamp}-{digest}"
