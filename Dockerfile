@@ -5,6 +5,7 @@
 ARG BASE=python:3.12.13-slim-bookworm
 
 # --- build: compile systemd-python, install the pinned dependencies into a venv ---
+# (tests/deploy/test_install_envs.py runs this stage's venv and pip lines without Docker)
 FROM ${BASE} AS build
 # Build tools for systemd-python's C extension; they stay in this stage.
 # hadolint ignore=DL3008
@@ -26,7 +27,10 @@ RUN python -m venv /opt/gpuwatchd \
  && /opt/gpuwatchd/bin/pip install -r requirements.txt
 COPY pyproject.toml README.md ./
 COPY gpuwatchd ./gpuwatchd
-RUN /opt/gpuwatchd/bin/pip install --no-deps . \
+# The extras the image promises, constrained to the pins installed above: pip adds only
+# gpuwatchd itself, and would fetch anything pyproject.toml declares but the pins lack.
+RUN /opt/gpuwatchd/bin/pip install -c requirements.txt ".[systemd,pod-resources]" \
+ && /opt/gpuwatchd/bin/pip check \
  && /opt/gpuwatchd/bin/gpuwatchd --version
 
 # --- runtime: the venv on a clean base, no compiler ---

@@ -1,6 +1,7 @@
 # Install gpuwatchd as a systemd service on a bare-metal node.
 #
-#   sudo make install                  venv in /opt/gpuwatchd, unit, sysusers, config
+#   sudo make install                  venv in /opt/gpuwatchd (pinned, with systemd-python),
+#                                      unit, sysusers, config
 #   make install DESTDIR=/tmp/stage    stage the same tree for a package
 #
 # Then (not when staging): systemd-sysusers && systemctl daemon-reload &&
@@ -13,8 +14,12 @@ BINDIR      ?= /usr/local/bin
 UNITDIR     ?= /usr/local/lib/systemd/system
 SYSUSERSDIR ?= /usr/local/lib/sysusers.d
 DOCDIR      ?= /usr/local/share/doc/gpuwatchd
-# What pip installs into the venv: this source tree, or a wheel built elsewhere.
+# What pip installs into the venv: this source tree, or a wheel built elsewhere, with
+# these extras (add pod-resources on a Kubernetes node), at the versions pinned in
+# CONSTRAINTS.
 SRC         ?= .
+EXTRAS      ?= systemd
+CONSTRAINTS ?= requirements.txt
 PIP_INSTALL_ARGS ?=
 DESTDIR     ?=
 
@@ -24,7 +29,7 @@ CONFDIR := $(SYSCONFDIR)/gpuwatchd
 .PHONY: help install install-venv install-files uninstall
 
 help:
-	@sed -n '2,8p' Makefile
+	@sed -n '2,9p' Makefile
 
 install: install-venv install-files
 	@if [ -z "$(DESTDIR)" ]; then \
@@ -37,7 +42,7 @@ install: install-venv install-files
 install-venv:
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --disable-pip-version-check --no-warn-script-location \
-	  $(PIP_INSTALL_ARGS) "$(SRC)"
+	  -c "$(CONSTRAINTS)" $(PIP_INSTALL_ARGS) "$(SRC)[$(EXTRAS)]"
 # Staged into DESTDIR, scripts would point at the staging path: point them at PREFIX.
 	@if [ -n "$(DESTDIR)" ]; then \
 	  grep -rlI -F "$(VENV)" $(VENV)/bin $(VENV)/pyvenv.cfg | \

@@ -13,7 +13,7 @@ Baselines, in the same run on the same machine:
   (`--baseline-rev`, unpacked with `git archive`), on the healthy node;
 - the floor any Python check pays: `python -c 'import pynvml'`.
 
-    python benchmarks/bench_check.py [--runs 5] [--baseline-rev REV] [--section check]
+    .venv/bin/python benchmarks/bench_check.py [--runs 5] [--baseline-rev REV] [--section check]
 """
 
 from __future__ import annotations

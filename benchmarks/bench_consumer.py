@@ -11,7 +11,7 @@
   on the SQLite file): the longest a publish takes meanwhile, and what
   waits (latest snapshot per source; events kept).
 
-    python benchmarks/bench_consumer.py [--publishes 2000] [--no-write]
+    .venv/bin/python benchmarks/bench_consumer.py [--publishes 2000] [--no-write]
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ exporters run), after checking that both write the same bytes. Also times a
 whole uncached scrape render (collecting the families from the snapshot, then
 writing them). Best of 5 rounds of 20 renders each.
 
-    python benchmarks/bench_exposition.py --replay tests/fixtures/nvml/h200x8-from-h200x2.json
+    .venv/bin/python benchmarks/bench_exposition.py \\
+        --replay tests/fixtures/nvml/h200x8-from-h200x2.json
 """
 
 from __future__ import annotations
@@ -105,7 +106,17 @@ def main() -> int:
 
         def probe() -> None:
             try:
-                while daemon.pipeline is None or daemon.httpd is None:
+                # The HTTP socket and the pipeline exist before the sources have polled:
+                # an idle consumer alone measured the daemon's own series only (53).
+                deadline = time.monotonic() + 60
+                while (
+                    daemon.pipeline is None
+                    or daemon.httpd is None
+                    or "nvml" not in daemon.state.snapshot().sources
+                ):
+                    if time.monotonic() > deadline:
+                        print("bench_exposition: NVML did not poll within 60 s", file=sys.stderr)
+                        return
                     time.sleep(0.05)
                 daemon.pipeline.wait_idle(30.0)
                 result.update(measure(daemon))

@@ -5,8 +5,8 @@ computes the metrics against the previous poll's sample (nvmlGpmMetricsGet)
 and frees that one. The whole-poll figures are DeviceReader.poll() on the
 same GPU with the GPU's GPM flag on and off.
 
-    python benchmarks/bench_gpm.py --json OUT.json          # on a GPU machine
-    python benchmarks/bench_gpm.py --replay tests/fixtures/nvml/h100-gpm-record.json
+    .venv/bin/python benchmarks/bench_gpm.py --json OUT.json          # on a GPU machine
+    .venv/bin/python benchmarks/bench_gpm.py --replay tests/fixtures/nvml/h100-gpm-record.json
 """
 
 from __future__ import annotations

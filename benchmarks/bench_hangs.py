@@ -6,7 +6,7 @@ inputs from /proc (environ, per-thread CPU time, command line) of 64 real
 processes started for the run. Then one `py-spy dump --native` of a local
 Python process with four threads: wall time and py-spy's peak RSS.
 
-    python benchmarks/bench_hangs.py [--polls 300] [--section hangs]
+    .venv/bin/python benchmarks/bench_hangs.py [--polls 300] [--section hangs]
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Latency: a thread writes Xid records into a SOCK_SEQPACKET socket (one
 record per read, like /dev/kmsg) at random moments while a KmsgSource polls
 it; the time from write to the Event leaving poll() is recorded.
 
-    python benchmarks/bench_parser.py [--seconds 2] [--latency-samples 200] [--no-write]
+    .venv/bin/python benchmarks/bench_parser.py [--seconds 2] [--latency-samples 200] [--no-write]
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ a full poll that also reads every NVLink error counter. Also times one
 `nvidia-smi --query-gpu=...` scrape (query + render), what an nvidia-smi based
 exporter makes per scrape, and gives the ratio.
 
-    python benchmarks/bench_poll.py --section poll-h200       # on a GPU machine
-    python benchmarks/bench_poll.py --replay tests/fixtures/nvml/h200x2-record.json
+    .venv/bin/python benchmarks/bench_poll.py --section poll-h200       # on a GPU machine
+    .venv/bin/python benchmarks/bench_poll.py --replay tests/fixtures/nvml/h200x2-record.json
 """
 
 from __future__ import annotations

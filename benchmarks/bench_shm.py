@@ -5,7 +5,7 @@ and one process with many open files), then times one ShmSource poll:
 with no segment (no scan at all), and with segments, scanning maps only
 and maps plus fds. Writes its section of docs/benchmarks.md.
 
-    python benchmarks/bench_shm.py [--procs 0,1000,3000] [--runs 15] [--no-write]
+    .venv/bin/python benchmarks/bench_shm.py [--procs 0,1000,3000] [--runs 15] [--no-write]
 """
 
 from __future__ import annotations

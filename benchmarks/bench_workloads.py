@@ -9,7 +9,7 @@ polls after each NVML poll (one List call, cached per-pid facts), and a
 poll that finds no new NVML poll (the last answer), with the same source
 the daemon runs. Slurm is off (its lookups are cached per job and bounded by a timeout).
 
-    python benchmarks/bench_workloads.py [--polls 300] [--no-write]
+    .venv/bin/python benchmarks/bench_workloads.py [--polls 300] [--no-write]
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Starts `gpuwatchd run` on the HGX capture and sysfs of benchmarks/hgx.py
 (8 H200s x 18 NVLinks, 8 ConnectX ports), waits for the NVLink error counters
 and two polls, scrapes /metrics, and counts series per family.
 
-    python benchmarks/cardinality.py                  # defaults
-    python benchmarks/cardinality.py --nvlink-detail link
+    .venv/bin/python benchmarks/cardinality.py                  # defaults
+    .venv/bin/python benchmarks/cardinality.py --nvlink-detail link
 """
 
 from __future__ import annotations

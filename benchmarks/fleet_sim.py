@@ -20,7 +20,7 @@ Measured: series per node and in total, Prometheus rule group evaluation
 time, fleet dashboard query latency (every panel query, all nodes),
 notifications per node incident, memory (RSS) of each daemon.
 
-    python benchmarks/fleet_sim.py --nodes 64 --seconds 150 --json fleet.json
+    .venv/bin/python benchmarks/fleet_sim.py --nodes 64 --seconds 150 --json fleet.json
 """
 
 from __future__ import annotations

@@ -52,7 +52,8 @@ def _shareable(args: list[str]) -> list[str]:
 def update_section(name: str, body: str, doc: Path = DOC) -> None:
     """Replace (or add) the section `name` of the benchmarks document."""
     today = datetime.date.today().isoformat()
-    command = "python " + " ".join([os.path.relpath(sys.argv[0]), *_shareable(sys.argv[1:])])
+    argv = [os.path.relpath(sys.argv[0]), *_shareable(sys.argv[1:])]
+    command = ".venv/bin/python " + " ".join(argv)  # the venv holds what the scripts import
     block = (
         f"<!-- bench:{name} -->\n{body.rstrip()}\n\n"
         f"_Measured {today} on {machine()}; command: `{command}`._\n"

@@ -7,7 +7,7 @@ Python (before 3.14) does not name its threads for the kernel, so names
 come from `py-spy dump` when py-spy is installed (it needs ptrace rights
 over the process); otherwise the thread ids are printed alone.
 
-    python benchmarks/thread_cpu.py --pid PID [--seconds 60] [--json OUT]
+    .venv/bin/python benchmarks/thread_cpu.py --pid PID [--seconds 60] [--json OUT]
 """
 
 from __future__ import annotations

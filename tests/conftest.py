@@ -20,6 +20,8 @@ FIXTURES = ROOT / "tests" / "fixtures"
 # its exposition would drop (production counts it in
 # gpuwatchd_exporter_dropped_samples_total instead).
 os.environ["GPUWATCHD_STRICT_EXPORT"] = "1"
+# A shell that followed the quick start has it set; the tests choose their own store.
+os.environ.pop("GPUWATCHD_STATE_DIR", None)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

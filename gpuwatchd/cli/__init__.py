@@ -6,13 +6,18 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
 from gpuwatchd import __version__, logs
 from gpuwatchd.errors import ConfigError
 
-__all__ = ["main"]
+__all__ = ["STATE_DIR_ENV", "add_state_dir", "main"]
+
+# Every subcommand that reads or writes the store takes its directory from --state-dir,
+# else from this variable, else from daemon.state_dir (scripts/run exports it).
+STATE_DIR_ENV = "GPUWATCHD_STATE_DIR"
 
 # Modules that add a subcommand through `register(subparsers)`; a module is named
 # after its subcommand, so a command line loads only the module it runs.
@@ -56,6 +61,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             "%s: %s (use --debug for a traceback)", type(exc).__name__, exc
         )
         return 1
+
+
+def add_state_dir(parser: argparse.ArgumentParser, help: str) -> None:
+    """Add `--state-dir`: default $GPUWATCHD_STATE_DIR, else the config's daemon.state_dir."""
+    parser.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        default=os.environ.get(STATE_DIR_ENV) or None,
+        help=f"{help} (default: ${STATE_DIR_ENV}, else daemon.state_dir)",
+    )
 
 
 def _wanted(argv: Sequence[str]) -> str | None:

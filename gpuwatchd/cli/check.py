@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwatchd import config
+from gpuwatchd.cli import add_state_dir
 from gpuwatchd.clock import Clock, SystemClock
 from gpuwatchd.config import Config
 from gpuwatchd.errors import GpuwatchdError
@@ -60,17 +61,13 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--config", metavar="FILE", help="YAML config (default: built-in defaults)")
     p.add_argument("--nvml-replay", metavar="FILE", help="replay a recorded NVML capture")
-    p.add_argument(
-        "--state-dir",
-        metavar="DIR",
-        help="the daemon's daemon.state_dir, whose store is read (clears, baseline, Xids)",
-    )
+    add_state_dir(p, "the daemon's store, read for clears, baseline and Xids")
     p.add_argument("--json", action="store_true", help="same as --format json")
     p.add_argument(
         "--format",
         choices=("text", "json", "npd"),
-        default="text",
-        help="npd: node-problem-detector custom plugin (exit 0 OK, 1 problem, 2 unknown; one line)",
+        help="text (default), json, or npd: node-problem-detector custom plugin"
+        " (exit 0 OK, 1 problem, 2 unknown; one line)",
     )
     p.add_argument(
         "--timeout",
@@ -402,6 +399,14 @@ def render_npd(v: Verdict, problem: Severity) -> tuple[int, str]:
 
 
 def _run_check(args: argparse.Namespace) -> int:
+    if args.json and args.format not in (None, "json"):
+        print(
+            "gpuwatchd check: --json means --format json;"
+            f" it cannot go with --format {args.format}",
+            file=sys.stderr,
+        )
+        return 2
+    fmt = args.format or ("json" if args.json else "text")
     cfg = config.load(args.config)
     if args.nvml_replay:
         nvml = dataclasses.replace(cfg.sources.nvml, replay=args.nvml_replay)
@@ -410,7 +415,6 @@ def _run_check(args: argparse.Namespace) -> int:
         daemon = dataclasses.replace(cfg.daemon, state_dir=args.state_dir)
         cfg = dataclasses.replace(cfg, daemon=daemon)
     config.check_paths(cfg, args.config or "<defaults>")
-    fmt = "json" if args.json else args.format
     try:
         verdict = check(cfg, timeout=args.timeout)
     except GpuwatchdError as exc:

@@ -13,6 +13,7 @@ from typing import Any
 
 from gpuwatchd import config
 from gpuwatchd.bootid import read_boot_id
+from gpuwatchd.cli import add_state_dir
 from gpuwatchd.cli.check import collect
 from gpuwatchd.clock import SystemClock
 from gpuwatchd.config import Config
@@ -48,7 +49,12 @@ def register(subparsers: Any) -> None:
         help="with --resume: skip the diag standard run that must pass first (recorded)",
     )
     c.add_argument("--config", metavar="FILE", help="YAML config (default: built-in defaults)")
-    c.add_argument("--state-dir", metavar="DIR", help="override daemon.state_dir")
+    add_state_dir(c, "the daemon's event store")
+    c.add_argument(
+        "--new-store",
+        action="store_true",
+        help="start an event store if the state dir has none (a node that runs only `check`)",
+    )
     c.set_defaults(func=_run_clear)
 
 
@@ -92,6 +98,14 @@ def _run_clear(args: argparse.Namespace) -> int:
         print("gpuwatchd clear: one of --gpu, --all or --resume is required", file=sys.stderr)
         return 2
     if args.gpu or args.all:
+        if not (args.new_store or os.path.exists(os.path.join(cfg.daemon.state_dir, DB_NAME))):
+            # a clear in a store nobody reads (a mistyped --state-dir) would be lost unseen
+            print(
+                f"gpuwatchd clear: no event store in {cfg.daemon.state_dir}; pass the daemon's"
+                " --state-dir (or set GPUWATCHD_STATE_DIR), or --new-store to start one",
+                file=sys.stderr,
+            )
+            return 1
         _clear_gpus(cfg, args)
     return _resume(cfg, args) if args.resume else 0
 

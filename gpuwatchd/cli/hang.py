@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpuwatchd import config
+from gpuwatchd.cli import add_state_dir
 from gpuwatchd.sinks.store import DB_NAME, EventStore
 
 __all__ = ["hang_documents", "register", "render"]
@@ -34,7 +35,7 @@ def register(subparsers: Any) -> None:
     show = sub.add_parser("show", help="list hangs, or show one by ID")
     show.add_argument("id", nargs="?", type=int, help="the hang's id (from the list)")
     show.add_argument("--config", help="config file (default: built-in defaults)")
-    show.add_argument("--state-dir", help="the daemon's daemon.state_dir")
+    add_state_dir(show, "the daemon's event store")
     show.add_argument("--json", action="store_true", help="print the documents as JSON")
     show.add_argument("--limit", type=int, default=20, help="newest N hangs (default 20)")
     show.set_defaults(func=_run_show)

@@ -27,10 +27,23 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "--call-timeout", type=float, default=5.0, help="NVML call deadline in seconds (default 5)"
     )
     parser.add_argument(
-        "--from-replay",
+        "--nvml-replay",
         metavar="FILE",
         help="record a replayed capture instead of real NVML (for testing)",
     )
+    # the spelling before 0.2, kept so scripts that use it keep working
+    parser.add_argument("--from-replay", dest="nvml_replay", help=argparse.SUPPRESS)
+
+
+def _flag_problem(args: argparse.Namespace) -> str:
+    """What is wrong with the numeric flags ("" when nothing)."""
+    if args.polls < 1:
+        return f"--polls: must be at least 1 (got {args.polls})"
+    if not args.interval >= 0:
+        return f"--interval: must be >= 0 seconds (got {args.interval:g})"
+    if not args.call_timeout > 0:
+        return f"--call-timeout: must be > 0 seconds (got {args.call_timeout:g})"
+    return ""
 
 
 def _nvml_missing(client: NvmlClient, timeout: float) -> str:
@@ -59,7 +72,18 @@ def _nvml_missing(client: NvmlClient, timeout: float) -> str:
 
 
 def _handle(args: argparse.Namespace) -> int:
-    client: NvmlClient = ReplayClient.load(args.from_replay) if args.from_replay else Pynvml()
+    problem = _flag_problem(args)
+    if problem:
+        print(f"gpuwatchd record: {problem}", file=sys.stderr)
+        return 2
+    client: NvmlClient = Pynvml()
+    if args.nvml_replay:
+        try:
+            client = ReplayClient.load(args.nvml_replay)
+        except (OSError, ValueError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            print(f"gpuwatchd record: --nvml-replay {args.nvml_replay}: {why}", file=sys.stderr)
+            return 78
     missing = _nvml_missing(client, args.call_timeout)
     if missing:
         # a capture of nothing would only mislead a test that replays it
@@ -68,13 +92,17 @@ def _handle(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    capture = record(
-        args.out,
-        polls=max(1, args.polls),
-        interval=args.interval,
-        call_timeout=args.call_timeout,
-        client=client,
-    )
+    try:
+        capture = record(
+            args.out,
+            polls=args.polls,
+            interval=args.interval,
+            call_timeout=args.call_timeout,
+            client=client,
+        )
+    except OSError as exc:
+        print(f"gpuwatchd record: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
+        return 73  # EX_CANTCREAT
     summary = capture["summary"]
     gpus = summary["gpus"]
     print(

@@ -9,6 +9,8 @@ import threading
 import types
 from typing import Any
 
+from gpuwatchd.cli import add_state_dir
+
 __all__ = ["defer_ssl", "register"]
 
 
@@ -18,7 +20,7 @@ def register(sub: Any) -> None:
     run.add_argument("--config", metavar="FILE", help="YAML config (default: built-in defaults)")
     run.add_argument("--listen", metavar="HOST:PORT", help="override http.listen")
     run.add_argument("--nvml-replay", metavar="FILE", help="replay a recorded NVML capture")
-    run.add_argument("--state-dir", metavar="DIR", help="override daemon.state_dir")
+    add_state_dir(run, "event store and cursors")
     run.add_argument(
         "--log-level", choices=("debug", "info", "warning", "error"), help="override log level"
     )

@@ -189,6 +189,7 @@ def test_clear_ends_a_critical_xid_and_records_who(write_config, monkeypatch, ca
                 "GPU reset after Xid 109",
                 "--config",
                 str(cfg),
+                "--new-store",  # no daemon ran here: `check` alone reads the store
             ]
         )
         == 0
