@@ -296,7 +296,9 @@ def test_state_files_are_private_without_the_units_umask(
         os.umask(old)
     try:
         assert stat.S_IMODE(state.stat().st_mode) == 0o700
-        files = {p.name: stat.S_IMODE(p.stat().st_mode) for p in state.iterdir()}
+        files = {p.name: stat.S_IMODE(p.stat().st_mode) for p in state.iterdir() if p.is_file()}
+        dirs = {p.name: stat.S_IMODE(p.stat().st_mode) for p in state.iterdir() if p.is_dir()}
+        assert {n: m for n, m in dirs.items() if m != 0o700} == {}  # e.g. evidence/
         for name in ("gpuwatchd.db", "gpuwatchd.db-wal", "gpuwatchd.lock", "gpuwatchd.run"):
             assert name in files, files
         assert FAULT_LOG in files
