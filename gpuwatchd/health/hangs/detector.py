@@ -92,6 +92,13 @@ class _Memory:
     gpu_working: dict[int, bool] = field(default_factory=dict)  # as of the last reading
     cpu_ratio: dict[int, float] = field(default_factory=dict)
     ras: JobRas = field(default_factory=JobRas)
+    replaced: set[int] = field(default_factory=set)  # gone pids whose rank runs again
+    # A decided rank_dead / rank_missing stays decided (see _sticky): its onset, the
+    # signals that decided it, and the RAS counts of the first answer after the death.
+    dead_since: float | None = None
+    dead_signals: str = ""
+    dead_counts: tuple[tuple[str, int, str, int], ...] | None = None
+    missing_since: float | None = None
 
 
 def _rate(now: float, new: float | None, old_t: float, old: float | None) -> float | None:
@@ -109,6 +116,7 @@ class HangDetector:
         self._baseline = GpuBaseline()
         self._gpus: dict[str, GpuActivity] = {}
         self._verdicts: list[JobVerdict] = []
+        self._own_io: Mapping[int, tuple[float, float]] = {}
 
     def observe(
         self,
@@ -116,8 +124,15 @@ class HangDetector:
         gpus: Sequence[GpuActivity] | None,
         now: float,
         ras: Mapping[str, RasView] | None = None,
+        own_io: Mapping[int, tuple[float, float]] | None = None,
     ) -> list[JobVerdict]:
-        """Feed one probe (gpus None: no new GPU reading); every job's verdict."""
+        """Feed one probe (gpus None: no new GPU reading); every job's verdict.
+
+        `own_io`: pid -> (from, until), I/O the monitor itself caused in that span (a
+        flight recorder dump it triggered); a probe interval that overlaps it reads no
+        `io` progress for that rank.
+        """
+        self._own_io = own_io or {}
         if gpus is not None:
             for g in gpus:
                 self._baseline.update(g, now)
@@ -129,7 +144,9 @@ class HangDetector:
                 continue  # the job ended
             mem = self._jobs.get(job.job) or _Memory()
             if mem.last_seen and now - mem.last_seen > self.thresholds.max_gap_seconds:
-                mem = _Memory(seen=mem.seen, ras=mem.ras)  # a gap: start the clocks again
+                mem = _Memory(
+                    seen=mem.seen, ras=mem.ras, replaced=mem.replaced
+                )  # a gap: start the clocks again
             view = (ras or {}).get(job.job)
             if view is not None:
                 mem.ras = job_ras(mem.ras, view, job)
@@ -156,7 +173,10 @@ class HangDetector:
         """Update per-rank progress; the signals each rank moved at this poll."""
         t = self.thresholds
         moved: dict[int, set[str]] = {}
+        self._replace(job, mem)
         for r in job.ranks:
+            if r.pid in mem.replaced:
+                continue
             if not r.alive:
                 mem.gone.setdefault(r.pid, now)
                 continue
@@ -166,6 +186,9 @@ class HangDetector:
             if prev is not None:
                 pt, p = prev
                 io = _rate(now, r.io_bytes, pt, p.io_bytes)
+                own = self._own_io.get(r.pid)
+                if own is not None and pt < own[1] and now > own[0]:
+                    io = None  # the dump the monitor asked for, not the job's work
                 child_io = _rate(now, r.child_io_bytes, pt, p.child_io_bytes)
                 if max(io or 0.0, child_io or 0.0) >= t.io_progress_bytes_per_second:
                     signals.add("io")
@@ -188,12 +211,28 @@ class HangDetector:
         present = {r.pid for r in job.ranks}
         for pid in set(mem.seen) - present:  # left the job's view without a goodbye
             mem.gone.setdefault(pid, now)
+        mem.replaced &= present
         for pid, at in list(mem.gone.items()):
+            if mem.dead_since is not None and mem.seen.get(pid) is not None:
+                continue  # a decided dead rank is kept until it is replaced or the job ends
             if now - at > FORGET_GONE_SECONDS:  # a restarted job goes on with new ranks
                 del mem.gone[pid]
                 mem.seen.pop(pid, None)
                 mem.prev.pop(pid, None)
         return moved
+
+    @staticmethod
+    def _replace(job: JobView, mem: _Memory) -> None:
+        """A new live process holding a gone rank's number replaced it (elastic restart)."""
+        running = {r.rank: r.pid for r in job.ranks if r.alive and r.rank is not None}
+        for pid in list(mem.gone):
+            rank = mem.seen.get(pid)
+            if rank is not None and running.get(rank, pid) != pid:
+                del mem.gone[pid]
+                mem.seen.pop(pid, None)
+                mem.prev.pop(pid, None)
+                mem.replaced.add(pid)
+                mem.ras = JobRas()  # new processes, new communicators: old answers are stale
 
     def _recent(self, mem: _Memory, pid: int, now: float, window: float) -> bool:
         if mem.gpu_working.get(pid):
@@ -280,7 +319,7 @@ class HangDetector:
                     + ["cpu"] * quiet_cpu
                 )
         ras_dead = ras.dead_ranks(gone)
-        if ras_dead and not progressing and stuck_others:
+        if ras_dead and not progressing and stuck_others and not ras.rising():
             first = min(s for _, s in ras_dead.values())
             held["rank_dead"] = min(held.get("rank_dead", first), first)
             signals["rank_dead"] = "ras" + ("+liveness" if gone else "")
@@ -290,6 +329,7 @@ class HangDetector:
         if short > 0 and alive and not progressing and (quiet_cpu or resident):
             held["rank_missing"] = mem.onset.get("rank_missing", now)
             signals["rank_missing"] = "liveness+" + ("cpu" if quiet_cpu else "gpu")
+        self._sticky(mem, held, signals, bool(gone or ras_dead), bool(ras_dead), short > 0)
         flat_for = ras.flat_for() if not gone else 0.0
         if not young and not gone:
             flat = flat_for > 0 and ras.counts_since is not None
@@ -335,9 +375,55 @@ class HangDetector:
                 else (c == "rank_dead" and bool(ras_dead)) or now - held[c] >= need[c]
             )
         )
+        if "rank_dead" in decided and mem.dead_since is None:
+            mem.dead_since, mem.dead_signals = held["rank_dead"], signals["rank_dead"]
+        if "rank_missing" in decided and mem.missing_since is None:
+            mem.missing_since = held["rank_missing"]
         return self._verdict(
             job, mem, decided, held, signals, states, progressing, ras_dead, short, now
         )
+
+    @staticmethod
+    def _sticky(
+        mem: _Memory,
+        held: dict[str, float],
+        signals: dict[str, str],
+        dead: bool,
+        ras_named: bool,
+        short: bool,
+    ) -> None:
+        """Keep a decided dead or missing rank decided while it stays dead or missing.
+
+        After a peer died, the survivors write flight recorder dumps and logs, spin or
+        idle: none of that is the job's work, and none of it may resolve the page.
+        What ends it: the job ending (no rank alive: its memory is dropped), the rank
+        replaced (a new process with its rank: an elastic restart) or, for a missing
+        rank, started; the job tearing NCCL down; or RAS counts rising after the death.
+        """
+        ras = mem.ras
+        if mem.dead_since is not None:
+            if mem.dead_counts is None and ras.counts is not None and ras.at >= mem.dead_since:
+                mem.dead_counts = ras.counts  # the first answer after the verdict
+            counting = mem.dead_counts is not None and ras.counts not in (None, mem.dead_counts)
+            if dead and not counting and not ras.torn_down_after(mem.dead_since):
+                held["rank_dead"] = mem.dead_since
+                extra = {"ras"} if ras_named else set()
+                signals["rank_dead"] = "+".join(sorted(set(mem.dead_signals.split("+")) | extra))
+            else:
+                if counting:  # the job goes on without the ranks that left
+                    for pid in mem.gone:
+                        mem.seen.pop(pid, None)
+                        mem.replaced.add(pid)
+                    mem.gone.clear()
+                held.pop("rank_dead", None)
+                mem.dead_since, mem.dead_counts = None, None
+        if mem.missing_since is not None:
+            if short and not ras.rising():
+                held["rank_missing"] = mem.missing_since
+                signals.setdefault("rank_missing", "liveness")
+            else:
+                held.pop("rank_missing", None)
+                mem.missing_since = None
 
     def _verdict(
         self,
