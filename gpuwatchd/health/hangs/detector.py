@@ -16,13 +16,15 @@ the others make no progress), `rank_missing` (fewer ranks than expected at
 start-up while the present ones wait), `collective_stall` (RAS counts flat and
 no rank makes progress), `gpu_stall` / `cpu_stall` (the older signals, for
 jobs without RAS), `straggler` (some ranks progress while others wait: a
-warning, critical once it lasts to the job's collective timeout).
+warning, critical once it lasts to the job's collective timeout). Once decided,
+`rank_dead` and `rank_missing` stay until the rank is back, the job ends or RAS
+counts rise (memory.keep_decided); I/O the monitor caused itself is no progress.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gpuwatchd.health.hangs.gpu import (
     GpuActivity,
@@ -31,7 +33,8 @@ from gpuwatchd.health.hangs.gpu import (
     activity_from_samples,
     classify,
 )
-from gpuwatchd.health.hangs.ras_view import JobRas, RasView, job_ras
+from gpuwatchd.health.hangs.memory import JobMemory, keep_decided, replace_ranks
+from gpuwatchd.health.hangs.ras_view import RasView, job_ras
 from gpuwatchd.jobview import JobView, RankView
 
 __all__ = [
@@ -81,26 +84,6 @@ class JobVerdict:
         return bool(self.conditions)
 
 
-@dataclass
-class _Memory:
-    onset: dict[str, float] = field(default_factory=dict)
-    last_seen: float = 0.0
-    seen: dict[int, int | None] = field(default_factory=dict)  # pid -> rank
-    gone: dict[int, float] = field(default_factory=dict)  # pid -> first seen gone
-    prev: dict[int, tuple[float, RankView]] = field(default_factory=dict)
-    progress_at: dict[int, float] = field(default_factory=dict)  # I/O, children
-    gpu_working: dict[int, bool] = field(default_factory=dict)  # as of the last reading
-    cpu_ratio: dict[int, float] = field(default_factory=dict)
-    ras: JobRas = field(default_factory=JobRas)
-    replaced: set[int] = field(default_factory=set)  # gone pids whose rank runs again
-    # A decided rank_dead / rank_missing stays decided (see _sticky): its onset, the
-    # signals that decided it, and the RAS counts of the first answer after the death.
-    dead_since: float | None = None
-    dead_signals: str = ""
-    dead_counts: tuple[tuple[str, int, str, int], ...] | None = None
-    missing_since: float | None = None
-
-
 def _rate(now: float, new: float | None, old_t: float, old: float | None) -> float | None:
     if new is None or old is None or now <= old_t:
         return None
@@ -112,7 +95,7 @@ class HangDetector:
 
     def __init__(self, thresholds: HangThresholds) -> None:
         self.thresholds = thresholds
-        self._jobs: dict[str, _Memory] = {}
+        self._jobs: dict[str, JobMemory] = {}
         self._baseline = GpuBaseline()
         self._gpus: dict[str, GpuActivity] = {}
         self._verdicts: list[JobVerdict] = []
@@ -137,14 +120,14 @@ class HangDetector:
             for g in gpus:
                 self._baseline.update(g, now)
             self._gpus = {g.gpu: g for g in gpus}
-        kept: dict[str, _Memory] = {}
+        kept: dict[str, JobMemory] = {}
         verdicts = []
         for job in jobs:
             if not any(r.alive for r in job.ranks):
                 continue  # the job ended
-            mem = self._jobs.get(job.job) or _Memory()
+            mem = self._jobs.get(job.job) or JobMemory()
             if mem.last_seen and now - mem.last_seen > self.thresholds.max_gap_seconds:
-                mem = _Memory(
+                mem = JobMemory(
                     seen=mem.seen, ras=mem.ras, replaced=mem.replaced
                 )  # a gap: start the clocks again
             view = (ras or {}).get(job.job)
@@ -169,11 +152,11 @@ class HangDetector:
 
     # --- one job ----------------------------------------------------------------------
 
-    def _track(self, job: JobView, mem: _Memory, now: float, fresh: bool) -> dict[int, set[str]]:
+    def _track(self, job: JobView, mem: JobMemory, now: float, fresh: bool) -> dict[int, set[str]]:
         """Update per-rank progress; the signals each rank moved at this poll."""
         t = self.thresholds
         moved: dict[int, set[str]] = {}
-        self._replace(job, mem)
+        replace_ranks(job, mem)
         for r in job.ranks:
             if r.pid in mem.replaced:
                 continue
@@ -221,26 +204,13 @@ class HangDetector:
                 mem.prev.pop(pid, None)
         return moved
 
-    @staticmethod
-    def _replace(job: JobView, mem: _Memory) -> None:
-        """A new live process holding a gone rank's number replaced it (elastic restart)."""
-        running = {r.rank: r.pid for r in job.ranks if r.alive and r.rank is not None}
-        for pid in list(mem.gone):
-            rank = mem.seen.get(pid)
-            if rank is not None and running.get(rank, pid) != pid:
-                del mem.gone[pid]
-                mem.seen.pop(pid, None)
-                mem.prev.pop(pid, None)
-                mem.replaced.add(pid)
-                mem.ras = JobRas()  # new processes, new communicators: old answers are stale
-
-    def _recent(self, mem: _Memory, pid: int, now: float, window: float) -> bool:
+    def _recent(self, mem: JobMemory, pid: int, now: float, window: float) -> bool:
         if mem.gpu_working.get(pid):
             return True
         at = mem.progress_at.get(pid)
         return at is not None and now - at < window
 
-    def _judge(self, job: JobView, mem: _Memory, now: float, fresh: bool) -> JobVerdict:
+    def _judge(self, job: JobView, mem: JobMemory, now: float, fresh: bool) -> JobVerdict:
         t = self.thresholds
         moved = self._track(job, mem, now, fresh)
         alive = [r for r in job.ranks if r.alive]
@@ -329,7 +299,7 @@ class HangDetector:
         if short > 0 and alive and not progressing and (quiet_cpu or resident):
             held["rank_missing"] = mem.onset.get("rank_missing", now)
             signals["rank_missing"] = "liveness+" + ("cpu" if quiet_cpu else "gpu")
-        self._sticky(mem, held, signals, bool(gone or ras_dead), bool(ras_dead), short > 0)
+        keep_decided(mem, held, signals, bool(gone or ras_dead), bool(ras_dead), short > 0)
         flat_for = ras.flat_for() if not gone else 0.0
         if not young and not gone:
             flat = flat_for > 0 and ras.counts_since is not None
@@ -383,52 +353,10 @@ class HangDetector:
             job, mem, decided, held, signals, states, progressing, ras_dead, short, now
         )
 
-    @staticmethod
-    def _sticky(
-        mem: _Memory,
-        held: dict[str, float],
-        signals: dict[str, str],
-        dead: bool,
-        ras_named: bool,
-        short: bool,
-    ) -> None:
-        """Keep a decided dead or missing rank decided while it stays dead or missing.
-
-        After a peer died, the survivors write flight recorder dumps and logs, spin or
-        idle: none of that is the job's work, and none of it may resolve the page.
-        What ends it: the job ending (no rank alive: its memory is dropped), the rank
-        replaced (a new process with its rank: an elastic restart) or, for a missing
-        rank, started; the job tearing NCCL down; or RAS counts rising after the death.
-        """
-        ras = mem.ras
-        if mem.dead_since is not None:
-            if mem.dead_counts is None and ras.counts is not None and ras.at >= mem.dead_since:
-                mem.dead_counts = ras.counts  # the first answer after the verdict
-            counting = mem.dead_counts is not None and ras.counts not in (None, mem.dead_counts)
-            if dead and not counting and not ras.torn_down_after(mem.dead_since):
-                held["rank_dead"] = mem.dead_since
-                extra = {"ras"} if ras_named else set()
-                signals["rank_dead"] = "+".join(sorted(set(mem.dead_signals.split("+")) | extra))
-            else:
-                if counting:  # the job goes on without the ranks that left
-                    for pid in mem.gone:
-                        mem.seen.pop(pid, None)
-                        mem.replaced.add(pid)
-                    mem.gone.clear()
-                held.pop("rank_dead", None)
-                mem.dead_since, mem.dead_counts = None, None
-        if mem.missing_since is not None:
-            if short and not ras.rising():
-                held["rank_missing"] = mem.missing_since
-                signals.setdefault("rank_missing", "liveness")
-            else:
-                held.pop("rank_missing", None)
-                mem.missing_since = None
-
     def _verdict(
         self,
         job: JobView,
-        mem: _Memory,
+        mem: JobMemory,
         decided: tuple[str, ...],
         held: Mapping[str, float],
         signals: Mapping[str, str],
