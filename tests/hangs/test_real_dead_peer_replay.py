@@ -168,6 +168,8 @@ def test_real_dead_peer_stays_one_open_hang_while_rank_1_is_dead(
     at, _ = node.found[0]
     assert all(found for t, found in node.found if t >= at), node.timeline
     assert len(node.monitor.records()) == 1
+    (f,) = node.monitor.findings()  # RAS (+30..32 s) confirmed the open hang
+    assert {"liveness", "gpu", "ras"} <= decided_by(f) and "RAS cannot reach it" in f.reason
 
 
 def test_real_dead_peer_forensics_stacks_and_flight_recorder(
