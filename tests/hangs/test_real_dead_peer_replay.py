@@ -160,12 +160,6 @@ def test_real_ras_answers_name_the_dead_rank_after_the_start_up_grace(
     assert "ras" in decided_by(f) and "Ranks lost on: 192.0.2.2" in f.reason
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="survivor I/O clears a dead peer: rank 0 writing its 270 KB flight recorder dump"
-    " (+20 s, harness trigger) reads as I/O progress at the +22 s probe; the hang resolves"
-    " and a second one opens at the first RAS answer (+30..32 s)",
-)
 def test_real_dead_peer_stays_one_open_hang_while_rank_1_is_dead(
     tmp_path: Path, srv: RasReplayServer
 ) -> None:
@@ -174,6 +168,8 @@ def test_real_dead_peer_stays_one_open_hang_while_rank_1_is_dead(
     at, _ = node.found[0]
     assert all(found for t, found in node.found if t >= at), node.timeline
     assert len(node.monitor.records()) == 1
+    (f,) = node.monitor.findings()  # RAS (+30..32 s) confirmed the open hang
+    assert {"liveness", "gpu", "ras"} <= decided_by(f) and "RAS cannot reach it" in f.reason
 
 
 def test_real_dead_peer_forensics_stacks_and_flight_recorder(
@@ -208,11 +204,6 @@ def test_real_dead_peer_forensics_stacks_and_flight_recorder(
 DUMP_WCHAR = 269_688  # rank 0's wchar across its dump at +20 s (trace.json samples)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the monitor's own flight recorder trigger (at its verdict) makes rank 0 write"
-    " its 270 KB dump; the next /proc probe reads that as I/O progress and resolves the page",
-)
 def test_the_monitors_own_flight_trigger_does_not_clear_its_page(
     tmp_path: Path, srv: RasReplayServer
 ) -> None:
@@ -295,3 +286,38 @@ def test_healthy_training_and_its_continuation_stay_quiet(
     assert node.found == [] and node.monitor.findings() == []
     assert all(v.conditions == () for v in node.monitor.detector._verdicts)
     assert len(node.ras_asked) >= 5  # polled from the end of the grace, counts rising
+
+
+def test_the_monitors_own_flight_dump_does_not_resolve_a_stall_of_live_ranks(
+    tmp_path: Path, srv: RasReplayServer
+) -> None:
+    """Both ranks alive and idle (no CPU, no I/O, GPUs quiet; RAS off): `cpu_stall`.
+
+    The monitor's flight recorder trigger makes rank 0 write its 270 KB dump; that I/O
+    is the monitor's own, so the stall stays one open hang instead of resolving and
+    coming back as a second record a minute later.
+    """
+    cfg = Config()
+    node = Node(
+        tmp_path,
+        srv,
+        dataclasses.replace(cfg, hangs=dataclasses.replace(cfg.hangs, ras=False)),
+        0.0,
+    )
+    fr = FlightRank(node.proc, TRACE.pids[0], 0, read("fr-dump-rank0.pkl", "rb"))
+    t0, frozen = [(t, r) for t, r in TRACE.samples() if t < KILL][-1]
+    quiet = {"utilization": 0.0, "sm_active": 0.0, "sm_occupancy": 0.0, "power_watts": 80.0}
+    row = TRACE.nvml_row(t0)
+    row = {**row, "gpus": [{**g, **quiet} for g in row["gpus"]]}
+    try:
+        for k in range(150):
+            node.step(t0 + k, frozen, row, "")
+            node.monitor.run_pending()
+            node.extra_wchar[0] = fr.triggered * DUMP_WCHAR
+    finally:
+        fr.close()
+    assert fr.triggered == 1
+    assert node.found, node.timeline
+    at, _ = node.found[0]
+    assert all(found for t, found in node.found if t >= at), node.timeline
+    assert len(node.monitor.records()) == 1

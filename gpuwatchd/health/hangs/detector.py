@@ -16,13 +16,15 @@ the others make no progress), `rank_missing` (fewer ranks than expected at
 start-up while the present ones wait), `collective_stall` (RAS counts flat and
 no rank makes progress), `gpu_stall` / `cpu_stall` (the older signals, for
 jobs without RAS), `straggler` (some ranks progress while others wait: a
-warning, critical once it lasts to the job's collective timeout).
+warning, critical once it lasts to the job's collective timeout). Once decided,
+`rank_dead` and `rank_missing` stay until the rank is back, the job ends or RAS
+counts rise (memory.keep_decided); I/O the monitor caused itself is no progress.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gpuwatchd.health.hangs.gpu import (
     GpuActivity,
@@ -31,7 +33,8 @@ from gpuwatchd.health.hangs.gpu import (
     activity_from_samples,
     classify,
 )
-from gpuwatchd.health.hangs.ras_view import JobRas, RasView, job_ras
+from gpuwatchd.health.hangs.memory import JobMemory, keep_decided, replace_ranks
+from gpuwatchd.health.hangs.ras_view import RasView, job_ras
 from gpuwatchd.jobview import JobView, RankView
 
 __all__ = [
@@ -81,19 +84,6 @@ class JobVerdict:
         return bool(self.conditions)
 
 
-@dataclass
-class _Memory:
-    onset: dict[str, float] = field(default_factory=dict)
-    last_seen: float = 0.0
-    seen: dict[int, int | None] = field(default_factory=dict)  # pid -> rank
-    gone: dict[int, float] = field(default_factory=dict)  # pid -> first seen gone
-    prev: dict[int, tuple[float, RankView]] = field(default_factory=dict)
-    progress_at: dict[int, float] = field(default_factory=dict)  # I/O, children
-    gpu_working: dict[int, bool] = field(default_factory=dict)  # as of the last reading
-    cpu_ratio: dict[int, float] = field(default_factory=dict)
-    ras: JobRas = field(default_factory=JobRas)
-
-
 def _rate(now: float, new: float | None, old_t: float, old: float | None) -> float | None:
     if new is None or old is None or now <= old_t:
         return None
@@ -105,10 +95,11 @@ class HangDetector:
 
     def __init__(self, thresholds: HangThresholds) -> None:
         self.thresholds = thresholds
-        self._jobs: dict[str, _Memory] = {}
+        self._jobs: dict[str, JobMemory] = {}
         self._baseline = GpuBaseline()
         self._gpus: dict[str, GpuActivity] = {}
         self._verdicts: list[JobVerdict] = []
+        self._own_io: Mapping[int, tuple[float, float]] = {}
 
     def observe(
         self,
@@ -116,20 +107,29 @@ class HangDetector:
         gpus: Sequence[GpuActivity] | None,
         now: float,
         ras: Mapping[str, RasView] | None = None,
+        own_io: Mapping[int, tuple[float, float]] | None = None,
     ) -> list[JobVerdict]:
-        """Feed one probe (gpus None: no new GPU reading); every job's verdict."""
+        """Feed one probe (gpus None: no new GPU reading); every job's verdict.
+
+        `own_io`: pid -> (from, until), I/O the monitor itself caused in that span (a
+        flight recorder dump it triggered); a probe interval that overlaps it reads no
+        `io` progress for that rank.
+        """
+        self._own_io = own_io or {}
         if gpus is not None:
             for g in gpus:
                 self._baseline.update(g, now)
             self._gpus = {g.gpu: g for g in gpus}
-        kept: dict[str, _Memory] = {}
+        kept: dict[str, JobMemory] = {}
         verdicts = []
         for job in jobs:
             if not any(r.alive for r in job.ranks):
                 continue  # the job ended
-            mem = self._jobs.get(job.job) or _Memory()
+            mem = self._jobs.get(job.job) or JobMemory()
             if mem.last_seen and now - mem.last_seen > self.thresholds.max_gap_seconds:
-                mem = _Memory(seen=mem.seen, ras=mem.ras)  # a gap: start the clocks again
+                mem = JobMemory(
+                    seen=mem.seen, ras=mem.ras, replaced=mem.replaced
+                )  # a gap: start the clocks again
             view = (ras or {}).get(job.job)
             if view is not None:
                 mem.ras = job_ras(mem.ras, view, job)
@@ -152,11 +152,14 @@ class HangDetector:
 
     # --- one job ----------------------------------------------------------------------
 
-    def _track(self, job: JobView, mem: _Memory, now: float, fresh: bool) -> dict[int, set[str]]:
+    def _track(self, job: JobView, mem: JobMemory, now: float, fresh: bool) -> dict[int, set[str]]:
         """Update per-rank progress; the signals each rank moved at this poll."""
         t = self.thresholds
         moved: dict[int, set[str]] = {}
+        replace_ranks(job, mem)
         for r in job.ranks:
+            if r.pid in mem.replaced:
+                continue
             if not r.alive:
                 mem.gone.setdefault(r.pid, now)
                 continue
@@ -166,6 +169,9 @@ class HangDetector:
             if prev is not None:
                 pt, p = prev
                 io = _rate(now, r.io_bytes, pt, p.io_bytes)
+                own = self._own_io.get(r.pid)
+                if own is not None and pt < own[1] and now > own[0]:
+                    io = None  # the dump the monitor asked for, not the job's work
                 child_io = _rate(now, r.child_io_bytes, pt, p.child_io_bytes)
                 if max(io or 0.0, child_io or 0.0) >= t.io_progress_bytes_per_second:
                     signals.add("io")
@@ -188,20 +194,23 @@ class HangDetector:
         present = {r.pid for r in job.ranks}
         for pid in set(mem.seen) - present:  # left the job's view without a goodbye
             mem.gone.setdefault(pid, now)
+        mem.replaced &= present
         for pid, at in list(mem.gone.items()):
+            if mem.dead_since is not None and mem.seen.get(pid) is not None:
+                continue  # a decided dead rank is kept until it is replaced or the job ends
             if now - at > FORGET_GONE_SECONDS:  # a restarted job goes on with new ranks
                 del mem.gone[pid]
                 mem.seen.pop(pid, None)
                 mem.prev.pop(pid, None)
         return moved
 
-    def _recent(self, mem: _Memory, pid: int, now: float, window: float) -> bool:
+    def _recent(self, mem: JobMemory, pid: int, now: float, window: float) -> bool:
         if mem.gpu_working.get(pid):
             return True
         at = mem.progress_at.get(pid)
         return at is not None and now - at < window
 
-    def _judge(self, job: JobView, mem: _Memory, now: float, fresh: bool) -> JobVerdict:
+    def _judge(self, job: JobView, mem: JobMemory, now: float, fresh: bool) -> JobVerdict:
         t = self.thresholds
         moved = self._track(job, mem, now, fresh)
         alive = [r for r in job.ranks if r.alive]
@@ -280,7 +289,7 @@ class HangDetector:
                     + ["cpu"] * quiet_cpu
                 )
         ras_dead = ras.dead_ranks(gone)
-        if ras_dead and not progressing and stuck_others:
+        if ras_dead and not progressing and stuck_others and not ras.rising():
             first = min(s for _, s in ras_dead.values())
             held["rank_dead"] = min(held.get("rank_dead", first), first)
             signals["rank_dead"] = "ras" + ("+liveness" if gone else "")
@@ -290,6 +299,7 @@ class HangDetector:
         if short > 0 and alive and not progressing and (quiet_cpu or resident):
             held["rank_missing"] = mem.onset.get("rank_missing", now)
             signals["rank_missing"] = "liveness+" + ("cpu" if quiet_cpu else "gpu")
+        keep_decided(mem, held, signals, bool(gone or ras_dead), bool(ras_dead), short > 0)
         flat_for = ras.flat_for() if not gone else 0.0
         if not young and not gone:
             flat = flat_for > 0 and ras.counts_since is not None
@@ -335,6 +345,10 @@ class HangDetector:
                 else (c == "rank_dead" and bool(ras_dead)) or now - held[c] >= need[c]
             )
         )
+        if "rank_dead" in decided and mem.dead_since is None:
+            mem.dead_since, mem.dead_signals = held["rank_dead"], signals["rank_dead"]
+        if "rank_missing" in decided and mem.missing_since is None:
+            mem.missing_since = held["rank_missing"]
         return self._verdict(
             job, mem, decided, held, signals, states, progressing, ras_dead, short, now
         )
@@ -342,7 +356,7 @@ class HangDetector:
     def _verdict(
         self,
         job: JobView,
-        mem: _Memory,
+        mem: JobMemory,
         decided: tuple[str, ...],
         held: Mapping[str, float],
         signals: Mapping[str, str],

@@ -73,6 +73,9 @@ METRICS: tuple[MetricSpec, ...] = (
         "Suspected hangs analysed without stacks or RAS because the forensics queue was full.",
     ),
 )
+# A rank's I/O from the monitor's flight recorder trigger until this long after the dumps
+# were read is the dump it asked for (about 270 KB on 2x H100), not progress.
+OWN_IO_SECONDS = 10.0
 Listener = Callable[[Sequence[Finding], float], None]
 StackFn = Callable[[int], StackCapture]
 RasFn = Callable[[JobView], RasAnswer]
@@ -137,6 +140,7 @@ class HangMonitor:
         self._xids = XidMemory()
         self._members = JobMembers()
         self._probed_at = -1e18
+        self._own_io: dict[int, tuple[float, float]] = {}  # pid -> (from, until)
         self.reconfigure(cfg)
 
     def _query_ras(self, job: JobView) -> RasAnswer:
@@ -252,7 +256,13 @@ class HangMonitor:
     def observe(self, jobs: Sequence[JobView], gpus: Iterable[Any] | None, now: float) -> None:
         """Feed one poll or probe (also from tests and benchmarks); gpus None: no new reading."""
         views = self._poller.views()
-        verdicts = self.detector.observe(jobs, list(gpus) if gpus is not None else None, now, views)
+        with self._lock:
+            for pid in [p for p, (_, until) in self._own_io.items() if until < now - 60.0]:
+                del self._own_io[pid]
+            own_io = dict(self._own_io)
+        verdicts = self.detector.observe(
+            jobs, list(gpus) if gpus is not None else None, now, views, own_io
+        )
         by_job = {j.job: j for j in jobs}
         changed = False
         resolved: list[HangRecord] = []
@@ -277,9 +287,9 @@ class HangMonitor:
                     changed |= not queued or bool(v.severity)
                 else:
                     rec = self._records[known]
-                    was = (rec.verdict.conditions, rec.verdict.severity)
+                    was = _alert_key(rec.verdict)
                     rec.job, rec.verdict = by_job[job], v
-                    if (v.conditions, v.severity) != was:  # escalated, or another cause
+                    if _alert_key(v) != was:  # escalated, another cause, RAS confirmed
                         changed = True
                         log.warning("hang of job %s now: %s", job, v.reason)
                     interval = self.cfg.hangs.ras_interval_seconds
@@ -384,7 +394,14 @@ class HangMonitor:
         report = answer.report if answer is not None else None
         groups, flight_errors = rec.flight, rec.flight_errors
         if h.flight_recorder and self._io is not None and not rec.summary:
+            live = [r.pid for r in job.ranks if r.alive]
+            asked = self._clock.time()
+            with self._lock:  # the probes in between already discount the dump
+                self._own_io.update((pid, (asked, float("inf"))) for pid in live)
             groups, flight_errors = self._io.flight(job, self.cfg.paths.procfs, self._stopping.wait)
+            until = self._clock.time() + OWN_IO_SECONDS
+            with self._lock:
+                self._own_io.update((pid, (asked, until)) for pid in live)
         facts = {"flight:not_joined" for g in groups if g.not_joined}
         facts |= {"flight:ops_differ" for g in groups if g.ops_differ}
         summary = summarize(job, verdict, caps, report, self.catalog, facts)
@@ -465,6 +482,11 @@ class HangMonitor:
             return 200, "application/json", json.dumps(docs[0], indent=1).encode() + b"\n"
         body = {"count": len(docs), "hangs": docs}
         return 200, "application/json", json.dumps(body, indent=1).encode() + b"\n"
+
+
+def _alert_key(v: JobVerdict) -> tuple[object, ...]:
+    """What, when it changes, re-sends an open hang's alert: not every signal's flicker."""
+    return (v.conditions, v.severity, "ras" in v.signals.split("+"), v.nodes)
 
 
 def _young(job: JobView, grace: float) -> bool:
