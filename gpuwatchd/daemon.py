@@ -210,9 +210,8 @@ class Daemon:
         self.state = State()
         self.wiring: Wiring | None = None
         self.httpd: WebServer | None = None
-        # Our own registry: the global one would carry whatever an imported library registers.
+        # Not the global registry; process_* (CPU, RSS, fds) so the daemon's cost is watched too.
         self.registry = CollectorRegistry(auto_describe=False)
-        # process_* (CPU, RSS, open fds) so the daemon's own cost is watched too.
         ProcessCollector(registry=self.registry)
         self._collector: SnapshotCollector | None = None
         self.web: webconfig.WebConfig | None = None
