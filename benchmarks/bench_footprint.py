@@ -120,8 +120,9 @@ def measure(replay: str | None, seconds: float, warmup: float = 5.0) -> dict[str
             pids = {"daemon": proc.pid, "floor": floor.pid}
             cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
             t0 = time.monotonic()
+            wire = 0
             while time.monotonic() - t0 < seconds:
-                scrape(port)
+                wire = scrape(port)
                 time.sleep(min(SCRAPE_EVERY, max(0.0, seconds - (time.monotonic() - t0))))
             t1 = time.monotonic()
             cpu1 = {k: cpu_seconds(p) for k, p in pids.items()}
@@ -140,6 +141,7 @@ def measure(replay: str | None, seconds: float, warmup: float = 5.0) -> dict[str
         "daemon_cpu_percent_of_one_core": round(cpu["daemon"] * 100, 3),
         "floor_cpu_percent_of_one_core": round(cpu["floor"] * 100, 3),
         "cpu_above_floor_percent": round((cpu["daemon"] - cpu["floor"]) * 100, 3),
+        "scrape_bytes_on_wire": wire,
     }
 
 
