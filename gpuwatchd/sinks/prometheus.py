@@ -1,9 +1,9 @@
 """Prometheus exposition built fresh from the latest snapshot on every scrape.
 
 A custom prometheus_client collector: `collect()` yields Gauge/Counter
-metric families, and prometheus_client writes them in whichever format
-the scrape negotiates. The collector never calls a source: it reads `State.snapshot()`, one
-reference, so a hung NVML call cannot slow a scrape. Families come from
+metric families, and prometheus_client writes them in whichever format the
+scrape negotiates. The collector never calls a source: it reads
+`State.snapshot()`, one reference, so a hung NVML call cannot slow a scrape. Families come from
 the MetricSpec tables each producer declares. A sample that has no spec,
 whose labels differ from its spec's, or that repeats a series is left out,
 logged once per name and counted in gpuwatchd_exporter_dropped_samples_total;
