@@ -1,15 +1,14 @@
-"""Rendering the exposition: gpuwatchd's text-format writer against prometheus_client's.
+"""Rendering the exposition through prometheus_client, per negotiated format.
 
-Runs the daemon in this process on an NVML capture until its first polls are
-evaluated, takes the families one scrape would render, and times rendering
-the same families with `sinks.exposition.render` and with prometheus_client's
-`generate_latest` (the library the daemon used before, and what most Python
-exporters run), after checking that both write the same bytes. Also times a
-whole uncached scrape render (collecting the families from the snapshot, then
-writing them). Best of 5 rounds of 20 renders each.
+Runs the daemon in this process on an NVML capture until NVML has polled and
+the polls are evaluated, then times, for the text format (0.0.4) and
+OpenMetrics: an uncached render of the daemon's registry (collecting the
+families from the snapshot, then prometheus_client writing them), gzipping
+that body, and a cached scrape as /metrics serves it between snapshots (the
+HTTP counters rendered fresh and appended, gzip included). Best of 5 rounds
+of 20 calls each.
 
-    .venv/bin/python benchmarks/bench_exposition.py \\
-        --replay tests/fixtures/nvml/h200x8-from-h200x2.json
+    .venv/bin/python benchmarks/bench_exposition.py --replay tests/fixtures/nvml/h200x8-from-h200x2.json
 """
 
 from __future__ import annotations
@@ -21,42 +20,21 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+import zlib
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: E402
-
 from benchmarks.report import publish  # noqa: E402
 from gpuwatchd.daemon import Daemon, Overrides  # noqa: E402
-from gpuwatchd.sinks.exposition import Family, Registry, render  # noqa: E402
+from gpuwatchd.http.counters import BAD_REQUESTS  # noqa: E402
+from gpuwatchd.http.exposition import Exposition, negotiate  # noqa: E402
 
-
-class _Fixed:
-    def __init__(self, families: list[Any]) -> None:
-        self.families = families
-
-    def collect(self) -> Iterable[Any]:
-        return self.families
-
-
-def _as_client_families(families: list[Family]) -> list[Any]:
-    out: list[Any] = []
-    for fam in families:
-        if fam.type == "counter":
-            ref: Any = CounterMetricFamily(
-                fam.name.removesuffix("_total"), fam.help, labels=fam.labels
-            )
-        else:
-            ref = GaugeMetricFamily(fam.name, fam.help, labels=fam.labels)
-        for values, value in fam.samples:
-            ref.add_metric(list(values), value)
-        out.append(ref)
-    return out
+FORMATS = {"text": "", "openmetrics": "application/openmetrics-text; version=1.0.0"}
 
 
 def best_ms(fn: Callable[[], object], rounds: int = 5, per_round: int = 20) -> float:
@@ -73,22 +51,21 @@ def best_ms(fn: Callable[[], object], rounds: int = 5, per_round: int = 20) -> f
 def measure(daemon: Daemon) -> dict[str, Any]:
     """The figures, once the daemon has evaluated its first polls."""
     families = list(daemon.registry.collect())
-    ours = Registry()
-    ours.register(_Fixed(families))
-    theirs = CollectorRegistry(auto_describe=False)
-    theirs.register(_Fixed(_as_client_families(families)))  # type: ignore[arg-type]
-    body = render(ours)
-    if body != generate_latest(theirs):
-        raise SystemExit("the two writers disagree on this exposition")
     fig: dict[str, Any] = {
         "series": sum(len(f.samples) for f in families),
         "families": len(families),
-        "bytes": len(body),
-        "gpuwatchd_render_ms": best_ms(lambda: render(ours)),
-        "prometheus_client_render_ms": best_ms(lambda: generate_latest(theirs)),
-        "uncached_scrape_ms": best_ms(lambda: render(daemon.registry)),
     }
-    fig["ratio"] = fig["prometheus_client_render_ms"] / fig["gpuwatchd_render_ms"]
+    cached = Exposition(daemon.registry, BAD_REQUESTS, lambda: 0)
+    for name, accept in FORMATS.items():
+        encoder, _ = negotiate(accept)
+        body = encoder(daemon.registry)
+        fig[f"{name}_bytes"] = len(body)
+        fig[f"{name}_gzip_bytes"] = len(zlib.compress(body, wbits=31))
+        fig[f"{name}_render_ms"] = best_ms(partial(encoder, daemon.registry))
+        fig[f"{name}_gzip_ms"] = best_ms(partial(zlib.compress, body, wbits=31))
+        cached.reply(accept, "gzip")
+        fig[f"{name}_cached_scrape_ms"] = best_ms(partial(cached.reply, accept, ""))
+        fig[f"{name}_cached_gzip_scrape_ms"] = best_ms(partial(cached.reply, accept, "gzip"))
     return fig
 
 
@@ -106,19 +83,15 @@ def main() -> int:
 
         def probe() -> None:
             try:
-                # The HTTP socket and the pipeline exist before the sources have polled:
-                # an idle consumer alone measured the daemon's own series only (53).
-                deadline = time.monotonic() + 60
-                while (
+                end = time.monotonic() + 60
+                while time.monotonic() < end and (
                     daemon.pipeline is None
                     or daemon.httpd is None
                     or "nvml" not in daemon.state.snapshot().sources
                 ):
-                    if time.monotonic() > deadline:
-                        print("bench_exposition: NVML did not poll within 60 s", file=sys.stderr)
-                        return
                     time.sleep(0.05)
-                daemon.pipeline.wait_idle(30.0)
+                if daemon.pipeline is not None:
+                    daemon.pipeline.wait_idle(30.0)
                 result.update(measure(daemon))
             finally:
                 os.kill(os.getpid(), signal.SIGTERM)
@@ -130,13 +103,17 @@ def main() -> int:
     result["nvml"] = args.replay
     rows = [
         f"| NVML data | {args.replay} |",
-        f"| exposition | {result['families']} families, {result['series']} series, "
-        f"{result['bytes']} bytes (identical from both writers) |",
-        f"| gpuwatchd `render` | {result['gpuwatchd_render_ms']:.2f} ms |",
-        f"| prometheus_client `generate_latest` | {result['prometheus_client_render_ms']:.2f} ms |",
-        f"| ratio (prometheus_client / gpuwatchd) | {result['ratio']:.1f}x |",
-        f"| uncached scrape (collect + render) | {result['uncached_scrape_ms']:.2f} ms |",
+        f"| exposition | {result['families']} families, {result['series']} series |",
     ]
+    for name in FORMATS:
+        rows += [
+            f"| {name}: bytes plain / gzip | {result[f'{name}_bytes']} / "
+            f"{result[f'{name}_gzip_bytes']} |",
+            f"| {name}: uncached render (collect + write) | {result[f'{name}_render_ms']:.2f} ms |",
+            f"| {name}: gzip of that body | {result[f'{name}_gzip_ms']:.2f} ms |",
+            f"| {name}: cached scrape, plain / gzip | {result[f'{name}_cached_scrape_ms']:.3f} / "
+            f"{result[f'{name}_cached_gzip_scrape_ms']:.3f} ms |",
+        ]
     publish(result, "Rendering the exposition", rows, args.section, args.json)
     return 0
 

@@ -19,6 +19,8 @@ import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from prometheus_client import CollectorRegistry, ProcessCollector
+
 from gpuwatchd import __version__, config, logs
 from gpuwatchd.bootid import read_boot_id
 from gpuwatchd.clock import Clock, SystemClock
@@ -32,9 +34,7 @@ from gpuwatchd.pipeline import Pipeline, SourceSet, node_name, source_names
 from gpuwatchd.runmarker import METRICS as RUN_METRICS
 from gpuwatchd.runmarker import RunRecord, tighten_state_dir
 from gpuwatchd.sinks.durability import StateDirLock
-from gpuwatchd.sinks.exposition import Registry, write_textfile
-from gpuwatchd.sinks.process import ProcessCollector
-from gpuwatchd.sinks.prometheus import SnapshotCollector
+from gpuwatchd.sinks.prometheus import SnapshotCollector, write_textfile
 from gpuwatchd.sources.nvml.rollup import nvlink_rollup
 from gpuwatchd.state import State
 from gpuwatchd.systemd import Notifier
@@ -210,9 +210,9 @@ class Daemon:
         self.state = State()
         self.wiring: Wiring | None = None
         self.httpd: WebServer | None = None
-        self.registry = Registry()
-        # process_* (CPU, RSS, open fds) so the daemon's own cost is watched too.
-        self.registry.register(ProcessCollector())
+        # Not the global registry; process_* (CPU, RSS, fds) so the daemon's cost is watched too.
+        self.registry = CollectorRegistry(auto_describe=False)
+        ProcessCollector(registry=self.registry)
         self._collector: SnapshotCollector | None = None
         self.web: webconfig.WebConfig | None = None
         self.pipeline: Pipeline | None = None

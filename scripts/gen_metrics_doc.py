@@ -82,11 +82,11 @@ DCGM: dict[str, str] = {
     ),
     "gpuwatchd_xid_errors_total": "DCGM_FI_DEV_XID_ERRORS (there: the last Xid code, a gauge)",
     "gpuwatchd_gpu_memory_reserved_bytes": "DCGM_FI_DEV_FB_RESERVED (MiB)",
-    "gpuwatchd_gpu_clock_hz": (
+    "gpuwatchd_gpu_clock_hertz": (
         "DCGM_FI_DEV_SM_CLOCK (clock=sm), DCGM_FI_DEV_MEM_CLOCK (clock=memory); MHz"
     ),
-    "gpuwatchd_gpu_clock_max_hz": "DCGM_FI_DEV_MAX_SM_CLOCK, DCGM_FI_DEV_MAX_MEM_CLOCK; MHz",
-    "gpuwatchd_gpu_clock_application_hz": (
+    "gpuwatchd_gpu_clock_max_hertz": "DCGM_FI_DEV_MAX_SM_CLOCK, DCGM_FI_DEV_MAX_MEM_CLOCK; MHz",
+    "gpuwatchd_gpu_clock_application_hertz": (
         "DCGM_FI_DEV_APP_SM_CLOCK, DCGM_FI_DEV_APP_MEM_CLOCK; MHz"
     ),
     "gpuwatchd_gpu_performance_state": "DCGM_FI_DEV_PSTATE",

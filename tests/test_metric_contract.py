@@ -111,6 +111,19 @@ def test_spec_names_are_unique_and_prefixed() -> None:
     assert all(s.name.endswith("_total") for s in specs() if s.type == "counter")
 
 
+# Words of a name that mean a unit other than the base one (Prometheus conventions, as
+# node_exporter names them: seconds, bytes, hertz, joules, watts, celsius, ratios).
+NON_BASE_UNITS = frozenset(
+    "hz khz mhz ghz ms milliseconds us microseconds ns nanoseconds minutes hours days "
+    "kb mb gb kib mib gib mw milliwatts mj millijoules percent pct fahrenheit kelvin".split()
+)
+
+
+def test_spec_names_are_in_base_units() -> None:
+    bad = [s.name for s in specs() if NON_BASE_UNITS & set(s.name.split("_"))]
+    assert bad == [], "name these in base units (e.g. _hertz, _seconds, _bytes, _ratio)"
+
+
 def test_consumers_found() -> None:
     # the scan must see the files it promises to check, or it checks nothing
     found = dict(consumers())

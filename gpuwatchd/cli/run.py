@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import importlib.machinery
-import sys
-import threading
-import types
 from typing import Any
 
 from gpuwatchd.cli import add_state_dir
 
-__all__ = ["defer_ssl", "register"]
+__all__ = ["register"]
 
 
 def register(sub: Any) -> None:
@@ -27,38 +23,7 @@ def register(sub: Any) -> None:
     run.set_defaults(func=_run)
 
 
-class _DeferredSsl(types.ModuleType):
-    """Stands in for ssl in sys.modules; its first attribute read loads the real one."""
-
-    def __getattr__(self, attr: str) -> Any:
-        with _LOADING:
-            if sys.modules.get("ssl") is self:
-                del sys.modules["ssl"]
-                import ssl
-
-                self.__dict__.update(ssl.__dict__)
-        return getattr(sys.modules["ssl"], attr)
-
-
-_LOADING = threading.Lock()
-
-
-def defer_ssl() -> None:
-    """Load ssl at its first use instead of when a module merely imports it.
-
-    ssl brings libssl and libcrypto (about 5 MiB resident), and the web config
-    and the Alertmanager client import it though a daemon without TLS never
-    uses it; `import ssl` alone reads nothing from the module.
-    """
-    if "ssl" in sys.modules:
-        return
-    stub = _DeferredSsl("ssl")
-    stub.__spec__ = importlib.machinery.ModuleSpec("ssl", None)
-    sys.modules["ssl"] = stub
-
-
 def _run(args: argparse.Namespace) -> int:
-    defer_ssl()
     from gpuwatchd.daemon import Daemon, Overrides
 
     overrides = Overrides(

@@ -1,8 +1,8 @@
 """The daemon's WSGI app: /metrics plus plain-function JSON routes.
 
-The exposition is rendered at most once per snapshot generation; routes are
-plain functions `query -> (status, content type, body)`, so a handler never
-sees WSGI.
+/metrics is prometheus_client's, negotiated and cached per snapshot
+(http/exposition.py); routes are plain functions
+`query -> (status, content type, body)`, so a handler never sees WSGI.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import parse_qs
 
+from prometheus_client.registry import Collector
+
 from gpuwatchd.http.counters import BAD_REQUESTS
-from gpuwatchd.sinks.exposition import CONTENT_TYPE, Registry, render
+from gpuwatchd.http.exposition import Exposition
 
 __all__ = ["App", "LogLimiter", "REASONS", "Route", "StartResponse", "json_route", "make_app"]
 
@@ -71,32 +73,17 @@ _handler_errors = LogLimiter(log)
 
 
 def make_app(
-    registry: Registry,
+    registry: Collector,
     routes: Mapping[str, Route],
     generation: Callable[[], int] | None = None,
 ) -> Callable[[dict[str, Any], StartResponse], Sequence[bytes]]:
     """A WSGI app: /metrics plus the given JSON routes; anything else is 404.
 
     With `generation` (the snapshot's counter), the exposition is rendered once
-    per snapshot and reused by every scrape until the next publish. The HTTP
-    layer's own counters are written fresh after it: junk requests change them
-    at will, and must not cost every scrape a full render.
+    per snapshot and format, and reused by every scrape until the next publish.
+    The HTTP layer's own counters are written fresh after it.
     """
-    cache: list[tuple[int, bytes]] = []
-    cache_lock = threading.Lock()
-
-    def exposition() -> bytes:
-        own = "".join(line for fam in BAD_REQUESTS.collect() for line in fam.lines()).encode()
-        if generation is None:
-            return render(registry) + own
-        gen = generation()
-        with cache_lock:
-            if cache and cache[0][0] == gen:
-                return cache[0][1] + own
-        body = render(registry)
-        with cache_lock:
-            cache[:] = [(gen, body)]
-        return body + own
+    exposition = Exposition(registry, BAD_REQUESTS, generation)
 
     def app(environ: dict[str, Any], start_response: StartResponse) -> Sequence[bytes]:
         path = environ.get("PATH_INFO", "/") or "/"
@@ -109,9 +96,11 @@ def make_app(
         if path not in routes and base in routes and item:
             path, query = base, {**query, "id": [item]}  # /events/42 is /events?id=42
         if path == "/metrics":
-            body = exposition()
-            status, ctype = 200, CONTENT_TYPE
-        elif path in routes:
+            body, headers = exposition.reply(
+                environ.get("HTTP_ACCEPT", ""), environ.get("HTTP_ACCEPT_ENCODING", "")
+            )
+            return _reply(start_response, 200, "", body, headers)
+        if path in routes:
             try:
                 status, ctype, body = routes[path](query)
                 if status == 400:
@@ -130,10 +119,17 @@ def make_app(
     return app
 
 
-def _reply(start: StartResponse, status: int, ctype: str, body: bytes) -> list[bytes]:
+def _reply(
+    start: StartResponse,
+    status: int,
+    ctype: str,
+    body: bytes,
+    headers: Sequence[tuple[str, str]] = (),
+) -> list[bytes]:
+    """Start the response; `headers`, when given, carry the Content-Type instead of `ctype`."""
     start(
         f"{status} {REASONS.get(status, 'Unknown')}",
-        [("Content-Type", ctype), ("Content-Length", str(len(body)))],
+        [*(headers or [("Content-Type", ctype)]), ("Content-Length", str(len(body)))],
     )
     return [body]
 

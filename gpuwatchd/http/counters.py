@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import threading
 
+from prometheus_client.core import Metric
+
 from gpuwatchd.model import MetricSpec
-from gpuwatchd.sinks.exposition import Family
+from gpuwatchd.sinks.prometheus import family
 
 __all__ = ["BAD_REQUESTS", "BAD_REQUEST_REASONS", "BadRequestCounter", "HTTP_METRICS"]
 
@@ -37,7 +39,7 @@ HTTP_METRICS: tuple[MetricSpec, ...] = (
 
 
 class BadRequestCounter:
-    """Thread-safe counts per reason; `collect()` gives its family."""
+    """Thread-safe counts per reason; a prometheus_client collector of one family."""
 
     def __init__(self) -> None:
         self._counts = dict.fromkeys(BAD_REQUEST_REASONS, 0)
@@ -52,13 +54,11 @@ class BadRequestCounter:
         with self._lock:
             return self._counts[reason]
 
-    def collect(self) -> list[Family]:
-        fam = Family(
-            "gpuwatchd_http_bad_requests_total", "counter", HTTP_METRICS[0].help, ("reason",)
-        )
+    def collect(self) -> list[Metric]:
+        fam = family(HTTP_METRICS[0])
         with self._lock:
             for reason, n in self._counts.items():
-                fam.add((reason,), n)
+                fam.add_metric((reason,), n)
         return [fam]
 
 

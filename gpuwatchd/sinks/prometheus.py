@@ -1,7 +1,9 @@
 """Prometheus exposition built fresh from the latest snapshot on every scrape.
 
-The collector never calls a source: it reads `State.snapshot()`, one
-reference, so a hung NVML call cannot slow a scrape. Families come from
+A custom prometheus_client collector: `collect()` yields Gauge/Counter
+metric families, and prometheus_client writes them in whichever format the
+scrape negotiates. The collector never calls a source: it reads
+`State.snapshot()`, one reference, so a hung NVML call cannot slow a scrape. Families come from
 the MetricSpec tables each producer declares. A sample that has no spec,
 whose labels differ from its spec's, or that repeats a series is left out,
 logged once per name and counted in gpuwatchd_exporter_dropped_samples_total;
@@ -13,12 +15,16 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import tempfile
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+
 from gpuwatchd import __version__
 from gpuwatchd.model import MetricSpec, Sample
-from gpuwatchd.sinks.exposition import Family
 from gpuwatchd.state import NodeSnapshot, State
 
 __all__ = [
@@ -27,6 +33,8 @@ __all__ = [
     "DroppedSampleError",
     "STRICT_ENV",
     "SnapshotCollector",
+    "family",
+    "write_textfile",
 ]
 
 log = logging.getLogger("gpuwatchd.prometheus")
@@ -103,7 +111,11 @@ class SnapshotCollector:
         self._logged: set[tuple[str, str]] = set()
         self._counted_generation = -1
 
-    def collect(self) -> Iterator[Family]:
+    def describe(self) -> list[Metric]:
+        """Nothing up front: the families depend on the snapshot (no collect at register)."""
+        return []
+
+    def collect(self) -> Iterator[Metric]:
         """The snapshot's families, then the drop counter."""
         snap = self._state.snapshot()
         # Renders of one snapshot (scrape, textfile) count its drops once.
@@ -115,13 +127,13 @@ class SnapshotCollector:
         samples = snap.samples()
         for sample in self._transform(samples) if self._transform else samples:
             grouped[sample.name].append(sample)
-        families: list[Family] = []
+        families: list[Metric] = []
         for name, samples in grouped.items():
             spec = self._specs.get(name)
             if spec is None:
                 self._drop("no_spec", samples[0], len(samples), counting)
                 continue
-            fam = _family(spec)
+            fam = family(spec)
             seen: set[tuple[str, ...]] = set()
             for s in samples:
                 values = _label_values(spec, s)
@@ -131,11 +143,11 @@ class SnapshotCollector:
                     self._drop("duplicate_series", s, 1, counting)
                 else:
                     seen.add(values)
-                    fam.add(values, s.value)
+                    fam.add_metric(values, s.value)
             families.append(fam)
-        dropped = _family(self._specs["gpuwatchd_exporter_dropped_samples_total"])
+        dropped = family(self._specs["gpuwatchd_exporter_dropped_samples_total"])
         for reason in DROP_REASONS:
-            dropped.add((reason,), self._dropped[reason])
+            dropped.add_metric((reason,), self._dropped[reason])
         families.append(dropped)
         yield from families
 
@@ -151,18 +163,18 @@ class SnapshotCollector:
             log.error("%s (logged once per name)", what)
 
 
-def _family(spec: MetricSpec) -> Family:
+def family(spec: MetricSpec) -> GaugeMetricFamily | CounterMetricFamily:
+    """An empty family for `spec`; a counter is exposed as `<name>_total` whatever the spec says."""
     if spec.type == "counter":
-        name = spec.name.removesuffix("_total") + "_total"
-        return Family(name, "counter", spec.help, spec.labels)
-    return Family(spec.name, "gauge", spec.help, spec.labels)
+        return CounterMetricFamily(spec.name.removesuffix("_total"), spec.help, labels=spec.labels)
+    return GaugeMetricFamily(spec.name, spec.help, labels=spec.labels)
 
 
 def _label_values(spec: MetricSpec, sample: Sample) -> tuple[str, ...] | None:
     have = dict(sample.labels)
     if set(have) != set(spec.labels):
         return None
-    return tuple(have[k] for k in spec.labels)
+    return tuple(str(have[k]) for k in spec.labels)
 
 
 def _self_samples(snap: NodeSnapshot) -> Iterator[Sample]:
@@ -186,3 +198,24 @@ def _self_samples(snap: NodeSnapshot) -> Iterator[Sample]:
                 yield Sample.of(
                     "gpuwatchd_collector_errors_total", count, collector=name, reason=reason
                 )
+
+
+def write_textfile(registry: Collector, path: str) -> None:
+    """Write the text exposition atomically (tmp file + rename) for node_exporter's textfile.
+
+    Not prometheus_client's write_to_textfile: that one leaves the file to the
+    daemon's umask (0077), and node_exporter runs as another user.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".gpuwatchd-", suffix=".prom.tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(generate_latest(registry))
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

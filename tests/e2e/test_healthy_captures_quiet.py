@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry, generate_latest
 
 from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import load_text
 from gpuwatchd.pipeline import Consumers, SourceSet
-from gpuwatchd.sinks.exposition import Registry, render
 from gpuwatchd.sinks.prometheus import SnapshotCollector
 from gpuwatchd.sources.nvml.rollup import nvlink_rollup
 from gpuwatchd.state import State
@@ -85,7 +85,7 @@ def replay_hour(tmp: Path, capture: Path) -> tuple[list[str], list[tuple[float, 
     clock, state = FakeClock(1_700_000_000.0), State()
     chain = Consumers(cfg, state, clock, None, ["nvml", "shm", "infiniband"])
     sources = SourceSet(cfg, state, clock)
-    registry = Registry()
+    registry = CollectorRegistry()
     registry.register(
         SnapshotCollector(state, sources.metric_specs(True), transform=nvlink_rollup())
     )
@@ -101,7 +101,7 @@ def replay_hour(tmp: Path, capture: Path) -> tuple[list[str], list[tuple[float, 
                 f"{clock.time() - start:.0f}s {f.alertname} {dict(f.subject)} {f.reason}"
                 for f in state.snapshot().findings
             ]
-            expositions.append((clock.time() - start, render(registry).decode()))
+            expositions.append((clock.time() - start, generate_latest(registry).decode()))
             clock.advance(POLL)
     finally:
         for source in sources.runner.sources:

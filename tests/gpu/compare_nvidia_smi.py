@@ -244,7 +244,7 @@ def _rows() -> list[Row]:
     ):
         rows.append(
             Row(
-                "gpuwatchd_gpu_clock_hz",
+                "gpuwatchd_gpu_clock_hertz",
                 {"clock": clock},
                 f"query:clocks.{field} | q:Clocks/{q_name}",
                 _num,
@@ -254,7 +254,7 @@ def _rows() -> list[Row]:
         )
         rows.append(
             Row(
-                "gpuwatchd_gpu_clock_max_hz",
+                "gpuwatchd_gpu_clock_max_hertz",
                 {"clock": clock},
                 f"q:Max Clocks/{q_name}",
                 _num,
@@ -264,7 +264,7 @@ def _rows() -> list[Row]:
     for clock, q_name in (("graphics", "Graphics"), ("memory", "Memory")):
         rows.append(
             Row(
-                "gpuwatchd_gpu_clock_application_hz",
+                "gpuwatchd_gpu_clock_application_hertz",
                 {"clock": clock},
                 f"q:Applications Clocks/{q_name}",
                 _num,

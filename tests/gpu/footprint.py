@@ -6,8 +6,9 @@ interval, real NVML) and, at the same time, a bare Python that imports
 pynvml, calls nvmlInit() and sleeps. After a warm-up both are watched for
 --seconds (default 120) while the daemon is scraped every 15 s. Prints one
 JSON object: RSS in MiB and CPU in % of one core for both, the daemon's RSS
-above the floor, the ratio, and whether issue 9's targets hold (RSS at most
-15 MiB above the floor; CPU at most 0.3 % of a core with one GPU). Run from
+above the floor, the ratio, and whether the targets hold (RSS at most
+20 MiB above the floor, issue 23's budget with prometheus_client; CPU at most
+0.3 % of a core with one GPU, issue 9's). Run from
 the repository root, as root or a user that can read /dev/kmsg:
 
     python3 tests/gpu/footprint.py [--seconds 120] [--out result.json]

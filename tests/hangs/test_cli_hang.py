@@ -64,10 +64,11 @@ def test_hang_show_lists_and_details_a_recorded_hang(
 
 def test_events_id_and_hangs_id_over_http(tmp_path: Path) -> None:
     """/events/ID serves a job hang's forensics as JSON; /hangs/ID the monitor's record."""
+    from prometheus_client import CollectorRegistry as Registry
+
     from gpuwatchd.http.app import make_app
     from gpuwatchd.http.endpoints import events_route
     from gpuwatchd.http.server import serve
-    from gpuwatchd.sinks.exposition import Registry
     from tests.conftest import free_port, http_get
 
     store, monitor = _record_peer_death_hang(tmp_path)

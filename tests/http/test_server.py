@@ -9,19 +9,20 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry as Registry
+from prometheus_client.core import GaugeMetricFamily
 
 from gpuwatchd.http import server as http_server
 from gpuwatchd.http.app import make_app
 from gpuwatchd.http.counters import BAD_REQUESTS
 from gpuwatchd.http.server import WebServer, serve
 from gpuwatchd.http.webconfig import WebConfig, WebConfigWatcher
-from gpuwatchd.sinks.exposition import Family, Registry
 
 
 class _Gauge:
-    def collect(self) -> list[Family]:
-        fam = Family("gpuwatchd_test_value", "gauge", "A test gauge.", ("gpu",))
-        fam.add(("0",), 42)
+    def collect(self) -> list[GaugeMetricFamily]:
+        fam = GaugeMetricFamily("gpuwatchd_test_value", "A test gauge.", labels=("gpu",))
+        fam.add_metric(("0",), 42)
         return [fam]
 
 
@@ -301,7 +302,7 @@ _FD_LIMIT = """
 import logging, resource
 from gpuwatchd.http.app import make_app
 from gpuwatchd.http.server import serve
-from gpuwatchd.sinks.exposition import Registry
+from prometheus_client import CollectorRegistry as Registry
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, 512))
 httpd, _ = serve(make_app(Registry(), {}), "127.0.0.1", 0)
@@ -327,7 +328,7 @@ import os, resource, sys
 from gpuwatchd.http.app import make_app
 from gpuwatchd.http.counters import BAD_REQUESTS
 from gpuwatchd.http.server import serve
-from gpuwatchd.sinks.exposition import Registry
+from prometheus_client import CollectorRegistry as Registry
 httpd, _ = serve(make_app(Registry(), {}), "127.0.0.1", 0)
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
 fillers = []

@@ -6,15 +6,17 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry as Registry
+from prometheus_client import generate_latest as render
 
 from gpuwatchd.http.app import make_app
 from gpuwatchd.model import MetricSpec, Sample, SourceSnapshot
-from gpuwatchd.sinks.exposition import Registry, render, write_textfile
 from gpuwatchd.sinks.prometheus import (
     DROP_REASONS,
     STRICT_ENV,
     DroppedSampleError,
     SnapshotCollector,
+    write_textfile,
 )
 from gpuwatchd.state import State
 

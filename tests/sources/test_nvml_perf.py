@@ -69,16 +69,16 @@ def test_idle_memory_matches_nvidia_smi_used_apart_from_reserved(idle: list[Samp
 
 
 def test_clocks_in_hz_and_pstate(idle: list[Sample], load: list[list[Sample]]) -> None:
-    assert values(idle, "gpuwatchd_gpu_clock_max_hz") == {
+    assert values(idle, "gpuwatchd_gpu_clock_max_hertz") == {
         (("clock", "graphics"),): 1980e6,
         (("clock", "sm"),): 1980e6,
         (("clock", "memory"),): 2619e6,
         (("clock", "video"),): 1545e6,
     }
-    assert one(idle, "gpuwatchd_gpu_clock_hz", clock="sm") == 345e6
-    assert one(load[-1], "gpuwatchd_gpu_clock_hz", clock="sm") > 1500e6
-    assert one(idle, "gpuwatchd_gpu_clock_application_hz", clock="graphics") == 1980e6
-    assert set(values(idle, "gpuwatchd_gpu_clock_application_hz")) == {
+    assert one(idle, "gpuwatchd_gpu_clock_hertz", clock="sm") == 345e6
+    assert one(load[-1], "gpuwatchd_gpu_clock_hertz", clock="sm") > 1500e6
+    assert one(idle, "gpuwatchd_gpu_clock_application_hertz", clock="graphics") == 1980e6
+    assert set(values(idle, "gpuwatchd_gpu_clock_application_hertz")) == {
         (("clock", "graphics"),),
         (("clock", "memory"),),
     }

@@ -76,7 +76,7 @@ def test_static_calls_are_read_once_per_interval_and_reported_every_poll(
     assert cached.client.count(0, "temperature(0)") == 6  # the rest is read every poll
     names = {s.name for s in cached.poll()}
     assert {
-        "gpuwatchd_gpu_clock_application_hz",
+        "gpuwatchd_gpu_clock_application_hertz",
         "gpuwatchd_gpu_ecc_enabled",
         "gpuwatchd_gpu_mig_mode",
     } <= names

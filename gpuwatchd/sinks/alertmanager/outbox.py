@@ -11,6 +11,7 @@ gets everything it missed, however long the outage.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -20,7 +21,6 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from gpuwatchd.digest import sha256
 from gpuwatchd.errors import StoreError
 
 __all__ = ["Outbox", "StoredAlert", "fingerprint"]
@@ -55,7 +55,7 @@ CREATE TABLE IF NOT EXISTS alert_delivery (
 def fingerprint(labels: Mapping[str, str]) -> str:
     """A stable id for a label set (what Alertmanager dedups on)."""
     text = json.dumps(sorted(labels.items()), separators=(",", ":"))
-    return sha256(text.encode()).hex()[:16]
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ still-open critical condition must hold for the hold time again.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
 import threading
@@ -18,7 +19,6 @@ from typing import Any
 
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config
-from gpuwatchd.digest import sha256
 from gpuwatchd.errors import GpuwatchdError
 from gpuwatchd.model import Event, Finding, MetricSpec, Sample, Severity
 from gpuwatchd.sinks.remediation.kubernetes import KubernetesNode
@@ -259,7 +259,7 @@ class RemediationSink:
 
 def spread_offset(node: str, spread: float) -> float:
     """This node's fixed share of `spread` seconds (the same across restarts)."""
-    digest = sha256(node.encode())
+    digest = hashlib.sha256(node.encode()).digest()
     return spread * int.from_bytes(digest[:4], "big") / 2**32
 
 

@@ -74,13 +74,13 @@ def read_perf(
     for domain, kind in CLOCK_DOMAINS.items():
         mhz = _num(get("clock_info", kind))
         if mhz is not None:
-            put("gpuwatchd_gpu_clock_hz", mhz * _MHZ, clock=domain)
+            put("gpuwatchd_gpu_clock_hertz", mhz * _MHZ, clock=domain)
         if domain in max_clocks:
-            put("gpuwatchd_gpu_clock_max_hz", max_clocks[domain], clock=domain)
+            put("gpuwatchd_gpu_clock_max_hertz", max_clocks[domain], clock=domain)
         if domain in ("graphics", "memory"):  # NVML has application clocks for these only
             app = _num((static or get)("applications_clock", kind))
             if app is not None:
-                put("gpuwatchd_gpu_clock_application_hz", app * _MHZ, clock=domain)
+                put("gpuwatchd_gpu_clock_application_hertz", app * _MHZ, clock=domain)
     pstate = get("performance_state")
     if isinstance(pstate, int) and 0 <= pstate < _UNKNOWN_PSTATE:
         put("gpuwatchd_gpu_performance_state", pstate)
@@ -104,12 +104,17 @@ PERF_METRICS: tuple[MetricSpec, ...] = (
         "gauge",
         "Framebuffer memory the driver reserves (not counted as used, as in nvidia-smi).",
     ),
-    _m("gpuwatchd_gpu_clock_hz", "gauge", "Current clock (graphics, sm, memory, video).", "clock"),
-    _m("gpuwatchd_gpu_clock_max_hz", "gauge", "Maximum clock by domain.", "clock"),
     _m(
-        "gpuwatchd_gpu_clock_application_hz",
+        "gpuwatchd_gpu_clock_hertz",
         "gauge",
-        "Application (target) clock (graphics, memory).",
+        "Current clock in hertz (graphics, sm, memory, video).",
+        "clock",
+    ),
+    _m("gpuwatchd_gpu_clock_max_hertz", "gauge", "Maximum clock in hertz, by domain.", "clock"),
+    _m(
+        "gpuwatchd_gpu_clock_application_hertz",
+        "gauge",
+        "Application (target) clock in hertz (graphics, memory).",
         "clock",
     ),
     _m("gpuwatchd_gpu_performance_state", "gauge", "Performance state: 0 (P0, fastest) to 15."),
