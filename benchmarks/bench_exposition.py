@@ -8,7 +8,8 @@ that body, and a cached scrape as /metrics serves it between snapshots (the
 HTTP counters rendered fresh and appended, gzip included). Best of 5 rounds
 of 20 calls each.
 
-    .venv/bin/python benchmarks/bench_exposition.py --replay tests/fixtures/nvml/h200x8-from-h200x2.json
+    .venv/bin/python benchmarks/bench_exposition.py \\
+        --replay tests/fixtures/nvml/h200x8-from-h200x2.json
 """
 
 from __future__ import annotations
