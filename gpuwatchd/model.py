@@ -21,16 +21,20 @@ __all__ = [
     "Gpu",
     "GpuInventory",
     "GpuPlace",
+    "GpuProcess",
     "Health",
+    "KmsgState",
     "MetricSpec",
     "MetricType",
     "Sample",
     "Severity",
+    "SourcePayload",
     "SourceSnapshot",
     "Topology",
     "WORKLOAD_ALERT_LABELS",
     "Workload",
     "WorkloadProcess",
+    "WorkloadSet",
     "XidFields",
     "labels_of",
     "workloads_from_status",
@@ -216,6 +220,17 @@ class Finding:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class GpuProcess:
+    """One compute process NVML lists on a GPU, or on one of its MIG devices."""
+
+    pid: int
+    used_memory_bytes: int | None = None
+    mig_uuid: str = ""  # the MIG device it runs on ("" on a whole GPU)
+    gpu_instance: int | None = None
+    compute_instance: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Gpu:
     """One GPU of the node as NVML lists it."""
 
@@ -224,6 +239,7 @@ class Gpu:
     pci_bus_id: str = ""  # one form everywhere: pci.normalize_bus_id ("0000:06:00.0")
     name: str = ""
     mig: tuple[str, ...] = ()  # UUIDs of its MIG devices (MIG on and instances created)
+    processes: tuple[GpuProcess, ...] = ()  # by pid, as of the last poll
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,6 +305,10 @@ class GpuInventory:
         want = normalize_bus_id(bus_id)
         return next((g for g in self.gpus if want and g.pci_bus_id == want), None)
 
+    def pids_by_gpu(self) -> dict[str, list[int]]:
+        """GPU index (as a label) -> the pids NVML lists on it, MIG devices included."""
+        return {str(g.index): [p.pid for p in g.processes] for g in self.gpus if g.processes}
+
     def find(self, ident: str) -> Gpu | None:
         """The GPU an operator names: its index, UUID, a MIG device UUID or PCI bus id."""
         ident = ident.strip()
@@ -317,9 +337,34 @@ class Clear:
     id: int = 0  # the store's row id (0: not stored)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KmsgState:
+    """The kernel log reader after a poll: what `check` and the store's cursor need."""
+
+    reader_up: bool
+    error: str = ""
+    cursor: str = ""  # where the next read starts; the Xid stage commits it with the events
+    records_read: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadSet:
+    """The workloads source's jobs: current ones, then recently exited ones."""
+
+    current: tuple[Workload, ...] = ()
+    exited: tuple[Workload, ...] = ()
+
+
+SourcePayload = GpuInventory | KmsgState | WorkloadSet
+
+
 @dataclass(frozen=True, slots=True)
 class SourceSnapshot:
-    """The outcome of one poll of one source, as the state keeps it."""
+    """The outcome of one poll of one source, as the state keeps it.
+
+    `status` is the source's JSON-able view for /status only; code reads the
+    typed `payload` (through `inventory`, `kmsg`, `workloads`).
+    """
 
     source: str
     samples: tuple[Sample, ...]
@@ -329,8 +374,24 @@ class SourceSnapshot:
     duration_seconds: float = 0.0
     last_success: float = 0.0
     status: Mapping[str, object] = field(default_factory=dict)
-    inventory: GpuInventory | None = None  # the NVML source's GPUs; None from other sources
+    payload: SourcePayload | None = None
     monotonic: float = 0.0  # monotonic time of the poll: ages and durations (0: unknown)
+    errors_by_reason: Mapping[str, int] = field(default_factory=dict)  # failed polls so far
+
+    @property
+    def inventory(self) -> GpuInventory | None:
+        """The NVML source's GPUs; None from other sources."""
+        return self.payload if isinstance(self.payload, GpuInventory) else None
+
+    @property
+    def kmsg(self) -> KmsgState | None:
+        """The kernel log reader's state; None from other sources."""
+        return self.payload if isinstance(self.payload, KmsgState) else None
+
+    @property
+    def workloads(self) -> WorkloadSet | None:
+        """The workloads source's jobs; None from other sources."""
+        return self.payload if isinstance(self.payload, WorkloadSet) else None
 
 
 # Bounded enough for alert labels (one value per job); the other workload

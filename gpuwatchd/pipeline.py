@@ -430,7 +430,6 @@ class SourceSet:
             clock=clock,
             log=logging.getLogger("gpuwatchd.sources"),
             nudge=self._nudge,
-            gpu_status=self.gpu_status,
             gpus=self.gpus,
             load_cursor=pipeline.load_cursor if pipeline else (lambda name: None),
             one_shot=one_shot,
@@ -446,12 +445,6 @@ class SourceSet:
         nvml = self.state.snapshot().sources.get("nvml")
         inventory = nvml.inventory if nvml is not None else None
         return inventory if inventory is not None else GpuInventory()
-
-    def gpu_status(self) -> Mapping[str, Mapping[str, object]]:
-        """The NVML source's per-GPU status (with its processes) of its last poll, by bus id."""
-        nvml = self.state.snapshot().sources.get("nvml")
-        gpus = nvml.status.get("gpus") if nvml is not None else None
-        return gpus if isinstance(gpus, Mapping) else {}
 
     @staticmethod
     def metric_specs(with_consumers: bool) -> list[MetricSpec]:

@@ -318,3 +318,31 @@ def test_public_all_is_sorted_and_complete() -> None:
                 )
                 missing = set(names) - defined
                 assert not missing, f"{f}: __all__ names undefined {missing}"
+
+
+def _reads_status_by_key(tree: ast.Module) -> list[int]:
+    """Lines that read a `status` mapping by key: `x.status[...]`, `x.status.get(...)`,
+    `x.status()[...]`, `x.status().get(...)`."""
+    found = []
+    for node in ast.walk(tree):
+        target: ast.expr | None = None
+        if isinstance(node, ast.Subscript):
+            target = node.value
+        elif isinstance(node, ast.Attribute) and node.attr == "get":
+            target = node.value
+        if isinstance(target, ast.Call):
+            target = target.func
+        if isinstance(target, ast.Attribute) and target.attr == "status":
+            found.append(node.lineno)
+    return found
+
+
+def test_nothing_outside_a_source_reads_its_status_by_key() -> None:
+    """Sources hand other layers typed payloads; `status()` is /status's JSON only."""
+    offenders = {
+        str(f.relative_to(PKG)): lines
+        for f in package_files()
+        if f.relative_to(PKG).parts[0] != "sources"
+        and (lines := _reads_status_by_key(ast.parse(f.read_text())))
+    }
+    assert not offenders, f"read the source's typed payload instead: {offenders}"

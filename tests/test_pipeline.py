@@ -7,7 +7,7 @@ from pathlib import Path
 
 from gpuwatchd.clock import FakeClock, SystemClock
 from gpuwatchd.config import Config, load
-from gpuwatchd.model import Event, Sample, Severity, SourceSnapshot
+from gpuwatchd.model import Event, KmsgState, Sample, Severity, SourceSnapshot
 from gpuwatchd.pipeline import Pipeline
 from gpuwatchd.sinks.store import EventStore
 from gpuwatchd.state import PublishQueue, State
@@ -15,8 +15,9 @@ from gpuwatchd.state import PublishQueue, State
 BUS = "00000000:06:00.0"
 
 
-def snap(source: str, value: float, **status: object) -> SourceSnapshot:
-    return SourceSnapshot(source, (Sample.of("gpuwatchd_x", value),), True, status=status)
+def snap(source: str, value: float, cursor: str = "") -> SourceSnapshot:
+    reader = KmsgState(reader_up=True, cursor=cursor) if source == "kmsg" else None
+    return SourceSnapshot(source, (Sample.of("gpuwatchd_x", value),), True, payload=reader)
 
 
 def xid(code: int, t: float) -> Event:

@@ -102,11 +102,9 @@ class Polled:
     @property
     def readable(self) -> bool:
         snap = self.snapshot
+        reader = snap.kmsg if snap is not None else None
         return (
-            snap is not None
-            and snap.ok
-            and not self.error
-            and snap.status.get("reader_up", True) is not False
+            snap is not None and snap.ok and not self.error and (reader is None or reader.reader_up)
         )
 
     def describe(self) -> str:
@@ -117,8 +115,8 @@ class Polled:
             return "no answer"
         if not snap.ok:
             return f"failed: {snap.error}"
-        if snap.status.get("reader_up") is False:
-            return f"cannot read: {snap.status.get('error') or 'reader down'}"
+        if snap.kmsg is not None and not snap.kmsg.reader_up:
+            return f"cannot read: {snap.kmsg.error or 'reader down'}"
         return f"ok ({snap.duration_seconds:.2f}s)"
 
 
@@ -217,8 +215,7 @@ def _poll(runner: Runner, source: Source, polled: Polled, deadline: float, clock
 
 
 def _read(snap: SourceSnapshot) -> int:
-    value = snap.status.get("records_read", 0)
-    return int(value) if isinstance(value, int) else 0
+    return snap.kmsg.records_read if snap.kmsg is not None else 0
 
 
 def _close_quietly(source: Source) -> None:
@@ -291,9 +288,9 @@ def check(cfg: Config, clock: Clock | None = None, timeout: float = 30.0) -> Ver
     if nvml is not None and nvml.inventory is not None and nvml.inventory.topology is not None:
         verdict.topology = nvml.inventory.topology.as_json()
     held = snap.sources.get("workloads")
-    if held is not None:
+    if held is not None and held.workloads is not None:
         gpus = [v for f in findings if f.severity >= Severity.WARNING for _, v in f.subject]
-        verdict.workloads = workloads_on_gpus(held.status, gpus)
+        verdict.workloads = workloads_on_gpus(held.workloads.current, gpus)
     return verdict
 
 

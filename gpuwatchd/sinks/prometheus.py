@@ -14,7 +14,7 @@ import logging
 import os
 import platform
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 
 from gpuwatchd import __version__
 from gpuwatchd.model import MetricSpec, Sample
@@ -180,9 +180,7 @@ def _self_samples(snap: NodeSnapshot) -> Iterator[Sample]:
                 src.last_success,
                 collector=name,
             )
-        errors = src.status.get("errors_by_reason", {})
-        if isinstance(errors, Mapping):
-            for reason, count in errors.items():
-                yield Sample.of(
-                    "gpuwatchd_collector_errors_total", count, collector=name, reason=reason
-                )
+        for reason, count in src.errors_by_reason.items():
+            yield Sample.of(
+                "gpuwatchd_collector_errors_total", count, collector=name, reason=reason
+            )

@@ -41,7 +41,6 @@ from gpuwatchd.model import (
     Sample,
     SourceSnapshot,
     XidFields,
-    workloads_from_status,
 )
 from gpuwatchd.pci import normalize_bus_id
 
@@ -174,17 +173,17 @@ class XidStage:
         self, snap: NodeSnapshot, source: SourceSnapshot | None, events: tuple[Event, ...]
     ) -> None:
         """Consumer step: a source's publish (events, and the kernel log cursor to store)."""
-        cursor = ""
-        if source is not None and source.source == "kmsg":
-            cursor = str(source.status.get("cursor") or "")
+        kmsg = source.kmsg if source is not None else None
+        cursor = kmsg.cursor if kmsg is not None else ""
         xids = [e for e in events if e.kind in KINDS]
         nvml = snap.sources.get("nvml")
-        gpus = nvml.status.get("gpus") if nvml is not None else None
-        if xids and isinstance(gpus, Mapping):
+        gpus = nvml.inventory if nvml is not None else None
+        if xids and gpus is not None:
             xids = [attach_mig(e, gpus) for e in xids]
         workloads = snap.sources.get("workloads")
-        if xids and workloads is not None:
-            known = workloads_from_status(workloads.status)
+        held = workloads.workloads if workloads is not None else None
+        if xids and held is not None:
+            known = [*held.current, *held.exited]
             xids = [attach_workload(e, known) for e in xids]
         self._process(xids, {"kmsg": cursor} if cursor else {})
 

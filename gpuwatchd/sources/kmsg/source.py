@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from gpuwatchd.bootid import read_boot_id
 from gpuwatchd.clock import Clock
-from gpuwatchd.model import Event, GpuInventory, MetricSpec, Sample
+from gpuwatchd.model import Event, GpuInventory, KmsgState, MetricSpec, Sample
 from gpuwatchd.sources.kmsg.filereader import FileReader
 from gpuwatchd.sources.kmsg.journal import JournalReader
 from gpuwatchd.sources.kmsg.parse import (
@@ -398,6 +398,15 @@ class KmsgSource:
             "spoofed_xid_lines": self._spoofed,
             "retry_in_seconds": 0.0 if self._reader is not None else self._retry_in(),
         }
+
+    def payload(self) -> KmsgState:
+        """The reader's state, typed (the Xid stage stores the cursor, `check` the rest)."""
+        return KmsgState(
+            reader_up=self._reader is not None,
+            error=self._error,
+            cursor=self._cursor,
+            records_read=self._read,
+        )
 
     def _retry_in(self) -> float:
         return max(0.0, round(self._retry_at - self.clock.monotonic(), 1))
