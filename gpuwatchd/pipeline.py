@@ -24,8 +24,6 @@ from gpuwatchd.config import Config
 from gpuwatchd.errors import GpuwatchdError, StoreError
 from gpuwatchd.forensics import NodeForensics
 from gpuwatchd.health import engine as engine_mod
-from gpuwatchd.health import fabric as _fabric  # noqa: F401 (registers its rule)
-from gpuwatchd.health import storage as _storage  # noqa: F401 (registers its rule)
 from gpuwatchd.health.engine import HealthEngine
 from gpuwatchd.health.hangs.monitor import METRICS as HANG_METRICS
 from gpuwatchd.health.hangs.monitor import HangMonitor

@@ -11,7 +11,7 @@ findings to listeners (the Alertmanager sink) when they changed.
 
 A tick on a quiet node is skipped: with nothing open or pending, no new
 snapshot generation, no operator clear and before the earliest time a
-time-based finding can appear (health/quiet.py), every rule would give
+time-based finding can appear (the rules' `due` in health/ruleset.py), every rule would give
 the same answer as at the last evaluation.
 """
 
@@ -25,11 +25,10 @@ from typing import Any
 
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config, HealthConfig
-from gpuwatchd.health import rules
+from gpuwatchd.health import ruleset
 from gpuwatchd.health.alerts import WORKLOAD_ATTRS
 from gpuwatchd.health.history import History, View, gpu_key, norm_bus_id
 from gpuwatchd.health.node_rules import NodeRules
-from gpuwatchd.health.quiet import MAX_QUIET_SECONDS, next_change
 from gpuwatchd.health.rollup import (
     METRICS,
     Rollup,
@@ -129,8 +128,7 @@ class HealthEngine:
         self._open: dict[Key, Finding] = {}
         # every rule from the start, so the counter exists at 0 before anything fails
         self._rule_errors: dict[str, int] = dict.fromkeys(
-            ["xid_tracker", "node_rules", "gpu_stuck"]
-            + [getattr(r, "__name__", "rule") for r in rules.RULES],
+            ["xid_tracker", "node_rules", "gpu_stuck"] + [s.name for s in ruleset.RULES],
             0,
         )
         self._started = clock.time()
@@ -261,9 +259,9 @@ class HealthEngine:
         snap = self._state.snapshot()
         if snap.generation != self._quiet_generation:
             return False
-        if now - self._last_eval >= MAX_QUIET_SECONDS or now < self._last_eval:
+        if now - self._last_eval >= ruleset.MAX_QUIET_SECONDS or now < self._last_eval:
             return False
-        return now < next_change(snap, self.history, self.cfg)
+        return now < ruleset.next_change(snap, self.history, self.cfg)
 
     def _save_baseline(self) -> None:
         count = self.history.max_gpus
@@ -292,8 +290,8 @@ class HealthEngine:
             ("node_rules", lambda: self._node_rules.evaluate(snap)),
             ("gpu_stuck", lambda: self._stuck.evaluate(snap)),
         ]
-        for rule in list(rules.RULES):
-            stateful.append((getattr(rule, "__name__", "rule"), functools.partial(rule, inp)))
+        for spec in ruleset.RULES:
+            stateful.append((spec.name, functools.partial(spec.rule, inp)))
         for name, run in stateful:
             try:
                 found = run()

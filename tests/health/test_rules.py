@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import pytest
 
 from gpuwatchd.config import Config, HealthConfig
-from gpuwatchd.health import rules
+from gpuwatchd.health import rules, ruleset
 from gpuwatchd.health.history import History, View, norm_bus_id
 from gpuwatchd.health.rules import ALERTS, Inputs, XidCondition
 from gpuwatchd.model import Action, Finding, Severity
@@ -35,7 +35,7 @@ def run(
         now = T0 + i * dt
         view = View(node.snapshot(now))
         hist.observe(view, now)
-        found = rules.evaluate(Inputs(view, hist, cfg, now, xids))
+        found = ruleset.evaluate(Inputs(view, hist, cfg, now, xids))
     return found
 
 
