@@ -241,6 +241,16 @@ class Gpu:
     mig: tuple[str, ...] = ()  # UUIDs of its MIG devices (MIG on and instances created)
     processes: tuple[GpuProcess, ...] = ()  # by pid, as of the last poll
 
+    @property
+    def key(self) -> str:
+        """Who the GPU is across polls: its UUID, or `gpuN` while NVML could not say."""
+        return self.uuid or f"gpu{self.index}"
+
+    @property
+    def subject(self) -> Labels:
+        """The labels its per-GPU series and findings carry."""
+        return labels_of({"gpu": self.index, "uuid": self.uuid, "pci_bus_id": self.pci_bus_id})
+
 
 @dataclass(frozen=True, slots=True)
 class GpuPlace:

@@ -17,7 +17,7 @@ from gpuwatchd.cli.check import collect
 from gpuwatchd.clock import SystemClock
 from gpuwatchd.config import Config
 from gpuwatchd.errors import GpuwatchdError
-from gpuwatchd.health.history import norm_bus_id
+from gpuwatchd.pci import normalize_bus_id
 from gpuwatchd.sinks.store import DB_NAME, EventStore
 
 __all__ = ["operator", "register", "resolve_gpu"]
@@ -55,7 +55,7 @@ def operator() -> str:
 def resolve_gpu(cfg: Config, target: str, timeout: float = 15.0) -> str:
     """A GPU index or UUID -> its PCI bus id (from stored events, else NVML)."""
     if ":" in target:
-        return norm_bus_id(target)
+        return normalize_bus_id(target) or target.strip().lower()
 
     path = os.path.join(cfg.daemon.state_dir, DB_NAME)
     if os.path.exists(path):
@@ -65,7 +65,8 @@ def resolve_gpu(cfg: Config, target: str, timeout: float = 15.0) -> str:
         finally:
             store.close()
         if rows and rows[0].get("pci_bus_id"):
-            return norm_bus_id(str(rows[0]["pci_bus_id"]))
+            bus = str(rows[0]["pci_bus_id"])
+            return normalize_bus_id(bus) or bus.strip().lower()
     got = collect(cfg, SystemClock(), timeout, only=["nvml"])
     nvml = got.state.snapshot().sources.get("nvml")
     gpu = nvml.inventory.find(target) if nvml is not None and nvml.inventory else None

@@ -27,7 +27,7 @@ from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config, HealthConfig
 from gpuwatchd.health import ruleset
 from gpuwatchd.health.alerts import WORKLOAD_ATTRS
-from gpuwatchd.health.history import History, View, gpu_key, norm_bus_id
+from gpuwatchd.health.history import History, View, gpu_key
 from gpuwatchd.health.node_rules import NodeRules
 from gpuwatchd.health.rollup import (
     METRICS,
@@ -49,6 +49,7 @@ from gpuwatchd.model import (
     SourceSnapshot,
     XidFields,
 )
+from gpuwatchd.pci import normalize_bus_id
 from gpuwatchd.state import NodeSnapshot, State
 
 __all__ = [
@@ -355,7 +356,7 @@ class HealthEngine:
             view = self._last_view
             keys = set(h.gpus_seen) | (set(view.gpus) if view else set())
             if clear.pci_bus_id:  # a bus id; an index or UUID is matched too
-                want = {clear.pci_bus_id, norm_bus_id(clear.pci_bus_id)}
+                want = {clear.pci_bus_id, normalize_bus_id(clear.pci_bus_id)} - {""}
                 keys = {k for k in keys if want & _ids(h, view, k)}
             for rk in [rk for rk in h.last_rise if gpu_key(dict(rk[1])) in keys]:
                 del h.last_rise[rk]
@@ -453,7 +454,7 @@ def _ids(h: History, view: View | None, key: str) -> set[str]:
     gpu = (view.gpus.get(key) if view else None) or h.gpus_seen.get(key)
     if gpu is None:
         return {key}
-    return {gpu.index, gpu.uuid, gpu.pci_bus_id, norm_bus_id(gpu.pci_bus_id)} - {""}
+    return {str(gpu.index), gpu.uuid, gpu.pci_bus_id} - {""}
 
 
 def _fmt(labels: Labels) -> str:

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 from gpuwatchd.config import Config
 from gpuwatchd.health.alerts import ALERTS, GPU_LABELS, AlertInfo, summary
-from gpuwatchd.health.history import Gpu, History, View
+from gpuwatchd.health.history import History, View
 from gpuwatchd.health.incident import xid_incident
-from gpuwatchd.model import Action, Finding, Labels, Severity, SourceSnapshot, labels_of
+from gpuwatchd.model import Action, Finding, Gpu, Labels, Severity, SourceSnapshot, labels_of
 from gpuwatchd.pci import UNKNOWN_BUS
 from gpuwatchd.state import NodeSnapshot
 
@@ -308,7 +308,10 @@ def pcie(inp: Inputs) -> list[Finding]:
         busy = util is not None and util >= h.pcie_gen_min_utilization
         if gen is not None and max_gen is not None and 0 < gen < max_gen and busy:
             problems.append(f"generation {gen:g} of {max_gen:g} while {util:.0%} busy")
-        for s in inp.view.series("gpuwatchd_gpu_pcie_replays_total", uuid=gpu.uuid, gpu=gpu.index):
+        replays = inp.view.series(
+            "gpuwatchd_gpu_pcie_replays_total", uuid=gpu.uuid, gpu=str(gpu.index)
+        )
+        for s in replays:
             rate = inp.history.rate(s.name, s.labels, inp.now)
             if rate > h.pcie_replay_rate:
                 problems.append(f"replays at {rate:.3g}/s (threshold {h.pcie_replay_rate:g}/s)")
