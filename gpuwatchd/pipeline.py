@@ -14,13 +14,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import socket
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config
+from gpuwatchd.config.overrides import node_name
 from gpuwatchd.errors import GpuwatchdError, StoreError
 from gpuwatchd.forensics import NodeForensics
 from gpuwatchd.health import engine as engine_mod
@@ -86,11 +86,6 @@ CONSUMER_METRICS: tuple[MetricSpec, ...] = (
     *remediation.METRICS,
     *store.METRICS,
 )
-
-
-def node_name(cfg: Config) -> str:
-    """The node label: config, else $GPUWATCHD_NODE_NAME (the chart sets it), else hostname."""
-    return cfg.daemon.node_name or os.environ.get("GPUWATCHD_NODE_NAME") or socket.gethostname()
 
 
 def source_names(cfg: Config) -> list[str]:

@@ -15,7 +15,6 @@ follows node-problem-detector's custom plugin contract: 0 OK, 1 problem,
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
@@ -27,6 +26,7 @@ from typing import Any
 from gpuwatchd import config
 from gpuwatchd.clock import Clock, SystemClock
 from gpuwatchd.config import Config
+from gpuwatchd.config.overrides import Overrides, load_with, node_name
 from gpuwatchd.errors import GpuwatchdError
 from gpuwatchd.health import alerts
 from gpuwatchd.health.hangs.monitor import open_hangs
@@ -253,7 +253,7 @@ def check(cfg: Config, clock: Clock | None = None, timeout: float = 30.0) -> Ver
     delays, and the daemon's store (under daemon.state_dir) read, never
     written: its operator clears, GPU count baseline and Xids of this boot.
     """
-    from gpuwatchd.pipeline import Consumers, node_name, one_shot_config, open_store_reader
+    from gpuwatchd.pipeline import Consumers, one_shot_config, open_store_reader
 
     clock = clock or SystemClock()
     notes: list[str] = []
@@ -385,20 +385,12 @@ def render_npd(v: Verdict, problem: Severity) -> tuple[int, str]:
 
 
 def _run_check(args: argparse.Namespace) -> int:
-    cfg = config.load(args.config)
-    if args.nvml_replay:
-        nvml = dataclasses.replace(cfg.sources.nvml, replay=args.nvml_replay)
-        cfg = dataclasses.replace(cfg, sources=dataclasses.replace(cfg.sources, nvml=nvml))
-    if args.state_dir:
-        daemon = dataclasses.replace(cfg.daemon, state_dir=args.state_dir)
-        cfg = dataclasses.replace(cfg, daemon=daemon)
+    cfg = load_with(args.config, Overrides.of(args))
     config.check_paths(cfg, args.config or "<defaults>")
     fmt = "json" if args.json else args.format
     try:
         verdict = check(cfg, timeout=args.timeout)
     except GpuwatchdError as exc:
-        from gpuwatchd.pipeline import node_name
-
         verdict = Verdict("UNKNOWN", [], {}, node_name(cfg), 0, [str(exc)])
     if fmt == "npd":
         code, line = render_npd(verdict, Severity.parse(args.npd_problem))

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import getpass
 import os
-import socket
 import sys
 import time
 from typing import Any
 
-from gpuwatchd import config
 from gpuwatchd.bootid import read_boot_id
 from gpuwatchd.cli.check import collect
 from gpuwatchd.clock import SystemClock
 from gpuwatchd.config import Config
+from gpuwatchd.config.overrides import Overrides, load_with, node_name
 from gpuwatchd.errors import GpuwatchdError
 from gpuwatchd.pci import normalize_bus_id
 from gpuwatchd.sinks.store import DB_NAME, EventStore
@@ -59,7 +57,7 @@ def resolve_gpu(cfg: Config, target: str, timeout: float = 15.0) -> str:
 
     path = os.path.join(cfg.daemon.state_dir, DB_NAME)
     if os.path.exists(path):
-        store = EventStore(path, cfg.store.max_events, cfg.store.max_age_days)
+        store = EventStore.from_config(cfg)
         try:
             rows = store.recent(1, gpu=target)
         finally:
@@ -79,11 +77,7 @@ def resolve_gpu(cfg: Config, target: str, timeout: float = 15.0) -> str:
 
 
 def _run_clear(args: argparse.Namespace) -> int:
-    cfg = config.load(args.config)
-    if args.state_dir:
-        cfg = dataclasses.replace(
-            cfg, daemon=dataclasses.replace(cfg.daemon, state_dir=args.state_dir)
-        )
+    cfg = load_with(args.config, Overrides.of(args))
     if not (args.gpu or args.all or args.resume):
         print("gpuwatchd clear: one of --gpu, --all or --resume is required", file=sys.stderr)
         return 2
@@ -95,12 +89,8 @@ def _run_clear(args: argparse.Namespace) -> int:
 def _resume(cfg: Config, args: argparse.Namespace) -> int:
     from gpuwatchd.sinks.remediation.resume import resume
 
-    # The daemon's node name (pipeline.node_name), without importing the whole pipeline.
-    node = cfg.daemon.node_name or os.environ.get("GPUWATCHD_NODE_NAME") or socket.gethostname()
-
-    store = EventStore(
-        os.path.join(cfg.daemon.state_dir, DB_NAME), cfg.store.max_events, cfg.store.max_age_days
-    )
+    node = node_name(cfg)
+    store = EventStore.from_config(cfg)
     try:
         lines = resume(cfg, node, store, operator(), args.reason)
         for line in lines or ["nothing to resume: no remediation is configured or in effect"]:
@@ -115,9 +105,7 @@ def _resume(cfg: Config, args: argparse.Namespace) -> int:
 
 def _clear_gpus(cfg: Config, args: argparse.Namespace) -> None:
     bus = "" if args.all else resolve_gpu(cfg, args.gpu)
-    store = EventStore(
-        os.path.join(cfg.daemon.state_dir, DB_NAME), cfg.store.max_events, cfg.store.max_age_days
-    )
+    store = EventStore.from_config(cfg)
     try:
         row = store.add_clear(
             operator(),
