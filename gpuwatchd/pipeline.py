@@ -213,7 +213,6 @@ class Pipeline(Consumers):
         self._heartbeat = clock.monotonic()
         self._sink_published: tuple[int, int] = (-1, -1)
         self._remediation_published: tuple[int, int] = (-1, -1)
-        self._consumer_published: tuple[object, ...] = ()
 
     def _new_sink(self, cfg: Config) -> AlertSink:
         db = os.path.join(cfg.daemon.state_dir, store.DB_NAME)
@@ -267,19 +266,15 @@ class Pipeline(Consumers):
         self._guarded("tick", self._publish_samples)
 
     def _publish_samples(self) -> None:
-        counts = (tuple(self._errors.items()), self.queue.coalesced)
-        if counts != self._consumer_published:  # an unchanged publish would only bump the
-            self._consumer_published = counts  # generation and void the scrape cache
-            out = [
-                Sample.of("gpuwatchd_consumer_errors_total", n, step=name)
-                for name, n in self._errors.items()
-            ]
-            out.append(Sample.of("gpuwatchd_consumer_coalesced_total", self.queue.coalesced))
-            self._state.publish_extra("consumer", out)
-        hangs = tuple(self.hang_monitor.samples())
-        if self._state.snapshot().extra.get("hangs") != hangs:
-            self._state.publish_extra("hangs", hangs)
-        # Sinks only count; their samples are published from here when they moved.
+        # State.publish_extra skips an unchanged publish (the tick mostly finds nothing new).
+        out = [
+            Sample.of("gpuwatchd_consumer_errors_total", n, step=name)
+            for name, n in self._errors.items()
+        ]
+        out.append(Sample.of("gpuwatchd_consumer_coalesced_total", self.queue.coalesced))
+        self._state.publish_extra("consumer", out)
+        self._state.publish_extra("hangs", self.hang_monitor.samples())
+        # Sinks only count; their samples are built (and published) only when they moved.
         mark = (id(self.sink), self.sink.version)
         if mark != self._sink_published:
             self._sink_published = mark

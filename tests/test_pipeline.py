@@ -201,3 +201,15 @@ def test_quiet_ticks_keep_the_snapshot_generation(tmp_path: Path) -> None:
         assert state.snapshot().generation == generation
     finally:
         pipeline.stop()
+
+
+def test_the_state_skips_an_unchanged_publish_in_one_place() -> None:
+    """Producers publish every tick; the same samples or findings bump no generation."""
+    state = State()
+    assert state.publish_extra("health", [Sample.of("gpuwatchd_x", 1)])
+    generation = state.snapshot().generation
+    assert not state.publish_extra("health", (Sample.of("gpuwatchd_x", 1),))
+    assert not state.set_findings(())
+    assert state.snapshot().generation == generation
+    assert state.publish_extra("health", [Sample.of("gpuwatchd_x", 2)])
+    assert state.snapshot().generation == generation + 1

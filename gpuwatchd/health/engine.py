@@ -385,13 +385,8 @@ class HealthEngine:
 
     def _publish(self, current: tuple[Finding, ...], view: View, now: float) -> None:
         if self._state is not None:
-            samples = tuple(self.samples(current, view))
-            # The 1 s tick mostly finds nothing new: an unchanged publish would only bump
-            # the snapshot generation and void the scrape cache.
-            if self._state.snapshot().findings != current:
-                self._state.set_findings(current)
-            if self._state.snapshot().extra.get("health") != samples:
-                self._state.publish_extra("health", samples)
+            self._state.set_findings(current)  # the state skips an unchanged publish
+            self._state.publish_extra("health", self.samples(current, view))
         if self._ready and current != self._last_sent:
             self._last_sent = current
             for listener in self._listeners:

@@ -104,7 +104,7 @@ class XidStage:
         tracker: XidTracker,
         merger: XidMerger,
         store: EventSink | None,
-        publish: Callable[[str, Sequence[Sample]], None],
+        publish: Callable[[str, Sequence[Sample]], object],
         clock: Clock,
     ) -> None:
         self.tracker = tracker
@@ -115,7 +115,6 @@ class XidStage:
         self._lock = threading.Lock()
         self._cursors: dict[str, str] = {}
         self._store_errors = 0
-        self._published: tuple[Sample, ...] | None = None
         self._last_clear_id = 0
         self.log_reports = True  # off for a one-shot `check`: it reports what it found itself
         self._unlogged: dict[str, tuple[float, Event]] = {}
@@ -124,7 +123,7 @@ class XidStage:
     def from_config(
         cls,
         cfg: Config,
-        publish: Callable[[str, Sequence[Sample]], None],
+        publish: Callable[[str, Sequence[Sample]], object],
         store: EventSink | None,
         clock: Clock,
     ) -> XidStage:
@@ -262,10 +261,7 @@ class XidStage:
         store_samples = getattr(self.store, "samples", None)  # the store's own metrics
         if store_samples is not None:
             samples.extend(store_samples())
-        frozen = tuple(samples)
-        if frozen != self._published:  # a quiet tick: keep the snapshot (and scrape cache)
-            self._published = frozen
-            self._publish_extra(OWNER, frozen)
+        self._publish_extra(OWNER, samples)  # the state skips an unchanged publish
 
     # --- operator actions -------------------------------------------------------------
 
