@@ -37,7 +37,6 @@ __all__ = [
     "WorkloadSet",
     "XidFields",
     "labels_of",
-    "workloads_from_status",
 ]
 
 MetricType = Literal["gauge", "counter", "info"]
@@ -477,23 +476,3 @@ class Workload:
                 out.update(gpu_instance=proc.gpu_instance, compute_instance=proc.compute_instance)
                 out["mig_uuid"] = proc.uuid
         return tuple(sorted((k, v) for k, v in out.items() if v))
-
-
-def workloads_from_status(status: Mapping[str, object]) -> list[Workload]:
-    """Workloads (current, then recently exited) back from `status()`'s JSON form."""
-    out = []
-    for key in ("workloads", "exited"):
-        items = status.get(key)
-        for item in items if isinstance(items, list) else ():
-            if not isinstance(item, Mapping):
-                continue
-            try:
-                procs = tuple(
-                    WorkloadProcess(**p) for p in item.get("processes") or () if isinstance(p, dict)
-                )
-                fields = {k: v for k, v in item.items() if k not in ("processes", "gpus")}
-                gpus = tuple(item.get("gpus") or ())
-                out.append(Workload(**fields, processes=procs, gpus=gpus))
-            except TypeError:  # not this version's shape: no attribution rather than a crash
-                continue
-    return out

@@ -25,7 +25,6 @@ from gpuwatchd.model import (
     Workload,
     WorkloadProcess,
     WorkloadSet,
-    workloads_from_status,
 )
 from gpuwatchd.sources.workloads.cgroup import Attribution, attribute, start_ticks
 from gpuwatchd.sources.workloads.environ import read_torch_env, torch_job_id
@@ -413,4 +412,24 @@ def workloads_on_gpus(
         held = set(w.gpus) | {p.uuid for p in w.processes} | {p.pci_bus_id for p in w.processes}
         if held & wanted:
             out.append(workload_json(w))
+    return out
+
+
+def workloads_from_status(status: Mapping[str, object]) -> list[Workload]:
+    """Workloads (current, then recently exited) back from `status()`'s JSON form (/status)."""
+    out = []
+    for key in ("workloads", "exited"):
+        items = status.get(key)
+        for item in items if isinstance(items, list) else ():
+            if not isinstance(item, Mapping):
+                continue
+            try:
+                procs = tuple(
+                    WorkloadProcess(**p) for p in item.get("processes") or () if isinstance(p, dict)
+                )
+                fields = {k: v for k, v in item.items() if k not in ("processes", "gpus")}
+                gpus = tuple(item.get("gpus") or ())
+                out.append(Workload(**fields, processes=procs, gpus=gpus))
+            except TypeError:  # not this version's shape: no attribution rather than a crash
+                continue
     return out
