@@ -124,7 +124,7 @@ class Consumers:
             cfg,
             clock,
             state,
-            xids=self.xids.active,
+            xids=self.xids.conditions,
             expected_sources=list(source_names),
             clears=engine_mod.store_clears(store) if store is not None else None,
             baseline_gpus=_baseline(cfg, store),

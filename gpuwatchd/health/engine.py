@@ -26,7 +26,6 @@ from typing import Any
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config, HealthConfig
 from gpuwatchd.health import ruleset
-from gpuwatchd.health.alerts import WORKLOAD_ATTRS
 from gpuwatchd.health.history import History, View, gpu_key
 from gpuwatchd.health.node_rules import NodeRules
 from gpuwatchd.health.rollup import (
@@ -38,7 +37,6 @@ from gpuwatchd.health.rollup import (
 )
 from gpuwatchd.health.rules import Inputs, XidCondition
 from gpuwatchd.health.stuck import StuckDetector, StuckThresholds, proc_describer
-from gpuwatchd.health.xid.tracker import ActiveXid
 from gpuwatchd.model import (
     Clear,
     Event,
@@ -47,7 +45,6 @@ from gpuwatchd.model import (
     Sample,
     Severity,
     SourceSnapshot,
-    XidFields,
 )
 from gpuwatchd.pci import normalize_bus_id
 from gpuwatchd.state import NodeSnapshot, State
@@ -56,14 +53,13 @@ __all__ = [
     "HealthEngine",
     "METRICS",
     "store_clears",
-    "xid_condition",
 ]
 
 log = logging.getLogger("gpuwatchd.health")
 
 Listener = Callable[[Sequence[Finding], float], None]
 Key = tuple[str, Labels, Labels]
-XidProvider = Callable[[float], Sequence["ActiveXid | XidCondition"]]
+XidProvider = Callable[[float], Sequence[XidCondition]]  # XidStage.conditions
 ClearFetcher = Callable[[float], Sequence[Clear]]
 
 
@@ -74,29 +70,6 @@ def store_clears(store: Any) -> ClearFetcher:
         return list(store.clears_since(since))
 
     return fetch
-
-
-def xid_condition(a: ActiveXid | XidCondition) -> XidCondition:
-    """The Xid rule's view of a tracker's ActiveXid."""
-    if isinstance(a, XidCondition):
-        return a
-    xid = a.event.xid or XidFields(code=a.code)
-    pid = f"pid {xid.pid}" if xid.pid is not None else ""
-    who = " ".join(x for x in (pid, xid.process) if x)
-    parts = [p for p in (who, xid.detail, xid.escalated, f"active until {a.until}") if p]
-    return XidCondition(
-        code=a.code,
-        pci_bus_id=a.pci_bus_id,
-        severity=a.info.severity,
-        action=a.info.action,
-        name=a.info.name,
-        remediation=a.info.remediation,
-        since=a.since,
-        kind=a.kind,
-        count=a.count,
-        detail="; ".join(parts),
-        workload=tuple((k, v) for k, v in a.event.attrs if k in WORKLOAD_ATTRS),
-    )
 
 
 def _key(f: Finding) -> Key:
@@ -277,7 +250,7 @@ class HealthEngine:
         if self._xids is None:
             return ()
         try:
-            return [xid_condition(a) for a in self._xids(now)]
+            return list(self._xids(now))
         except Exception:
             log.exception("reading the active Xids")
             self._rule_errors["xid_tracker"] = self._rule_errors.get("xid_tracker", 0) + 1

@@ -21,9 +21,8 @@ from gpuwatchd.config import (
     SourcesConfig,
 )
 from gpuwatchd.health import rules
-from gpuwatchd.health.engine import xid_condition
 from gpuwatchd.health.history import History, View
-from gpuwatchd.health.xid.stage import XidStage
+from gpuwatchd.health.xid.stage import XidStage, xid_condition
 from gpuwatchd.health.xid.workload import attach_mig
 from gpuwatchd.model import Event, Gpu, GpuInventory, GpuProcess
 from gpuwatchd.sinks.alertmanager.sink import AlertSink

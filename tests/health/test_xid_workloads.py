@@ -11,9 +11,8 @@ import pytest
 
 from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import Config, DaemonConfig, KmsgConfig, PathsConfig, SourcesConfig
-from gpuwatchd.health.engine import xid_condition
 from gpuwatchd.health.xid import catalog as xid
-from gpuwatchd.health.xid.stage import XidStage
+from gpuwatchd.health.xid.stage import XidStage, xid_condition
 from gpuwatchd.health.xid.tracker import TrackerSettings, XidTracker
 from gpuwatchd.health.xid.workload import match_workload
 from gpuwatchd.model import Event, GpuInventory, Workload, WorkloadProcess

@@ -13,8 +13,8 @@ import pytest
 from gpuwatchd.clock import FakeClock, SystemClock
 from gpuwatchd.config import AlertmanagerConfig, Config
 from gpuwatchd.health import rules
-from gpuwatchd.health.engine import xid_condition
 from gpuwatchd.health.history import History, View
+from gpuwatchd.health.xid.stage import xid_condition
 from gpuwatchd.model import Gpu, GpuInventory, GpuProcess
 from gpuwatchd.sinks.alertmanager.sink import AlertSink
 from gpuwatchd.sources.workloads.podresources import PodResourcesClient

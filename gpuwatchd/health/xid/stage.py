@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Protocol
 from gpuwatchd.bootid import read_boot_id
 from gpuwatchd.clock import Clock
 from gpuwatchd.errors import StoreError
+from gpuwatchd.health.alerts import WORKLOAD_ATTRS
+from gpuwatchd.health.rules import XidCondition
 from gpuwatchd.health.xid import catalog as xid
 from gpuwatchd.health.xid.bursts import JOIN_WINDOW, MULTILINE_XIDS
 from gpuwatchd.health.xid.merge import XidMerger
@@ -52,6 +54,7 @@ __all__ = [
     "EventSink",
     "METRICS",
     "XidStage",
+    "xid_condition",
 ]
 
 log = logging.getLogger("gpuwatchd.health.xid.catalog")
@@ -332,9 +335,34 @@ class XidStage:
             log.info("applied clear by %s: %s %s %s", r.who, r.kind, r.code or "*", r.pci_bus_id)
 
     def active(self, now: float | None = None) -> list[ActiveXid]:
-        """Active Xid/SXid conditions (for the health engine)."""
+        """Active Xid/SXid conditions, as the tracker keeps them."""
         with self._lock:
             return self.tracker.active(self.clock.time() if now is None else now)
+
+    def conditions(self, now: float | None = None) -> list[XidCondition]:
+        """Active Xid/SXid conditions as the Xid rule reads them (the health engine's input)."""
+        return [xid_condition(a) for a in self.active(now)]
+
+
+def xid_condition(a: ActiveXid) -> XidCondition:
+    """The Xid rule's view of a tracker's ActiveXid."""
+    xid = a.event.xid or XidFields(code=a.code)
+    pid = f"pid {xid.pid}" if xid.pid is not None else ""
+    who = " ".join(x for x in (pid, xid.process) if x)
+    parts = [p for p in (who, xid.detail, xid.escalated, f"active until {a.until}") if p]
+    return XidCondition(
+        code=a.code,
+        pci_bus_id=a.pci_bus_id,
+        severity=a.info.severity,
+        action=a.info.action,
+        name=a.info.name,
+        remediation=a.info.remediation,
+        since=a.since,
+        kind=a.kind,
+        count=a.count,
+        detail="; ".join(parts),
+        workload=tuple((k, v) for k, v in a.event.attrs if k in WORKLOAD_ATTRS),
+    )
 
 
 def journal_fields(ev: Event) -> dict[str, str]:
