@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from gpuwatchd.pci import normalize_bus_id
+from gpuwatchd.xidfields import XidFields
 
 __all__ = [
     "Action",
@@ -140,6 +141,9 @@ class Event:
     severity: Severity = Severity.INFO
     attrs: Labels = ()
     count: int = 1
+    # The report's fields as its parser read them (the kernel log source sets them);
+    # the same as `attrs` says, so they take no part in equality.
+    fields: XidFields | None = field(default=None, compare=False)
 
     def attr(self, key: str, default: str = "") -> str:
         for k, v in self.attrs:
@@ -149,57 +153,11 @@ class Event:
 
     @property
     def xid(self) -> XidFields | None:
-        """The typed fields of an Xid or SXid report; None for other kinds."""
-        return XidFields.of(self) if self.kind in ("xid", "sxid") else None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class XidFields:
-    """An Xid/SXid report's fields, typed; `Event.attrs` carries them as strings
-    under the same names (the store's columns and the journal's fields)."""
-
-    code: int
-    gpu: str = ""  # NVML index; "" when NVML did not list the bus id
-    uuid: str = ""
-    pid: int | None = None
-    process: str = ""
-    gpc: int | None = None  # Xid 13 and friends: where in the GPU the fault hit
-    tpc: int | None = None
-    sm: int | None = None
-    recovery_action: str = ""  # the driver's own text (Xid 154: "GPU Reset Required", ...)
-    fatal: bool | None = None  # SXid: the driver says fatal or non-fatal
-    detail: str = ""  # the report's text after the code
-    name: str = ""  # the catalog's name, once the tracker classified it
-    action: str = ""  # the catalog's action, once classified (Action values)
-    escalated: str = ""  # why the tracker raised the action, if it did
-
-    @classmethod
-    def of(cls, ev: Event) -> XidFields:
-        """Read the fields from an event's attrs (bad numbers read as None)."""
-        a = dict(ev.attrs)
-        return cls(
-            code=ev.code or 0,
-            gpu=a.get("gpu", ""),
-            uuid=a.get("uuid", ""),
-            pid=_int_or_none(a.get("pid", "")),
-            process=a.get("process", ""),
-            gpc=_int_or_none(a.get("gpc", "")),
-            tpc=_int_or_none(a.get("tpc", "")),
-            sm=_int_or_none(a.get("sm", "")),
-            recovery_action=a.get("recovery_action", ""),
-            fatal={"true": True, "false": False}.get(a.get("fatal", "")),
-            detail=a.get("detail", ""),
-            name=a.get("name", ""),
-            action=a.get("action", ""),
-            escalated=a.get("escalated", ""),
-        )
-
-
-def _int_or_none(text: str) -> int | None:
-    try:
-        return int(text) if text else None
-    except ValueError:
-        return None
+        """The typed fields of an Xid or SXid report (read from `attrs` for an event
+        that came without them: NVML's, the store's); None for other kinds."""
+        if self.kind not in ("xid", "sxid"):
+            return None
+        return self.fields if self.fields is not None else XidFields.of(self)
 
 
 @dataclass(frozen=True, slots=True)
