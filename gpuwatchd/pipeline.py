@@ -211,8 +211,6 @@ class Pipeline(Consumers):
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._heartbeat = clock.monotonic()
-        self._sink_published: tuple[int, int] = (-1, -1)
-        self._remediation_published: tuple[int, int] = (-1, -1)
 
     def _new_sink(self, cfg: Config) -> AlertSink:
         db = os.path.join(cfg.daemon.state_dir, store.DB_NAME)
@@ -274,15 +272,9 @@ class Pipeline(Consumers):
         out.append(Sample.of("gpuwatchd_consumer_coalesced_total", self.queue.coalesced))
         self._state.publish_extra("consumer", out)
         self._state.publish_extra("hangs", self.hang_monitor.samples())
-        # Sinks only count; their samples are built (and published) only when they moved.
-        mark = (id(self.sink), self.sink.version)
-        if mark != self._sink_published:
-            self._sink_published = mark
-            self._state.publish_extra("alertmanager", self.sink.samples())
-        mark = (id(self.remediation), self.remediation.version)
-        if mark != self._remediation_published:
-            self._remediation_published = mark
-            self._state.publish_extra("remediation", self.remediation.samples())
+        # Sinks only count; their samples are cheap copies, published here.
+        self._state.publish_extra("alertmanager", self.sink.samples())
+        self._state.publish_extra("remediation", self.remediation.samples())
 
     def stale(self, max_age: float) -> list[str]:
         """["consumer"] if the consumer thread made no progress for `max_age` + a tick."""
