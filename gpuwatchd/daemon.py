@@ -25,12 +25,20 @@ from gpuwatchd import __version__, config, logs
 from gpuwatchd.bootid import read_boot_id
 from gpuwatchd.clock import Clock, SystemClock
 from gpuwatchd.config import Config
+from gpuwatchd.config.overrides import (
+    NO_OVERRIDES,
+    OVERRIDE_FLAGS,
+    Overrides,
+    apply_overrides,
+    flag_error,
+    node_name,
+)
 from gpuwatchd.errors import ConfigError, StoreError
 from gpuwatchd.http import webconfig
 from gpuwatchd.http.app import Route, json_route, make_app
 from gpuwatchd.http.endpoints import healthz_route, status_document, summary_line
 from gpuwatchd.http.server import WebServer, serve
-from gpuwatchd.pipeline import Pipeline, SourceSet, node_name, source_names
+from gpuwatchd.pipeline import Pipeline, SourceSet, source_names
 from gpuwatchd.runmarker import METRICS as RUN_METRICS
 from gpuwatchd.runmarker import RunRecord, tighten_state_dir
 from gpuwatchd.sinks.durability import StateDirLock
@@ -59,59 +67,13 @@ THREAD_DIED = -1  # on the signal queue: a thread's uncaught exception
 DEATH_GRACE = 10.0  # seconds a stop after a thread death may take before os._exit
 
 
-@dataclasses.dataclass(frozen=True)
-class Overrides:
-    """Command-line flags that take precedence over the config file."""
-
-    listen: str | None = None
-    nvml_replay: str | None = None
-    state_dir: str | None = None
-    log_level: str | None = None
-
-
-def apply_overrides(cfg: Config, ov: Overrides) -> Config:
-    r = dataclasses.replace
-    if ov.listen is not None:
-        cfg = r(cfg, http=r(cfg.http, listen=ov.listen))
-    if ov.nvml_replay is not None:
-        nvml = r(cfg.sources.nvml, replay=ov.nvml_replay)
-        cfg = r(cfg, sources=r(cfg.sources, nvml=nvml))
-    if ov.state_dir is not None:
-        cfg = r(cfg, daemon=r(cfg.daemon, state_dir=ov.state_dir))
-    if ov.log_level is not None:
-        cfg = r(cfg, daemon=r(cfg.daemon, log_level=ov.log_level))
-    return cfg
-
-
-# config key -> the `gpuwatchd run` flag that overrides it
-OVERRIDE_FLAGS = {
-    "http.listen": ("listen", "--listen"),
-    "sources.nvml.replay": ("nvml_replay", "--nvml-replay"),
-    "daemon.state_dir": ("state_dir", "--state-dir"),
-    "daemon.log_level": ("log_level", "--log-level"),
-}
-
-
-def flag_error(exc: ConfigError, ov: object) -> ConfigError:
-    """The error named after the command-line flag when a flag set the bad value.
-
-    `ov` is the Overrides, or the parsed arguments of any subcommand with such flags.
-    """
-    if isinstance(exc, config.ConfigErrors):
-        return config.ConfigErrors([flag_error(e, ov) for e in exc.errors])
-    field, flag = OVERRIDE_FLAGS.get(getattr(exc, "key", ""), ("", ""))
-    if field and getattr(ov, field, None) is not None:
-        return ConfigError("command line", flag, exc.problem)
-    return exc
-
-
 def split_listen(listen: str) -> tuple[str, int]:
     host, _, port = listen.rpartition(":")
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
 def load_checked(
-    path: str | None, overrides: Overrides = Overrides()
+    path: str | None, overrides: Overrides = NO_OVERRIDES
 ) -> tuple[Config, webconfig.WebConfig | None]:
     """Every check `run` makes before it starts, all problems at once (`config check` too)."""
     errors: list[ConfigError] = []
@@ -198,7 +160,7 @@ class Daemon:
     def __init__(
         self,
         cfg_path: str | None,
-        overrides: Overrides = Overrides(),
+        overrides: Overrides = NO_OVERRIDES,
         clock: Clock | None = None,
         notifier: Notifier | None = None,
     ) -> None:

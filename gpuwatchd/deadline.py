@@ -16,17 +16,11 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
+from gpuwatchd.errors import CallTimeout, StuckError
+
 __all__ = ["CallTimeout", "DeadlineRunner", "StuckError"]
 
 T = TypeVar("T")
-
-
-class CallTimeout(Exception):
-    """The call did not return in time; it is still running in its worker."""
-
-
-class StuckError(Exception):
-    """An earlier call for this key is still hung; nothing was attempted."""
 
 
 class _Worker:

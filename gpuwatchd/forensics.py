@@ -7,10 +7,9 @@ the sources' readers, so the health layer never imports a source.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 from gpuwatchd.jobview import JobView, RasAnswer, StackCapture
-from gpuwatchd.model import workloads_from_status
 from gpuwatchd.sources.hangs import flight, ras, stacks
 from gpuwatchd.sources.hangs.jobs import jobs_from_gpu_processes, jobs_from_workloads, read_environ
 from gpuwatchd.sources.hangs.proc import probe_jobs
@@ -25,22 +24,12 @@ class NodeForensics:
     def jobs(self, snap: NodeSnapshot, procfs: str) -> list[JobView]:
         """Jobs from the workloads source when it runs, else from NVML's processes."""
         wl = snap.sources.get("workloads")
-        if wl is not None and wl.ok:
-            current = workloads_from_status({"workloads": wl.status.get("workloads")})
-            return jobs_from_workloads(current, procfs)
+        if wl is not None and wl.ok and wl.workloads is not None:
+            return jobs_from_workloads(list(wl.workloads.current), procfs)
         nvml = snap.sources.get("nvml")
-        if nvml is None:
+        if nvml is None or nvml.inventory is None:
             return []
-        pids: dict[str, list[int]] = {}
-        gpus = nvml.status.get("gpus")
-        for info in gpus.values() if isinstance(gpus, Mapping) else ():
-            if not isinstance(info, Mapping):
-                continue
-            for proc in info.get("processes") or ():
-                pid = proc.get("pid") if isinstance(proc, Mapping) else None
-                if isinstance(pid, int):
-                    pids.setdefault(str(info.get("gpu")), []).append(pid)
-        return jobs_from_gpu_processes(pids, procfs)
+        return jobs_from_gpu_processes(nvml.inventory.pids_by_gpu(), procfs)
 
     def capture(self, pid: int, timeout: float) -> StackCapture:
         """One py-spy dump of `pid`, bounded by `timeout`."""

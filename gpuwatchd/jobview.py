@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from gpuwatchd.errors import RasError
+
 __all__ = [
     "DEFAULT_RAS_ADDR",
     "Frame",
@@ -27,10 +29,6 @@ __all__ = [
 ]
 
 DEFAULT_RAS_ADDR = "localhost:28028"
-
-
-class RasError(Exception):
-    """The RAS service could not be reached or answered something unexpected."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from gpuwatchd.pci import normalize_bus_id
+from gpuwatchd.xidfields import XidFields
 
 __all__ = [
     "Action",
@@ -21,19 +22,22 @@ __all__ = [
     "Gpu",
     "GpuInventory",
     "GpuPlace",
+    "GpuProcess",
     "Health",
+    "KmsgState",
     "MetricSpec",
     "MetricType",
     "Sample",
     "Severity",
+    "SourcePayload",
     "SourceSnapshot",
     "Topology",
     "WORKLOAD_ALERT_LABELS",
     "Workload",
     "WorkloadProcess",
+    "WorkloadSet",
     "XidFields",
     "labels_of",
-    "workloads_from_status",
 ]
 
 MetricType = Literal["gauge", "counter", "info"]
@@ -137,6 +141,9 @@ class Event:
     severity: Severity = Severity.INFO
     attrs: Labels = ()
     count: int = 1
+    # The report's fields as its parser read them (the kernel log source sets them);
+    # the same as `attrs` says, so they take no part in equality.
+    fields: XidFields | None = field(default=None, compare=False)
 
     def attr(self, key: str, default: str = "") -> str:
         for k, v in self.attrs:
@@ -146,57 +153,11 @@ class Event:
 
     @property
     def xid(self) -> XidFields | None:
-        """The typed fields of an Xid or SXid report; None for other kinds."""
-        return XidFields.of(self) if self.kind in ("xid", "sxid") else None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class XidFields:
-    """An Xid/SXid report's fields, typed; `Event.attrs` carries them as strings
-    under the same names (the store's columns and the journal's fields)."""
-
-    code: int
-    gpu: str = ""  # NVML index; "" when NVML did not list the bus id
-    uuid: str = ""
-    pid: int | None = None
-    process: str = ""
-    gpc: int | None = None  # Xid 13 and friends: where in the GPU the fault hit
-    tpc: int | None = None
-    sm: int | None = None
-    recovery_action: str = ""  # the driver's own text (Xid 154: "GPU Reset Required", ...)
-    fatal: bool | None = None  # SXid: the driver says fatal or non-fatal
-    detail: str = ""  # the report's text after the code
-    name: str = ""  # the catalog's name, once the tracker classified it
-    action: str = ""  # the catalog's action, once classified (Action values)
-    escalated: str = ""  # why the tracker raised the action, if it did
-
-    @classmethod
-    def of(cls, ev: Event) -> XidFields:
-        """Read the fields from an event's attrs (bad numbers read as None)."""
-        a = dict(ev.attrs)
-        return cls(
-            code=ev.code or 0,
-            gpu=a.get("gpu", ""),
-            uuid=a.get("uuid", ""),
-            pid=_int_or_none(a.get("pid", "")),
-            process=a.get("process", ""),
-            gpc=_int_or_none(a.get("gpc", "")),
-            tpc=_int_or_none(a.get("tpc", "")),
-            sm=_int_or_none(a.get("sm", "")),
-            recovery_action=a.get("recovery_action", ""),
-            fatal={"true": True, "false": False}.get(a.get("fatal", "")),
-            detail=a.get("detail", ""),
-            name=a.get("name", ""),
-            action=a.get("action", ""),
-            escalated=a.get("escalated", ""),
-        )
-
-
-def _int_or_none(text: str) -> int | None:
-    try:
-        return int(text) if text else None
-    except ValueError:
-        return None
+        """The typed fields of an Xid or SXid report (read from `attrs` for an event
+        that came without them: NVML's, the store's); None for other kinds."""
+        if self.kind not in ("xid", "sxid"):
+            return None
+        return self.fields if self.fields is not None else XidFields.of(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +177,17 @@ class Finding:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class GpuProcess:
+    """One compute process NVML lists on a GPU, or on one of its MIG devices."""
+
+    pid: int
+    used_memory_bytes: int | None = None
+    mig_uuid: str = ""  # the MIG device it runs on ("" on a whole GPU)
+    gpu_instance: int | None = None
+    compute_instance: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Gpu:
     """One GPU of the node as NVML lists it."""
 
@@ -224,6 +196,17 @@ class Gpu:
     pci_bus_id: str = ""  # one form everywhere: pci.normalize_bus_id ("0000:06:00.0")
     name: str = ""
     mig: tuple[str, ...] = ()  # UUIDs of its MIG devices (MIG on and instances created)
+    processes: tuple[GpuProcess, ...] = ()  # by pid, as of the last poll
+
+    @property
+    def key(self) -> str:
+        """Who the GPU is across polls: its UUID, or `gpuN` while NVML could not say."""
+        return self.uuid or f"gpu{self.index}"
+
+    @property
+    def subject(self) -> Labels:
+        """The labels its per-GPU series and findings carry."""
+        return labels_of({"gpu": self.index, "uuid": self.uuid, "pci_bus_id": self.pci_bus_id})
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,6 +272,10 @@ class GpuInventory:
         want = normalize_bus_id(bus_id)
         return next((g for g in self.gpus if want and g.pci_bus_id == want), None)
 
+    def pids_by_gpu(self) -> dict[str, list[int]]:
+        """GPU index (as a label) -> the pids NVML lists on it, MIG devices included."""
+        return {str(g.index): [p.pid for p in g.processes] for g in self.gpus if g.processes}
+
     def find(self, ident: str) -> Gpu | None:
         """The GPU an operator names: its index, UUID, a MIG device UUID or PCI bus id."""
         ident = ident.strip()
@@ -317,9 +304,34 @@ class Clear:
     id: int = 0  # the store's row id (0: not stored)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KmsgState:
+    """The kernel log reader after a poll: what `check` and the store's cursor need."""
+
+    reader_up: bool
+    error: str = ""
+    cursor: str = ""  # where the next read starts; the Xid stage commits it with the events
+    records_read: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadSet:
+    """The workloads source's jobs: current ones, then recently exited ones."""
+
+    current: tuple[Workload, ...] = ()
+    exited: tuple[Workload, ...] = ()
+
+
+SourcePayload = GpuInventory | KmsgState | WorkloadSet
+
+
 @dataclass(frozen=True, slots=True)
 class SourceSnapshot:
-    """The outcome of one poll of one source, as the state keeps it."""
+    """The outcome of one poll of one source, as the state keeps it.
+
+    `status` is the source's JSON-able view for /status only; code reads the
+    typed `payload` (through `inventory`, `kmsg`, `workloads`).
+    """
 
     source: str
     samples: tuple[Sample, ...]
@@ -329,8 +341,24 @@ class SourceSnapshot:
     duration_seconds: float = 0.0
     last_success: float = 0.0
     status: Mapping[str, object] = field(default_factory=dict)
-    inventory: GpuInventory | None = None  # the NVML source's GPUs; None from other sources
+    payload: SourcePayload | None = None
     monotonic: float = 0.0  # monotonic time of the poll: ages and durations (0: unknown)
+    errors_by_reason: Mapping[str, int] = field(default_factory=dict)  # failed polls so far
+
+    @property
+    def inventory(self) -> GpuInventory | None:
+        """The NVML source's GPUs; None from other sources."""
+        return self.payload if isinstance(self.payload, GpuInventory) else None
+
+    @property
+    def kmsg(self) -> KmsgState | None:
+        """The kernel log reader's state; None from other sources."""
+        return self.payload if isinstance(self.payload, KmsgState) else None
+
+    @property
+    def workloads(self) -> WorkloadSet | None:
+        """The workloads source's jobs; None from other sources."""
+        return self.payload if isinstance(self.payload, WorkloadSet) else None
 
 
 # Bounded enough for alert labels (one value per job); the other workload
@@ -406,23 +434,3 @@ class Workload:
                 out.update(gpu_instance=proc.gpu_instance, compute_instance=proc.compute_instance)
                 out["mig_uuid"] = proc.uuid
         return tuple(sorted((k, v) for k, v in out.items() if v))
-
-
-def workloads_from_status(status: Mapping[str, object]) -> list[Workload]:
-    """Workloads (current, then recently exited) back from `status()`'s JSON form."""
-    out = []
-    for key in ("workloads", "exited"):
-        items = status.get(key)
-        for item in items if isinstance(items, list) else ():
-            if not isinstance(item, Mapping):
-                continue
-            try:
-                procs = tuple(
-                    WorkloadProcess(**p) for p in item.get("processes") or () if isinstance(p, dict)
-                )
-                fields = {k: v for k, v in item.items() if k not in ("processes", "gpus")}
-                gpus = tuple(item.get("gpus") or ())
-                out.append(Workload(**fields, processes=procs, gpus=gpus))
-            except TypeError:  # not this version's shape: no attribution rather than a crash
-                continue
-    return out

@@ -14,21 +14,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import socket
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config
+from gpuwatchd.config.overrides import node_name
 from gpuwatchd.diagnose import scheduler as diag_scheduler
 from gpuwatchd.diagnose.scheduler import DiagScheduler
 from gpuwatchd.errors import GpuwatchdError, StoreError
 from gpuwatchd.forensics import NodeForensics
-from gpuwatchd.health import diag_rule as _diag_rule  # noqa: F401 (registers its rule)
 from gpuwatchd.health import engine as engine_mod
-from gpuwatchd.health import fabric as _fabric  # noqa: F401 (registers its rule)
-from gpuwatchd.health import storage as _storage  # noqa: F401 (registers its rule)
 from gpuwatchd.health.engine import HealthEngine
 from gpuwatchd.health.hangs.monitor import METRICS as HANG_METRICS
 from gpuwatchd.health.hangs.monitor import HangMonitor
@@ -95,11 +92,6 @@ CONSUMER_METRICS: tuple[MetricSpec, ...] = (
 )
 
 
-def node_name(cfg: Config) -> str:
-    """The node label: config, else $GPUWATCHD_NODE_NAME (the chart sets it), else hostname."""
-    return cfg.daemon.node_name or os.environ.get("GPUWATCHD_NODE_NAME") or socket.gethostname()
-
-
 def source_names(cfg: Config) -> list[str]:
     return [name for name in registry() if enabled(cfg, name)]
 
@@ -136,7 +128,7 @@ class Consumers:
             cfg,
             clock,
             state,
-            xids=self.xids.active,
+            xids=self.xids.conditions,
             expected_sources=list(source_names),
             clears=engine_mod.store_clears(store) if store is not None else None,
             baseline_gpus=_baseline(cfg, store),
@@ -229,9 +221,6 @@ class Pipeline(Consumers):
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._heartbeat = clock.monotonic()
-        self._sink_published: tuple[int, int] = (-1, -1)
-        self._remediation_published: tuple[int, int] = (-1, -1)
-        self._consumer_published: tuple[object, ...] = ()
 
     def _evidence_before_act(self, finding: Finding) -> str:
         return self.evidence.ensure(finding, "before remediation")
@@ -291,30 +280,18 @@ class Pipeline(Consumers):
         self._guarded("tick", self._publish_samples)
 
     def _publish_samples(self) -> None:
-        counts = (tuple(self._errors.items()), self.queue.coalesced)
-        if counts != self._consumer_published:  # an unchanged publish would only bump the
-            self._consumer_published = counts  # generation and void the scrape cache
-            out = [
-                Sample.of("gpuwatchd_consumer_errors_total", n, step=name)
-                for name, n in self._errors.items()
-            ]
-            out.append(Sample.of("gpuwatchd_consumer_coalesced_total", self.queue.coalesced))
-            self._state.publish_extra("consumer", out)
-        hangs = tuple(self.hang_monitor.samples())
-        if self._state.snapshot().extra.get("hangs") != hangs:
-            self._state.publish_extra("hangs", hangs)
-        # Sinks only count; their samples are published from here when they moved.
-        mark = (id(self.sink), self.sink.version)
-        if mark != self._sink_published:
-            self._sink_published = mark
-            self._state.publish_extra("alertmanager", self.sink.samples())
-        mark = (id(self.remediation), self.remediation.version)
-        if mark != self._remediation_published:
-            self._remediation_published = mark
-            self._state.publish_extra("remediation", self.remediation.samples())
-        diag = tuple(self.diag.samples())
-        if self._state.snapshot().extra.get("diag") != diag:
-            self._state.publish_extra("diag", diag)
+        # State.publish_extra skips an unchanged publish (the tick mostly finds nothing new).
+        out = [
+            Sample.of("gpuwatchd_consumer_errors_total", n, step=name)
+            for name, n in self._errors.items()
+        ]
+        out.append(Sample.of("gpuwatchd_consumer_coalesced_total", self.queue.coalesced))
+        self._state.publish_extra("consumer", out)
+        self._state.publish_extra("hangs", self.hang_monitor.samples())
+        # Sinks only count; their samples are cheap copies, published here.
+        self._state.publish_extra("alertmanager", self.sink.samples())
+        self._state.publish_extra("remediation", self.remediation.samples())
+        self._state.publish_extra("diag", self.diag.samples())
 
     def stale(self, max_age: float) -> list[str]:
         """["consumer"] if the consumer thread made no progress for `max_age` + a tick."""
@@ -461,7 +438,6 @@ class SourceSet:
             clock=clock,
             log=logging.getLogger("gpuwatchd.sources"),
             nudge=self._nudge,
-            gpu_status=self.gpu_status,
             gpus=self.gpus,
             load_cursor=pipeline.load_cursor if pipeline else (lambda name: None),
             one_shot=one_shot,
@@ -477,12 +453,6 @@ class SourceSet:
         nvml = self.state.snapshot().sources.get("nvml")
         inventory = nvml.inventory if nvml is not None else None
         return inventory if inventory is not None else GpuInventory()
-
-    def gpu_status(self) -> Mapping[str, Mapping[str, object]]:
-        """The NVML source's per-GPU status (with its processes) of its last poll, by bus id."""
-        nvml = self.state.snapshot().sources.get("nvml")
-        gpus = nvml.status.get("gpus") if nvml is not None else None
-        return gpus if isinstance(gpus, Mapping) else {}
 
     @staticmethod
     def metric_specs(with_consumers: bool) -> list[MetricSpec]:

@@ -77,20 +77,32 @@ class State:
             listener(current, snap, new_events)
         return current
 
-    def publish_extra(self, owner: str, samples: Iterable[Sample]) -> None:
-        """Samples from a producer that is not a polled source (health, alerts)."""
+    def publish_extra(self, owner: str, samples: Iterable[Sample]) -> bool:
+        """Samples from a producer that is not a polled source (health, alerts).
+
+        The same samples as before publish nothing (False): producers publish on
+        every 1 s tick, and an unchanged publish would only bump the generation
+        and void the scrape cache. This is the one place that check lives.
+        """
         frozen = tuple(samples)
         with self._lock:
+            if self._snap.extra.get(owner) == frozen:
+                return False
             extra = dict(self._snap.extra)
             extra[owner] = frozen
             self._snap = replace(
                 self._snap, extra=MappingProxyType(extra), generation=self._snap.generation + 1
             )
+        return True
 
-    def set_findings(self, findings: Iterable[Finding]) -> None:
+    def set_findings(self, findings: Iterable[Finding]) -> bool:
+        """The open findings; the same ones as before change nothing (False)."""
         frozen = tuple(findings)
         with self._lock:
+            if self._snap.findings == frozen:
+                return False
             self._snap = replace(self._snap, findings=frozen, generation=self._snap.generation + 1)
+        return True
 
 
 @dataclass(frozen=True)

@@ -132,3 +132,24 @@ def test_config_check_also_reads_the_web_config(tmp_path: Path, capsys) -> None:
     cfg.write_text(f"http:\n  web_config_file: {web}\n")
     assert main(["config", "check", str(cfg)]) == 78
     assert "bogus" in capsys.readouterr().err
+
+
+def test_one_override_builder_for_every_subcommand(tmp_path: Path) -> None:
+    """run, check, clear and hang show read the same flags into the config the same way."""
+    import argparse
+
+    from gpuwatchd.cli import build_parser
+    from gpuwatchd.config.overrides import Overrides, load_with
+
+    parser = build_parser(None)
+    for argv in (
+        ["check", "--state-dir", str(tmp_path)],
+        ["clear", "--all", "--state-dir", str(tmp_path)],
+        ["hang", "show", "--state-dir", str(tmp_path)],
+    ):
+        args = parser.parse_args(argv)
+        assert isinstance(args, argparse.Namespace)
+        cfg = load_with(None, Overrides.of(args))
+        assert cfg.daemon.state_dir == str(tmp_path), argv
+    unset = load_with(None, Overrides.of(parser.parse_args(["clear", "--all", "--state-dir", ""])))
+    assert unset.daemon.state_dir == load_with(None, Overrides()).daemon.state_dir

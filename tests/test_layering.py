@@ -352,3 +352,51 @@ def test_public_all_is_sorted_and_complete() -> None:
                 )
                 missing = set(names) - defined
                 assert not missing, f"{f}: __all__ names undefined {missing}"
+
+
+def _reads_status_by_key(tree: ast.Module) -> list[int]:
+    """Lines that read a `status` mapping by key: `x.status[...]`, `x.status.get(...)`,
+    `x.status()[...]`, `x.status().get(...)`."""
+    found = []
+    for node in ast.walk(tree):
+        target: ast.expr | None = None
+        if isinstance(node, ast.Subscript):
+            target = node.value
+        elif isinstance(node, ast.Attribute) and node.attr == "get":
+            target = node.value
+        if isinstance(target, ast.Call):
+            target = target.func
+        if isinstance(target, ast.Attribute) and target.attr == "status":
+            found.append(node.lineno)
+    return found
+
+
+def test_nothing_outside_a_source_reads_its_status_by_key() -> None:
+    """Sources hand other layers typed payloads; `status()` is /status's JSON only."""
+    offenders = {
+        str(f.relative_to(PKG)): lines
+        for f in package_files()
+        if f.relative_to(PKG).parts[0] != "sources"
+        and (lines := _reads_status_by_key(ast.parse(f.read_text())))
+    }
+    assert not offenders, f"read the source's typed payload instead: {offenders}"
+
+
+def test_every_exception_class_is_in_the_errors_tree() -> None:
+    """errors.py's docstring draws the whole hierarchy; a new exception class joins it."""
+    from gpuwatchd import errors
+
+    def is_exception(base: ast.expr) -> bool:
+        name = base.id if isinstance(base, ast.Name) else getattr(base, "attr", "")
+        return name.endswith(("Error", "Errors", "Exception", "Timeout"))
+
+    defined = {
+        f"{f.relative_to(PKG)}:{node.name}"
+        for f in package_files()
+        for node in ast.walk(ast.parse(f.read_text()))
+        if isinstance(node, ast.ClassDef) and any(is_exception(b) for b in node.bases)
+    }
+    missing = {d for d in defined if d.rsplit(":", 1)[1] not in (errors.__doc__ or "")}
+    assert not missing, f"add to the tree in gpuwatchd/errors.py: {missing}"
+    for name in errors.__all__:
+        assert issubclass(getattr(errors, name), errors.GpuwatchdError), name

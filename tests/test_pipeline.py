@@ -7,7 +7,7 @@ from pathlib import Path
 
 from gpuwatchd.clock import FakeClock, SystemClock
 from gpuwatchd.config import Config, load
-from gpuwatchd.model import Event, Sample, Severity, SourceSnapshot
+from gpuwatchd.model import Event, KmsgState, Sample, Severity, SourceSnapshot
 from gpuwatchd.pipeline import Pipeline
 from gpuwatchd.sinks.store import EventStore
 from gpuwatchd.state import PublishQueue, State
@@ -15,8 +15,9 @@ from gpuwatchd.state import PublishQueue, State
 BUS = "00000000:06:00.0"
 
 
-def snap(source: str, value: float, **status: object) -> SourceSnapshot:
-    return SourceSnapshot(source, (Sample.of("gpuwatchd_x", value),), True, status=status)
+def snap(source: str, value: float, cursor: str = "") -> SourceSnapshot:
+    reader = KmsgState(reader_up=True, cursor=cursor) if source == "kmsg" else None
+    return SourceSnapshot(source, (Sample.of("gpuwatchd_x", value),), True, payload=reader)
 
 
 def xid(code: int, t: float) -> Event:
@@ -200,3 +201,15 @@ def test_quiet_ticks_keep_the_snapshot_generation(tmp_path: Path) -> None:
         assert state.snapshot().generation == generation
     finally:
         pipeline.stop()
+
+
+def test_the_state_skips_an_unchanged_publish_in_one_place() -> None:
+    """Producers publish every tick; the same samples or findings bump no generation."""
+    state = State()
+    assert state.publish_extra("health", [Sample.of("gpuwatchd_x", 1)])
+    generation = state.snapshot().generation
+    assert not state.publish_extra("health", (Sample.of("gpuwatchd_x", 1),))
+    assert not state.set_findings(())
+    assert state.snapshot().generation == generation
+    assert state.publish_extra("health", [Sample.of("gpuwatchd_x", 2)])
+    assert state.snapshot().generation == generation + 1

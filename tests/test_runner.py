@@ -58,7 +58,7 @@ def test_failures_are_recorded_and_do_not_stop_the_loop() -> None:
     snap = runner.poll_once("a")
     assert not snap.ok and snap.error == "exception"
     assert snap.last_success == clock.time() - 5.0  # the last good poll, not this one
-    assert snap.status["errors_by_reason"] == {"nvml_init_failed": 1, "exception": 1}
+    assert snap.errors_by_reason == {"nvml_init_failed": 1, "exception": 1}
     assert len(state.snapshot().events) == 1  # failed polls publish no events
 
 

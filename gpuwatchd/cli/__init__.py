@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rc: int = args.func(args)
         return rc
     except ConfigError as exc:
-        from gpuwatchd.daemon import flag_error  # only on this error path: it is heavy
+        from gpuwatchd.config.overrides import flag_error
 
         for line in str(flag_error(exc, args)).splitlines():  # one line per problem
             print(f"gpuwatchd: {line}", file=sys.stderr)

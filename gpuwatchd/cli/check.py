@@ -28,6 +28,7 @@ from gpuwatchd import config
 from gpuwatchd.cli import add_state_dir
 from gpuwatchd.clock import Clock, SystemClock
 from gpuwatchd.config import Config
+from gpuwatchd.config.overrides import Overrides, load_with, node_name
 from gpuwatchd.errors import GpuwatchdError
 from gpuwatchd.health import alerts
 from gpuwatchd.health.hangs.monitor import open_hangs
@@ -99,11 +100,9 @@ class Polled:
     @property
     def readable(self) -> bool:
         snap = self.snapshot
+        reader = snap.kmsg if snap is not None else None
         return (
-            snap is not None
-            and snap.ok
-            and not self.error
-            and snap.status.get("reader_up", True) is not False
+            snap is not None and snap.ok and not self.error and (reader is None or reader.reader_up)
         )
 
     def describe(self) -> str:
@@ -114,8 +113,8 @@ class Polled:
             return "no answer"
         if not snap.ok:
             return f"failed: {snap.error}"
-        if snap.status.get("reader_up") is False:
-            return f"cannot read: {snap.status.get('error') or 'reader down'}"
+        if snap.kmsg is not None and not snap.kmsg.reader_up:
+            return f"cannot read: {snap.kmsg.error or 'reader down'}"
         return f"ok ({snap.duration_seconds:.2f}s)"
 
 
@@ -214,8 +213,7 @@ def _poll(runner: Runner, source: Source, polled: Polled, deadline: float, clock
 
 
 def _read(snap: SourceSnapshot) -> int:
-    value = snap.status.get("records_read", 0)
-    return int(value) if isinstance(value, int) else 0
+    return snap.kmsg.records_read if snap.kmsg is not None else 0
 
 
 def _close_quietly(source: Source) -> None:
@@ -254,7 +252,7 @@ def check(cfg: Config, clock: Clock | None = None, timeout: float = 30.0) -> Ver
     delays, and the daemon's store (under daemon.state_dir) read, never
     written: its operator clears, GPU count baseline and Xids of this boot.
     """
-    from gpuwatchd.pipeline import Consumers, node_name, one_shot_config, open_store_reader
+    from gpuwatchd.pipeline import Consumers, one_shot_config, open_store_reader
 
     clock = clock or SystemClock()
     notes: list[str] = []
@@ -293,9 +291,9 @@ def check(cfg: Config, clock: Clock | None = None, timeout: float = 30.0) -> Ver
         verdict.topology = nvml.inventory.topology.as_json()
     verdict.diag = diag
     held = snap.sources.get("workloads")
-    if held is not None:
+    if held is not None and held.workloads is not None:
         gpus = [v for f in findings if f.severity >= Severity.WARNING for _, v in f.subject]
-        verdict.workloads = workloads_on_gpus(held.status, gpus)
+        verdict.workloads = workloads_on_gpus(held.workloads.current, gpus)
     return verdict
 
 
@@ -407,19 +405,11 @@ def _run_check(args: argparse.Namespace) -> int:
         )
         return 2
     fmt = args.format or ("json" if args.json else "text")
-    cfg = config.load(args.config)
-    if args.nvml_replay:
-        nvml = dataclasses.replace(cfg.sources.nvml, replay=args.nvml_replay)
-        cfg = dataclasses.replace(cfg, sources=dataclasses.replace(cfg.sources, nvml=nvml))
-    if args.state_dir:
-        daemon = dataclasses.replace(cfg.daemon, state_dir=args.state_dir)
-        cfg = dataclasses.replace(cfg, daemon=daemon)
+    cfg = load_with(args.config, Overrides.of(args))
     config.check_paths(cfg, args.config or "<defaults>")
     try:
         verdict = check(cfg, timeout=args.timeout)
     except GpuwatchdError as exc:
-        from gpuwatchd.pipeline import node_name
-
         verdict = Verdict("UNKNOWN", [], {}, node_name(cfg), 0, [str(exc)])
     if fmt == "npd":
         code, line = render_npd(verdict, Severity.parse(args.npd_problem))

@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import getpass
 import os
-import socket
 import sys
 import time
 from typing import Any
 
-from gpuwatchd import config
 from gpuwatchd.bootid import read_boot_id
 from gpuwatchd.cli import add_state_dir
 from gpuwatchd.cli.check import collect
 from gpuwatchd.clock import SystemClock
 from gpuwatchd.config import Config
+from gpuwatchd.config.overrides import Overrides, load_with, node_name
 from gpuwatchd.errors import GpuwatchdError
-from gpuwatchd.health.history import norm_bus_id
+from gpuwatchd.pci import normalize_bus_id
 from gpuwatchd.sinks.store import DB_NAME, EventStore
 
 __all__ = ["operator", "register", "resolve_gpu"]
@@ -66,17 +64,18 @@ def operator() -> str:
 def resolve_gpu(cfg: Config, target: str, timeout: float = 15.0) -> str:
     """A GPU index or UUID -> its PCI bus id (from stored events, else NVML)."""
     if ":" in target:
-        return norm_bus_id(target)
+        return normalize_bus_id(target) or target.strip().lower()
 
     path = os.path.join(cfg.daemon.state_dir, DB_NAME)
     if os.path.exists(path):
-        store = EventStore(path, cfg.store.max_events, cfg.store.max_age_days)
+        store = EventStore.from_config(cfg)
         try:
             rows = store.recent(1, gpu=target)
         finally:
             store.close()
         if rows and rows[0].get("pci_bus_id"):
-            return norm_bus_id(str(rows[0]["pci_bus_id"]))
+            bus = str(rows[0]["pci_bus_id"])
+            return normalize_bus_id(bus) or bus.strip().lower()
     got = collect(cfg, SystemClock(), timeout, only=["nvml"])
     nvml = got.state.snapshot().sources.get("nvml")
     gpu = nvml.inventory.find(target) if nvml is not None and nvml.inventory else None
@@ -89,11 +88,7 @@ def resolve_gpu(cfg: Config, target: str, timeout: float = 15.0) -> str:
 
 
 def _run_clear(args: argparse.Namespace) -> int:
-    cfg = config.load(args.config)
-    if args.state_dir:
-        cfg = dataclasses.replace(
-            cfg, daemon=dataclasses.replace(cfg.daemon, state_dir=args.state_dir)
-        )
+    cfg = load_with(args.config, Overrides.of(args))
     if not (args.gpu or args.all or args.resume):
         print("gpuwatchd clear: one of --gpu, --all or --resume is required", file=sys.stderr)
         return 2
@@ -113,12 +108,8 @@ def _run_clear(args: argparse.Namespace) -> int:
 def _resume(cfg: Config, args: argparse.Namespace) -> int:
     from gpuwatchd.sinks.remediation.resume import resume
 
-    # The daemon's node name (pipeline.node_name), without importing the whole pipeline.
-    node = cfg.daemon.node_name or os.environ.get("GPUWATCHD_NODE_NAME") or socket.gethostname()
-
-    store = EventStore(
-        os.path.join(cfg.daemon.state_dir, DB_NAME), cfg.store.max_events, cfg.store.max_age_days
-    )
+    node = node_name(cfg)
+    store = EventStore.from_config(cfg)
     try:
         refused = _verify(cfg, store, args)
         if refused is not None:
@@ -186,9 +177,7 @@ def _verify(cfg: Config, store: EventStore, args: argparse.Namespace) -> int | N
 
 def _clear_gpus(cfg: Config, args: argparse.Namespace) -> None:
     bus = "" if args.all else resolve_gpu(cfg, args.gpu)
-    store = EventStore(
-        os.path.join(cfg.daemon.state_dir, DB_NAME), cfg.store.max_events, cfg.store.max_age_days
-    )
+    store = EventStore.from_config(cfg)
     try:
         row = store.add_clear(
             operator(),

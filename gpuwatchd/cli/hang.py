@@ -8,7 +8,6 @@ remediation, py-spy dumps, NCCL RAS answer).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -16,8 +15,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from gpuwatchd import config
 from gpuwatchd.cli import add_state_dir
+from gpuwatchd.config.overrides import Overrides, load_with
 from gpuwatchd.sinks.store import DB_NAME, EventStore
 
 __all__ = ["hang_documents", "register", "render"]
@@ -106,11 +105,7 @@ def render(doc: Mapping[str, Any], full: bool) -> str:
 
 
 def _run_show(args: argparse.Namespace) -> int:
-    cfg = config.load(args.config)
-    if args.state_dir:
-        cfg = dataclasses.replace(
-            cfg, daemon=dataclasses.replace(cfg.daemon, state_dir=args.state_dir)
-        )
+    cfg = load_with(args.config, Overrides.of(args))
     if not os.path.exists(os.path.join(cfg.daemon.state_dir, DB_NAME)):
         print(f"no event store in {cfg.daemon.state_dir}", file=sys.stderr)
         return 1

@@ -21,7 +21,7 @@ from typing import Any
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config
 from gpuwatchd.diagnose.run import DiagReport, run_recorded
-from gpuwatchd.model import Finding, MetricSpec, Sample, Severity, workloads_from_status
+from gpuwatchd.model import Finding, MetricSpec, Sample, Severity
 from gpuwatchd.sinks.diag_store import failures_by_gpu, last_runs, repeat_offenders
 from gpuwatchd.sinks.remediation.slurm import SlurmNodes
 from gpuwatchd.sinks.store import EventStore
@@ -177,8 +177,8 @@ class DiagScheduler:
     def busy(self) -> str:
         """Why the node is not idle (a workload, a Slurm job), or ""."""
         snap = self._state.snapshot().sources.get("workloads")
-        if snap is not None:
-            for w in workloads_from_status({"workloads": snap.status.get("workloads")}):
+        if snap is not None and snap.workloads is not None:
+            for w in snap.workloads.current:
                 return f"{w.kind} workload {w.slurm_job or w.pod or w.id} on the node"
         return self._slurm_busy()
 

@@ -1,14 +1,13 @@
 """GpuDiagFailed: an active check (`gpuwatchd diag`) failed in its last run.
 
 Reads the gpuwatchd_diag_* series the daemon's diag scheduler exports from
-the store; the module registers its rule on import (gpuwatchd/pipeline.py
-imports it). A check that failed repeatedly says drain_and_inspect in its
+the store; health/ruleset.py lists it. A check that failed repeatedly says drain_and_inspect in its
 reason as well as in the alert's action.
 """
 
 from __future__ import annotations
 
-from gpuwatchd.health.rules import Inputs, finding, register
+from gpuwatchd.health.rules import Inputs, finding
 from gpuwatchd.model import Finding
 
 __all__ = ["diag_failed"]
@@ -33,6 +32,3 @@ def diag_failed(inp: Inputs) -> list[Finding]:
         subject = (("check", check), ("gpu", gpu))
         out.append(finding("GpuDiagFailed", subject, reason, "diag_failed", scope="node"))
     return out
-
-
-register(diag_failed)  # its alert name is in health/alerts.py

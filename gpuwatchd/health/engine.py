@@ -11,7 +11,7 @@ findings to listeners (the Alertmanager sink) when they changed.
 
 A tick on a quiet node is skipped: with nothing open or pending, no new
 snapshot generation, no operator clear and before the earliest time a
-time-based finding can appear (health/quiet.py), every rule would give
+time-based finding can appear (the rules' `due` in health/ruleset.py), every rule would give
 the same answer as at the last evaluation.
 """
 
@@ -25,11 +25,9 @@ from typing import Any
 
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config, HealthConfig
-from gpuwatchd.health import rules
-from gpuwatchd.health.alerts import WORKLOAD_ATTRS
-from gpuwatchd.health.history import History, View, gpu_key, norm_bus_id
+from gpuwatchd.health import ruleset
+from gpuwatchd.health.history import History, View, gpu_key
 from gpuwatchd.health.node_rules import NodeRules
-from gpuwatchd.health.quiet import MAX_QUIET_SECONDS, next_change
 from gpuwatchd.health.rollup import (
     METRICS,
     Rollup,
@@ -39,7 +37,6 @@ from gpuwatchd.health.rollup import (
 )
 from gpuwatchd.health.rules import Inputs, XidCondition
 from gpuwatchd.health.stuck import StuckDetector, StuckThresholds, proc_describer
-from gpuwatchd.health.xid.tracker import ActiveXid
 from gpuwatchd.model import (
     Clear,
     Event,
@@ -48,22 +45,21 @@ from gpuwatchd.model import (
     Sample,
     Severity,
     SourceSnapshot,
-    XidFields,
 )
+from gpuwatchd.pci import normalize_bus_id
 from gpuwatchd.state import NodeSnapshot, State
 
 __all__ = [
     "HealthEngine",
     "METRICS",
     "store_clears",
-    "xid_condition",
 ]
 
 log = logging.getLogger("gpuwatchd.health")
 
 Listener = Callable[[Sequence[Finding], float], None]
 Key = tuple[str, Labels, Labels]
-XidProvider = Callable[[float], Sequence["ActiveXid | XidCondition"]]
+XidProvider = Callable[[float], Sequence[XidCondition]]  # XidStage.conditions
 ClearFetcher = Callable[[float], Sequence[Clear]]
 
 
@@ -74,29 +70,6 @@ def store_clears(store: Any) -> ClearFetcher:
         return list(store.clears_since(since))
 
     return fetch
-
-
-def xid_condition(a: ActiveXid | XidCondition) -> XidCondition:
-    """The Xid rule's view of a tracker's ActiveXid."""
-    if isinstance(a, XidCondition):
-        return a
-    xid = a.event.xid or XidFields(code=a.code)
-    pid = f"pid {xid.pid}" if xid.pid is not None else ""
-    who = " ".join(x for x in (pid, xid.process) if x)
-    parts = [p for p in (who, xid.detail, xid.escalated, f"active until {a.until}") if p]
-    return XidCondition(
-        code=a.code,
-        pci_bus_id=a.pci_bus_id,
-        severity=a.info.severity,
-        action=a.info.action,
-        name=a.info.name,
-        remediation=a.info.remediation,
-        since=a.since,
-        kind=a.kind,
-        count=a.count,
-        detail="; ".join(parts),
-        workload=tuple((k, v) for k, v in a.event.attrs if k in WORKLOAD_ATTRS),
-    )
 
 
 def _key(f: Finding) -> Key:
@@ -129,8 +102,7 @@ class HealthEngine:
         self._open: dict[Key, Finding] = {}
         # every rule from the start, so the counter exists at 0 before anything fails
         self._rule_errors: dict[str, int] = dict.fromkeys(
-            ["xid_tracker", "node_rules", "gpu_stuck"]
-            + [getattr(r, "__name__", "rule") for r in rules.RULES],
+            ["xid_tracker", "node_rules", "gpu_stuck"] + [s.name for s in ruleset.RULES],
             0,
         )
         self._started = clock.time()
@@ -261,9 +233,9 @@ class HealthEngine:
         snap = self._state.snapshot()
         if snap.generation != self._quiet_generation:
             return False
-        if now - self._last_eval >= MAX_QUIET_SECONDS or now < self._last_eval:
+        if now - self._last_eval >= ruleset.MAX_QUIET_SECONDS or now < self._last_eval:
             return False
-        return now < next_change(snap, self.history, self.cfg)
+        return now < ruleset.next_change(snap, self.history, self.cfg)
 
     def _save_baseline(self) -> None:
         count = self.history.max_gpus
@@ -278,7 +250,7 @@ class HealthEngine:
         if self._xids is None:
             return ()
         try:
-            return [xid_condition(a) for a in self._xids(now)]
+            return list(self._xids(now))
         except Exception:
             log.exception("reading the active Xids")
             self._rule_errors["xid_tracker"] = self._rule_errors.get("xid_tracker", 0) + 1
@@ -292,8 +264,8 @@ class HealthEngine:
             ("node_rules", lambda: self._node_rules.evaluate(snap)),
             ("gpu_stuck", lambda: self._stuck.evaluate(snap)),
         ]
-        for rule in list(rules.RULES):
-            stateful.append((getattr(rule, "__name__", "rule"), functools.partial(rule, inp)))
+        for spec in ruleset.RULES:
+            stateful.append((spec.name, functools.partial(spec.rule, inp)))
         for name, run in stateful:
             try:
                 found = run()
@@ -357,7 +329,7 @@ class HealthEngine:
             view = self._last_view
             keys = set(h.gpus_seen) | (set(view.gpus) if view else set())
             if clear.pci_bus_id:  # a bus id; an index or UUID is matched too
-                want = {clear.pci_bus_id, norm_bus_id(clear.pci_bus_id)}
+                want = {clear.pci_bus_id, normalize_bus_id(clear.pci_bus_id)} - {""}
                 keys = {k for k in keys if want & _ids(h, view, k)}
             for rk in [rk for rk in h.last_rise if gpu_key(dict(rk[1])) in keys]:
                 del h.last_rise[rk]
@@ -386,13 +358,8 @@ class HealthEngine:
 
     def _publish(self, current: tuple[Finding, ...], view: View, now: float) -> None:
         if self._state is not None:
-            samples = tuple(self.samples(current, view))
-            # The 1 s tick mostly finds nothing new: an unchanged publish would only bump
-            # the snapshot generation and void the scrape cache.
-            if self._state.snapshot().findings != current:
-                self._state.set_findings(current)
-            if self._state.snapshot().extra.get("health") != samples:
-                self._state.publish_extra("health", samples)
+            self._state.set_findings(current)  # the state skips an unchanged publish
+            self._state.publish_extra("health", self.samples(current, view))
         if self._ready and current != self._last_sent:
             self._last_sent = current
             for listener in self._listeners:
@@ -455,7 +422,7 @@ def _ids(h: History, view: View | None, key: str) -> set[str]:
     gpu = (view.gpus.get(key) if view else None) or h.gpus_seen.get(key)
     if gpu is None:
         return {key}
-    return {gpu.index, gpu.uuid, gpu.pci_bus_id, norm_bus_id(gpu.pci_bus_id)} - {""}
+    return {str(gpu.index), gpu.uuid, gpu.pci_bus_id} - {""}
 
 
 def _fmt(labels: Labels) -> str:

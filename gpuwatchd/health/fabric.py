@@ -4,13 +4,13 @@ On HGX systems with NVSwitches a GPU joins the fabric at boot (state
 "completed" in nvmlDeviceGetGpuFabricInfoV); until it has, NCCL's init hangs
 or fails. The NVML source exports the state only where the GPU has a fabric,
 and the fabric manager unit's state only where the unit is installed, so
-these rules never fire on PCIe or single-GPU machines. The module registers
-its rule on import (gpuwatchd/pipeline.py imports it).
+these rules never fire on PCIe or single-GPU machines. health/ruleset.py
+lists the rule with the others.
 """
 
 from __future__ import annotations
 
-from gpuwatchd.health.rules import Inputs, finding, register
+from gpuwatchd.health.rules import Inputs, finding
 from gpuwatchd.model import Finding
 
 __all__ = ["fabric"]
@@ -53,6 +53,3 @@ def fabric(inp: Inputs) -> list[Finding]:
             )
         )
     return out
-
-
-register(fabric)  # its alert names are in health/alerts.py

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 
-from gpuwatchd.model import Labels, Sample, SourceSnapshot, labels_of
+from gpuwatchd.model import Gpu, Labels, Sample, SourceSnapshot
+from gpuwatchd.pci import normalize_bus_id
 from gpuwatchd.state import NodeSnapshot
 
-__all__ = ["Gpu", "History", "View", "gpu_key", "norm_bus_id"]
+__all__ = ["History", "View", "gpu_key"]
 
 SeriesKey = tuple[str, Labels]
 
@@ -31,35 +31,9 @@ TRACKED_COUNTERS = (
 NVLINK_UP = "gpuwatchd_nvlink_up"
 
 
-def norm_bus_id(bus_id: str) -> str:
-    """`00000000:0A:00.0` and `0000:0a:00.0` both become `0000:0a:00.0`."""
-    text = bus_id.strip().lower()
-    domain, sep, rest = text.partition(":")
-    if sep and len(domain) > 4:
-        text = f"{domain[-4:]}:{rest}"
-    return text
-
-
 def gpu_key(labels: Mapping[str, str]) -> str:
     """Who a per-GPU series is about: the UUID, or `gpuN` while NVML could not say."""
     return labels.get("uuid") or (f"gpu{labels['gpu']}" if labels.get("gpu") else "")
-
-
-@dataclass(frozen=True)
-class Gpu:
-    """A GPU's identity, as its per-GPU series label it (uuid/bus id empty if unknown)."""
-
-    index: str
-    uuid: str
-    pci_bus_id: str
-
-    @property
-    def key(self) -> str:
-        return gpu_key({"gpu": self.index, "uuid": self.uuid})
-
-    @property
-    def subject(self) -> Labels:
-        return labels_of({"gpu": self.index, "uuid": self.uuid, "pci_bus_id": self.pci_bus_id})
 
 
 class View:
@@ -78,9 +52,11 @@ class View:
         nvml = snapshot.sources.get("nvml")
         for s in nvml.samples if nvml is not None else ():
             key = gpu_key(dict(s.labels))
-            if key and key not in self.gpus and s.label("gpu"):
-                self.gpus[key] = Gpu(s.label("gpu"), s.label("uuid"), s.label("pci_bus_id"))
-        self._by_bus = {norm_bus_id(g.pci_bus_id): g for g in self.gpus.values() if g.pci_bus_id}
+            index = s.label("gpu")
+            if key and key not in self.gpus and index.isdigit():
+                bus = normalize_bus_id(s.label("pci_bus_id"))
+                self.gpus[key] = Gpu(index=int(index), uuid=s.label("uuid"), pci_bus_id=bus)
+        self._by_bus = {g.pci_bus_id: g for g in self.gpus.values() if g.pci_bus_id}
 
     def source(self, name: str) -> SourceSnapshot | None:
         return self.snapshot.sources.get(name)
@@ -104,10 +80,10 @@ class View:
         return self.gpus.get(gpu_key(dict(sample.labels)))
 
     def gpu_by_bus(self, bus_id: str) -> Gpu | None:
-        return self._by_bus.get(norm_bus_id(bus_id))
+        return self._by_bus.get(normalize_bus_id(bus_id))
 
     def gpu_value(self, name: str, gpu: Gpu, **match: str) -> float | None:
-        for s in self.series(name, uuid=gpu.uuid, gpu=gpu.index, **match):
+        for s in self.series(name, uuid=gpu.uuid, gpu=str(gpu.index), **match):
             return s.value
         return None
 

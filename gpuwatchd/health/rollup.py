@@ -12,8 +12,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuwatchd.health import alerts
-from gpuwatchd.health.history import Gpu, View, gpu_key
-from gpuwatchd.model import Finding, Health, Labels, MetricSpec, Sample, Severity
+from gpuwatchd.health.history import View, gpu_key
+from gpuwatchd.model import Finding, Gpu, Health, Labels, MetricSpec, Sample, Severity
 
 __all__ = [
     "COMPONENTS",
@@ -143,7 +143,7 @@ def status_json(roll: Rollup, view: View | None, findings: Sequence[Finding]) ->
         "health": str(roll.node),
         "components": {c: str(h) for c, h in roll.components.items()},
         "gpus": {
-            (gpus[k].index if k in gpus else k): {
+            (str(gpus[k].index) if k in gpus else k): {
                 "uuid": gpus[k].uuid if k in gpus else k,
                 "health": str(h),
             }

@@ -20,21 +20,21 @@ from dataclasses import dataclass, field
 
 from gpuwatchd.config import Config
 from gpuwatchd.health.alerts import ALERTS, GPU_LABELS, AlertInfo, summary
-from gpuwatchd.health.history import Gpu, History, View
+from gpuwatchd.health.history import History, View
 from gpuwatchd.health.incident import xid_incident
-from gpuwatchd.model import Action, Finding, Labels, Severity, SourceSnapshot, labels_of
+from gpuwatchd.model import Action, Finding, Gpu, Labels, Severity, SourceSnapshot, labels_of
 from gpuwatchd.pci import UNKNOWN_BUS
+from gpuwatchd.state import NodeSnapshot
 
 __all__ = [
     "ALERTS",
     "AlertInfo",
     "GPU_LABELS",
     "Inputs",
-    "RULES",
     "Rule",
     "XidCondition",
-    "evaluate",
-    "register",
+    "collectors_due",
+    "presence_due",
     "summary",
 ]
 
@@ -308,7 +308,10 @@ def pcie(inp: Inputs) -> list[Finding]:
         busy = util is not None and util >= h.pcie_gen_min_utilization
         if gen is not None and max_gen is not None and 0 < gen < max_gen and busy:
             problems.append(f"generation {gen:g} of {max_gen:g} while {util:.0%} busy")
-        for s in inp.view.series("gpuwatchd_gpu_pcie_replays_total", uuid=gpu.uuid, gpu=gpu.index):
+        replays = inp.view.series(
+            "gpuwatchd_gpu_pcie_replays_total", uuid=gpu.uuid, gpu=str(gpu.index)
+        )
+        for s in replays:
             rate = inp.history.rate(s.name, s.labels, inp.now)
             if rate > h.pcie_replay_rate:
                 problems.append(f"replays at {rate:.3g}/s (threshold {h.pcie_replay_rate:g}/s)")
@@ -432,30 +435,26 @@ def _num_key(text: str) -> tuple[int, str]:
     return (int(text), "") if text.isdigit() else (1 << 30, text)
 
 
-RULES: list[Rule] = [
-    xid,
-    ecc_uncorrectable,
-    row_remap,
-    nvlink,
-    thermal,
-    pcie,
-    recovery_action,
-    gpu_presence,
-    collectors,
-]
+# --- when time alone can change a rule's answer (the engine skips quiet ticks before) ---
 
 
-def register(rule: Rule, alerts: dict[str, AlertInfo] | None = None) -> None:
-    """Add a rule (and its alert names) from another module, e.g. a new source's."""
-    ALERTS.update(alerts or {})
-    if rule not in RULES:
-        RULES.append(rule)
+def presence_due(snapshot: NodeSnapshot, history: History, cfg: Config) -> float:
+    """gpu_presence: NVML failing since `fail_since` crosses collector_failure_seconds."""
+    nvml, since = snapshot.sources.get("nvml"), history.fail_since.get("nvml")
+    if nvml is None or nvml.ok or since is None:
+        return float("inf")
+    return since + cfg.health.collector_failure_seconds
 
 
-def evaluate(inp: Inputs, rules: Sequence[Rule] | None = None) -> list[Finding]:
-    """Run every rule; findings of disabled alert names are dropped."""
-    disabled = set(inp.cfg.health.disabled_rules)
-    out: list[Finding] = []
-    for rule in RULES if rules is None else rules:
-        out.extend(f for f in rule(inp) if f.alertname not in disabled)
-    return out
+def collectors_due(snapshot: NodeSnapshot, history: History, cfg: Config) -> float:
+    """collectors: a failing collector's time, or a poll's age, crosses its threshold."""
+    h = cfg.health
+    due = float("inf")
+    for name, snap in snapshot.sources.items():
+        since = history.fail_since.get(name)
+        if not snap.ok and since is not None:
+            due = min(due, since + h.collector_failure_seconds)
+        if snap.timestamp:
+            stale = max(h.collector_failure_seconds, 3 * _interval(cfg, name), STALE_MIN)
+            due = min(due, snap.timestamp + stale)
+    return due

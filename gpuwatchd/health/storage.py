@@ -4,7 +4,7 @@ but a restart would not remember them, so the operator must hear of it."""
 
 from __future__ import annotations
 
-from gpuwatchd.health.rules import Inputs, finding, register
+from gpuwatchd.health.rules import Inputs, finding
 from gpuwatchd.model import Finding, labels_of
 
 __all__ = ["ALERTNAME", "state_dir"]
@@ -42,6 +42,3 @@ def state_dir(inp: Inputs) -> list[Finding]:
     reason = "; ".join(problems) + " (events still tracked and alerted from memory)"
     subject = labels_of({"collector": "event_store"})
     return [finding(ALERTNAME, subject, reason, "state_dir", scope="component")]
-
-
-register(state_dir)

@@ -12,7 +12,7 @@ which rules out the short waits of a healthy job.
 
 `step()` is the pure core over successive readings; `StuckDetector`
 keeps its state between calls for the health engine;
-`readings_from_snapshot()` adapts the NVML source's samples and status.
+`readings_from_snapshot()` adapts the NVML source's samples and GPUs.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from gpuwatchd.clock import Clock
 from gpuwatchd.logs import escape_control
-from gpuwatchd.model import Action, Finding, Labels, Sample, Severity
+from gpuwatchd.model import Action, Finding, GpuInventory, Labels, Sample, Severity
 
 if TYPE_CHECKING:
     from gpuwatchd.config import Config
@@ -195,10 +195,10 @@ def _duration(seconds: float) -> str:
 
 def readings_from_samples(
     samples: Iterable[Sample],
-    gpus_status: Mapping[str, object] | None = None,
+    gpus: GpuInventory | None = None,
     describe: Callable[[int], str] | None = None,
 ) -> list[GpuReading]:
-    """Build readings from the NVML source's samples (and its status()['gpus'] for pids)."""
+    """Build readings from the NVML source's samples (and its GPUs' processes for pids)."""
     per: dict[str, dict[str, float]] = {}
     subjects: dict[str, Labels] = {}
     for s in samples:
@@ -215,7 +215,7 @@ def readings_from_samples(
             continue
         per.setdefault(gpu, {})[key] = s.value
         subjects.setdefault(gpu, tuple((k, s.label(k)) for k in SUBJECT_LABELS if s.label(k)))
-    pids = _pids_by_gpu(gpus_status or {})
+    pids = gpus.pids_by_gpu() if gpus is not None else {}
     out = []
     for gpu, v in sorted(per.items()):
         procs = tuple(describe(p) if describe else str(p) for p in pids.get(gpu, ()))
@@ -233,18 +233,6 @@ def readings_from_samples(
     return out
 
 
-def _pids_by_gpu(gpus: Mapping[str, object]) -> dict[str, list[int]]:
-    found: dict[str, list[int]] = {}
-    for info in gpus.values():
-        if not isinstance(info, Mapping):
-            continue
-        for proc in info.get("processes") or ():
-            pid = proc.get("pid") if isinstance(proc, Mapping) else None
-            if isinstance(pid, int):
-                found.setdefault(str(info.get("gpu")), []).append(pid)
-    return found
-
-
 def readings_from_snapshot(
     snapshot: NodeSnapshot, describe: Callable[[int], str] | None = None
 ) -> tuple[float | None, list[GpuReading]]:
@@ -252,9 +240,7 @@ def readings_from_snapshot(
     nvml = snapshot.sources.get("nvml")
     if nvml is None or not nvml.ok:
         return None, []
-    gpus = nvml.status.get("gpus")
-    status = gpus if isinstance(gpus, Mapping) else None
-    return nvml.timestamp, readings_from_samples(nvml.samples, status, describe)
+    return nvml.timestamp, readings_from_samples(nvml.samples, nvml.inventory, describe)
 
 
 class StuckDetector:

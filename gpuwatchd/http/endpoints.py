@@ -35,6 +35,7 @@ def status_document(
                 "duration_seconds": s.duration_seconds,
                 "last_success": s.last_success,
                 **dict(s.status),
+                "errors_by_reason": dict(s.errors_by_reason),
             }
             for name, s in snap.sources.items()
         },

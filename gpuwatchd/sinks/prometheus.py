@@ -17,7 +17,7 @@ import os
 import platform
 import tempfile
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
@@ -192,12 +192,10 @@ def _self_samples(snap: NodeSnapshot) -> Iterator[Sample]:
                 src.last_success,
                 collector=name,
             )
-        errors = src.status.get("errors_by_reason", {})
-        if isinstance(errors, Mapping):
-            for reason, count in errors.items():
-                yield Sample.of(
-                    "gpuwatchd_collector_errors_total", count, collector=name, reason=reason
-                )
+        for reason, count in src.errors_by_reason.items():
+            yield Sample.of(
+                "gpuwatchd_collector_errors_total", count, collector=name, reason=reason
+            )
 
 
 def write_textfile(registry: Collector, path: str) -> None:

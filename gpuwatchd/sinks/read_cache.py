@@ -1,77 +1,68 @@
-"""Store reads reused until the database files change.
+"""Store reads reused until the database changes.
 
 The consumer looks for operator clears every second (`gpuwatchd clear` writes
 them from another process), two SQLite queries a tick that almost always
-find nothing new. A query's result is kept with the size, mtime and inode of
-the database and its write-ahead log, taken before the query ran; while those
-stay the same the result is reused. Every write, from any process, appends to
-the log or rewrites a file, so it changes the stamp; a backstop re-runs the
-query after BACKSTOP_SECONDS regardless (a log rewritten in place within one
-coarse mtime tick keeps its size and mtime). Without the files (an
-in-memory database) nothing is cached.
+find nothing new. A query's result is kept with the database's version,
+taken before the query ran, and reused while the version stays the same.
+The store's version is SQLite's own change counter: `PRAGMA data_version`
+moves when another connection (another process) commits, and the
+connection's `total_changes` when this one writes. No file is stat'ed and
+no timer re-reads: the counters are exact.
 """
 
 from __future__ import annotations
 
-import os
+import sqlite3
 import threading
-import time
 from collections.abc import Callable, Hashable
+from contextlib import AbstractContextManager
 from typing import TypeVar
 
-__all__ = ["BACKSTOP_SECONDS", "ReadCache"]
+__all__ = ["ReadCache", "data_version"]
 
 T = TypeVar("T")
-BACKSTOP_SECONDS = 60.0
 _MAX_KEYS = 8
-
-Stamp = tuple[tuple[int, int, int], ...]
 
 
 class ReadCache:
-    """Results of read queries on one SQLite database, keyed by the caller."""
+    """Results of read queries on one database, keyed by the caller.
 
-    def __init__(self, path: str, clock: Callable[[], float] = time.monotonic) -> None:
-        self._files = (path, path + "-wal")
-        self._clock = clock
+    `version()` says whether anything may have changed since a result was
+    read: equal versions, equal data. None means "cannot tell": never cache.
+    """
+
+    def __init__(self, version: Callable[[], Hashable | None]) -> None:
+        self._version = version
         self._lock = threading.Lock()
-        self._cache: dict[Hashable, tuple[Stamp, float, list[object]]] = {}
+        self._cache: dict[Hashable, tuple[Hashable, list[object]]] = {}
 
     def get(self, key: Hashable, query: Callable[[], list[T]]) -> list[T]:
-        """`query()`'s rows, from the cache while the database files have not changed."""
-        stamp = self._stamp()
-        now = self._clock()
+        """`query()`'s rows, from the cache while the database's version is unchanged."""
+        version = self._version()
         with self._lock:
             hit = self._cache.get(key)
-        if (
-            stamp is not None
-            and hit is not None
-            and hit[0] == stamp
-            and now - hit[1] < BACKSTOP_SECONDS
-        ):
-            return list(hit[2])  # type: ignore[arg-type]
+        if version is not None and hit is not None and hit[0] == version:
+            return list(hit[1])  # type: ignore[arg-type]
         rows = query()
-        if stamp is not None:
+        if version is not None:
             with self._lock:
                 if key not in self._cache and len(self._cache) >= _MAX_KEYS:
                     self._cache.pop(next(iter(self._cache)))
-                self._cache[key] = (stamp, now, list(rows))
+                self._cache[key] = (version, list(rows))
         return rows
 
     def invalidate(self) -> None:
-        """Forget every result (after a write through this process)."""
+        """Forget every result."""
         with self._lock:
             self._cache.clear()
 
-    def _stamp(self) -> Stamp | None:
-        out = []
-        for i, path in enumerate(self._files):
-            try:
-                st = os.stat(path)
-            except OSError:
-                if i == 0:
-                    return None  # no database file: never cache
-                out.append((0, 0, 0))  # no log (yet): its appearance changes the stamp
-                continue
-            out.append((st.st_size, st.st_mtime_ns, st.st_ino))
-        return tuple(out)
+
+def data_version(db: sqlite3.Connection, lock: AbstractContextManager[object]) -> Hashable | None:
+    """A version of the database that moves with any commit: another connection's
+    (`PRAGMA data_version`) or this one's (`total_changes`); None if SQLite cannot say."""
+    try:
+        with lock:
+            row = db.execute("PRAGMA data_version").fetchone()
+            return (id(db), int(row[0]), db.total_changes)
+    except sqlite3.Error:
+        return None

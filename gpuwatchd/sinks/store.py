@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from gpuwatchd.errors import StoreError
 from gpuwatchd.model import Clear, Event, Sample
 from gpuwatchd.sinks.durability import HeldWrites, dir_identity, memory_copy, quarantine
-from gpuwatchd.sinks.read_cache import ReadCache
+from gpuwatchd.sinks.read_cache import ReadCache, data_version
 from gpuwatchd.sinks.store_schema import (
     METRICS,
     MIGRATIONS,
@@ -89,7 +89,7 @@ class EventStore:
         self._retry_at = 0.0
         self._written: list[tuple[Event, str, int]] = []  # recent rows, to re-persist
         self._cursors: dict[str, str] = {}
-        self._reads = ReadCache(path)  # the consumer's per-second look for new clears
+        self._reads = ReadCache(lambda: data_version(self._db, self._lock))  # per-second clears
         self._on_file = True  # False while a disk that refused at start keeps us in memory
         try:
             self._db = self._open()
@@ -367,7 +367,6 @@ class EventStore:
                 )
         except sqlite3.Error as exc:
             raise StoreError(f"writing to {self.path}: {exc}") from None
-        self._reads.invalidate()
         return Clear(
             id=int(cur.lastrowid or 0),
             time=t,

@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from gpuwatchd.clock import Clock, SystemClock
-from gpuwatchd.model import Event, GpuInventory, MetricSpec, Sample
+from gpuwatchd.model import Event, GpuInventory, MetricSpec, Sample, SourcePayload
 
 if TYPE_CHECKING:
     from gpuwatchd.config import Config
 
 __all__ = [
-    "InventorySource",
+    "PayloadSource",
     "SOURCES",
     "Source",
     "SourceContext",
@@ -51,10 +51,12 @@ class Source(Protocol):
 
 
 @runtime_checkable
-class InventorySource(Protocol):
-    """A source that also knows the node's GPUs (NVML); the runner publishes them."""
+class PayloadSource(Protocol):
+    """A source whose typed state other parts read (NVML's GPUs, the kernel log's
+    cursor, the workloads); the runner publishes it on the snapshot. `status()`
+    is for /status only: nothing outside a source reads it by key."""
 
-    def inventory(self) -> GpuInventory: ...
+    def payload(self) -> SourcePayload: ...
 
 
 @dataclass
@@ -64,10 +66,9 @@ class SourceContext:
     clock: Clock = field(default_factory=SystemClock)
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("gpuwatchd"))
     nudge: Callable[[str], None] = lambda name: None
-    # Shared, read-only lookups between sources: the GPUs of the NVML source's last poll
+    # Shared, read-only lookup between sources: the GPUs (and their processes) of
+    # the NVML source's last published poll; a new object per poll
     gpus: Callable[[], GpuInventory] = GpuInventory
-    # The NVML source's per-GPU status of its last poll (gpu, uuid, processes), by bus id
-    gpu_status: Callable[[], Mapping[str, Mapping[str, object]]] = dict
     # The last cursor the event store committed for a source (kmsg), or None
     load_cursor: Callable[[str], str | None] = lambda name: None
     # `check`: each poll reads what is there and returns; it never waits for more

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from gpuwatchd.clock import Clock
 from gpuwatchd.errors import SourceError
 from gpuwatchd.model import Event, Sample, SourceSnapshot
-from gpuwatchd.sources import InventorySource, Source
+from gpuwatchd.sources import PayloadSource, Source
 from gpuwatchd.state import State
 
 __all__ = ["Runner"]
@@ -165,13 +165,12 @@ class Runner:
         except Exception:
             log.exception("source %s status()", source.name)
             status = {}
-        status["errors_by_reason"] = dict(slot.errors or {})
-        inventory = None
-        if isinstance(source, InventorySource):
+        payload = None
+        if isinstance(source, PayloadSource):
             try:
-                inventory = source.inventory()
+                payload = source.payload()
             except Exception:
-                log.exception("source %s inventory()", source.name)
+                log.exception("source %s payload()", source.name)
         snap = SourceSnapshot(
             source=source.name,
             samples=tuple(i for i in items if isinstance(i, Sample)),
@@ -181,8 +180,9 @@ class Runner:
             duration_seconds=duration,
             last_success=slot.last_success,
             status=status,
-            inventory=inventory,
+            payload=payload,
             monotonic=t0,
+            errors_by_reason=dict(slot.errors or {}),
         )
         events = tuple(i for i in items if isinstance(i, Event))
         try:

@@ -122,15 +122,12 @@ class GpuwatchdReader:
         now = time.time()
         items = self.source.poll(now)
         samples = tuple(i for i in items if isinstance(i, Sample))
-        snap = SourceSnapshot("nvml", samples, True, timestamp=now, status=self.source.status())
+        snap = SourceSnapshot("nvml", samples, True, timestamp=now, payload=self.source.payload())
         return NodeSnapshot(sources={"nvml": snap})
 
     def reading(self, snap: NodeSnapshot) -> GpuReading | None:
         nvml = snap.sources["nvml"]
-        gpus = nvml.status.get("gpus")
-        for r in readings_from_samples(
-            nvml.samples, gpus if isinstance(gpus, dict) else None, proc_describer()
-        ):
+        for r in readings_from_samples(nvml.samples, nvml.inventory, proc_describer()):
             if r.gpu == self.gpu:
                 return r
         return None

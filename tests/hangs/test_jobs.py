@@ -12,7 +12,15 @@ from gpuwatchd.config.hangs import HangsConfig
 from gpuwatchd.config.schema import PathsConfig
 from gpuwatchd.forensics import NodeForensics
 from gpuwatchd.health.hangs.monitor import HangMonitor
-from gpuwatchd.model import Sample, SourceSnapshot, Workload, WorkloadProcess
+from gpuwatchd.model import (
+    Gpu,
+    GpuInventory,
+    GpuProcess,
+    Sample,
+    SourceSnapshot,
+    Workload,
+    WorkloadProcess,
+)
 from gpuwatchd.sources.hangs.jobs import (
     jobs_from_gpu_processes,
     jobs_from_workloads,
@@ -112,8 +120,10 @@ def test_monitor_reads_nvml_samples_and_processes_from_the_snapshot(tmp_path: Pa
             Sample.of("gpuwatchd_gpu_sm_active_ratio", 0.0076, **labels),
             Sample.of("gpuwatchd_gpu_sm_occupancy_ratio", 0.0001, **labels),
         )
-        status = {"gpus": {"0000:01:00.0": {"gpu": 0, "processes": [{"pid": 100}]}}}
-        nvml = SourceSnapshot("nvml", samples, True, timestamp=1000.0 + i, status=status)
+        gpus = GpuInventory(
+            (Gpu(index=0, pci_bus_id="0000:01:00.0", processes=(GpuProcess(pid=100),)),)
+        )
+        nvml = SourceSnapshot("nvml", samples, True, timestamp=1000.0 + i, payload=gpus)
         monitor.on_publish(NodeSnapshot(sources={"nvml": nvml}), nvml, ())
         monitor.on_publish(NodeSnapshot(sources={"nvml": nvml}), nvml, ())  # same poll: no-op
     monitor.run_pending()

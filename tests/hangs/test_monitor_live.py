@@ -19,7 +19,7 @@ from gpuwatchd.config import Config
 from gpuwatchd.config.schema import HangsConfig
 from gpuwatchd.health.hangs.monitor import HangMonitor
 from gpuwatchd.jobview import JobView, RankView, RasAnswer, RasError, StackCapture
-from gpuwatchd.model import Finding, SourceSnapshot
+from gpuwatchd.model import Finding, Gpu, GpuInventory, GpuProcess, SourceSnapshot
 from gpuwatchd.sources.hangs.proc import probe_jobs
 from gpuwatchd.state import NodeSnapshot
 
@@ -114,8 +114,10 @@ def test_a_rank_killed_after_an_xid_on_its_gpu_shares_the_xid_alerts_incident(
     io = RealProcs(JobView("torch:127.0.0.1:29500", views, 2, 2, (("job", "t"),)))
     clock = FakeClock(start=1_800_000_000.0)
     monitor = HangMonitor(Config(), clock, io=io, ras_workers=0)
-    gpus = {"0000:01:00.0": {"gpu": 0}, "0000:02:00.0": {"gpu": 1}}
-    nvml = SourceSnapshot("nvml", (), True, timestamp=clock.time(), status={"gpus": gpus})
+    gpus = GpuInventory(
+        (Gpu(index=0, pci_bus_id="0000:01:00.0"), Gpu(index=1, pci_bus_id="0000:02:00.0"))
+    )
+    nvml = SourceSnapshot("nvml", (), True, timestamp=clock.time(), payload=gpus)
     monitor.on_publish(NodeSnapshot(sources={"nvml": nvml}))
     clock.advance(2.0)
     xid = Event("xid", "kmsg", clock.time(), code=31, pci_bus_id="0000:02:00.0")
@@ -165,13 +167,13 @@ def test_the_pipeline_tick_drives_the_hang_path_on_real_ranks(tmp_path: Path) ->
         for p in procs:  # until each has exec'd (before, /proc shows pytest's environ)
             while b"time.sleep" not in Path(f"/proc/{p.pid}/cmdline").read_bytes():
                 time.sleep(0.01)
-        gpus = {
-            f"0000:0{i + 1}:00.0": {"gpu": i, "processes": [{"pid": p.pid}]}
-            for i, p in enumerate(procs)
-        }
-        state.publish(
-            SourceSnapshot("nvml", (), True, timestamp=clock.time(), status={"gpus": gpus})
+        gpus = GpuInventory(
+            tuple(
+                Gpu(index=i, pci_bus_id=f"0000:0{i + 1}:00.0", processes=(GpuProcess(pid=p.pid),))
+                for i, p in enumerate(procs)
+            )
         )
+        state.publish(SourceSnapshot("nvml", (), True, timestamp=clock.time(), payload=gpus))
         pipeline.drain()
         for _ in range(4):
             clock.advance(1.0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from collections.abc import Sequence
 
@@ -9,9 +11,10 @@ import pytest
 
 from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import Config
-from gpuwatchd.health import rules
+from gpuwatchd.health import ruleset
 from gpuwatchd.health.engine import HealthEngine
 from gpuwatchd.health.rules import Inputs, XidCondition
+from gpuwatchd.health.ruleset import RuleSpec
 from gpuwatchd.model import Action, Clear, Finding, Health, Severity
 from gpuwatchd.state import State
 from tests.health.snapshots import GPU0, GPU1, T0, Node, source
@@ -168,7 +171,7 @@ def test_a_raising_rule_is_counted_not_fatal(monkeypatch: pytest.MonkeyPatch) ->
     def broken(inp: Inputs) -> list[Finding]:
         raise ZeroDivisionError
 
-    monkeypatch.setattr(rules, "RULES", [broken, *rules.RULES])
+    monkeypatch.setattr(ruleset, "RULES", (RuleSpec("broken", broken), *ruleset.RULES))
     engine, state, clock = make()
     publish(state, Node(gpus={U0: {"remap_failure": 1}, U1: {}}), clock)
     assert [f.alertname for f in state.snapshot().findings] == ["GpuRowRemapFailure"]
@@ -326,3 +329,25 @@ def test_a_tick_that_changes_nothing_leaves_the_snapshot_alone() -> None:
     assert state.snapshot().generation == generation
     publish(state, Node(gpus={U0: {}, U1: {}}), clock)  # a change still publishes
     assert state.snapshot().generation > generation
+
+
+def test_a_fresh_interpreter_importing_only_the_engine_sees_every_rule() -> None:
+    """The rule set is an explicit list, not whatever modules happen to be imported."""
+    code = (
+        "from gpuwatchd.clock import FakeClock\n"
+        "from gpuwatchd.config import Config\n"
+        "from gpuwatchd.health.engine import HealthEngine\n"
+        "from gpuwatchd.model import SourceSnapshot\n"
+        "from gpuwatchd.state import State\n"
+        "state = State()\n"
+        "state.subscribe(HealthEngine(Config(), FakeClock(1e9), state).on_publish)\n"
+        "state.publish(SourceSnapshot('shm', (), True))\n"
+        "names = {s.label('rule') for s in state.snapshot().extra['health']\n"
+        "         if s.name == 'gpuwatchd_health_rule_errors_total'}\n"
+        "print(' '.join(sorted(names)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.split()
+    assert {"fabric", "state_dir", "collectors", "xid"} <= set(out)
+    assert len(out) == len(ruleset.RULES) + 3  # plus xid_tracker, node_rules, gpu_stuck

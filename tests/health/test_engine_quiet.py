@@ -16,8 +16,8 @@ import pytest
 from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import Config, load_text
 from gpuwatchd.health.engine import HealthEngine, store_clears
-from gpuwatchd.health.quiet import MAX_QUIET_SECONDS
 from gpuwatchd.health.rules import XidCondition
+from gpuwatchd.health.ruleset import MAX_QUIET_SECONDS
 from gpuwatchd.model import Action, Finding, Labels, Sample, Severity
 from gpuwatchd.state import State
 from tests.health.snapshots import GPU0, GPU1, T0, Node, gpu_samples, source

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 from gpuwatchd.config import Config
-from gpuwatchd.health import (
-    fabric,  # noqa: F401 (registers its rule, as the pipeline does)
-    rules,
-)
+from gpuwatchd.health import ruleset
 from gpuwatchd.health.history import History, View
 from gpuwatchd.health.rules import Inputs
 from gpuwatchd.model import Finding, Sample
@@ -21,7 +18,7 @@ def evaluate(*samples: Sample) -> list[Finding]:
     history.observe(view, T0)
     return [
         f
-        for f in rules.evaluate(Inputs(view, history, cfg, T0, ()))
+        for f in ruleset.evaluate(Inputs(view, history, cfg, T0, ()))
         if f.alertname in ("GpuFabricNotRegistered", "FabricManagerDown")
     ]
 

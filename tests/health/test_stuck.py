@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from pathlib import Path
-from types import MappingProxyType
 
 import pytest
 
@@ -28,7 +27,7 @@ from gpuwatchd.health.stuck import (
     readings_from_snapshot,
     step,
 )
-from gpuwatchd.model import Action, Sample, Severity, SourceSnapshot
+from gpuwatchd.model import Action, GpuInventory, GpuProcess, Sample, Severity, SourceSnapshot
 from gpuwatchd.sources.nvml.replay import ReplayClient
 from gpuwatchd.sources.nvml.source import NvmlSource
 from gpuwatchd.state import NodeSnapshot
@@ -133,12 +132,12 @@ def nvml_snapshot(clock: FakeClock) -> SourceSnapshot:
     source = NvmlSource(client, clock=clock, call_timeout=2.0)
     try:
         items = source.poll(clock.time())
-        status = source.status()
+        gpus = source.payload()
     finally:
         client.release()
         source.close()
     samples = tuple(i for i in items if isinstance(i, Sample))
-    return SourceSnapshot("nvml", samples, True, timestamp=clock.time(), status=status)
+    return SourceSnapshot("nvml", samples, True, timestamp=clock.time(), payload=gpus)
 
 
 def with_values(snap: SourceSnapshot, gpu: str, util: float, mem: float, power: float) -> tuple:
@@ -172,10 +171,11 @@ def test_readings_from_the_real_nvml_source() -> None:
 def test_detector_over_snapshots_names_the_processes_from_nvml_status() -> None:
     clock = FakeClock()
     base = nvml_snapshot(clock)
-    gpus = dict(base.status["gpus"])  # type: ignore[arg-type]
-    bus = next(k for k, v in gpus.items() if v["gpu"] == 1)
-    gpus[bus] = {**gpus[bus], "processes": [{"pid": os.getpid(), "used_memory": 1 << 30}]}
-    status = MappingProxyType({**base.status, "gpus": gpus})
+    assert base.inventory is not None
+    mine = (GpuProcess(pid=os.getpid(), used_memory_bytes=1 << 30),)
+    gpus = GpuInventory(
+        tuple(replace(g, processes=mine) if g.index == 1 else g for g in base.inventory)
+    )
     detector = StuckDetector(T, clock, describe=proc_describer("/proc"))
     found = []
     for t in range(0, 361, 30):
@@ -183,7 +183,7 @@ def test_detector_over_snapshots_names_the_processes_from_nvml_status() -> None:
             base,
             samples=with_values(base, "1", 1.0, 0.0, 118.0),
             timestamp=clock.time() + t,
-            status=status,
+            payload=gpus,
         )
         found = detector.evaluate(NodeSnapshot(sources={"nvml": snap}))
         assert detector.evaluate(NodeSnapshot(sources={"nvml": snap})) == found  # idempotent

@@ -34,8 +34,8 @@ def test_per_gpu_lookups_match_a_full_scan() -> None:
                     for s in samples
                     if s.name == name
                     and s.label("uuid") == gpu.uuid
-                    and s.label("gpu") == gpu.index
+                    and s.label("gpu") == str(gpu.index)
                     and all(s.label(k) == v for k, v in match.items())
                 ]
-                assert view.series(name, uuid=gpu.uuid, gpu=gpu.index, **match) == want
+                assert view.series(name, uuid=gpu.uuid, gpu=str(gpu.index), **match) == want
                 assert view.gpu_value(name, gpu, **match) == (want[0].value if want else None)

@@ -21,11 +21,10 @@ from gpuwatchd.config import (
     SourcesConfig,
 )
 from gpuwatchd.health import rules
-from gpuwatchd.health.engine import xid_condition
 from gpuwatchd.health.history import History, View
-from gpuwatchd.health.xid.stage import XidStage
+from gpuwatchd.health.xid.stage import XidStage, xid_condition
 from gpuwatchd.health.xid.workload import attach_mig
-from gpuwatchd.model import Event
+from gpuwatchd.model import Event, Gpu, GpuInventory, GpuProcess
 from gpuwatchd.sinks.alertmanager.sink import AlertSink
 from gpuwatchd.sinks.store import EventStore
 from gpuwatchd.sources import SourceContext
@@ -99,10 +98,8 @@ class MigNode:
             (proc / "environ").write_bytes(b"RANK=0\0WORLD_SIZE=1\0")
             (proc / "comm").write_text("python3\n")
 
-            def gpus() -> dict[str, dict[str, object]]:
-                found = self.nvml.status()["gpus"]
-                assert isinstance(found, dict)
-                return found
+            def gpus() -> GpuInventory:
+                return self.nvml.payload()
 
             wl = WorkloadSource(
                 gpus, procfs=str(tmp / "proc"), slurm=SlurmJobs(which=lambda n: None)
@@ -176,11 +173,8 @@ def test_mig_instance_from_the_workload_process(tmp_path: Path) -> None:
 
 
 def test_what_the_line_says_wins_and_other_gpus_do_not_match() -> None:
-    gpus = {
-        "00000000:00:06.0": {
-            "processes": [{"pid": 7, "gpu_instance": 2, "compute_instance": 0, "mig_uuid": "MIG-a"}]
-        }
-    }
+    on_mig = GpuProcess(pid=7, gpu_instance=2, compute_instance=0, mig_uuid="MIG-a")
+    gpus = GpuInventory((Gpu(index=0, pci_bus_id="0000:00:06.0", processes=(on_mig,)),))
 
     def xid31(bus: str, **attrs: str) -> Event:
         return Event("xid", "kmsg", T0, 31, bus, "fault", attrs=tuple(sorted(attrs.items())))

@@ -11,12 +11,11 @@ import pytest
 
 from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import Config, DaemonConfig, KmsgConfig, PathsConfig, SourcesConfig
-from gpuwatchd.health.engine import xid_condition
 from gpuwatchd.health.xid import catalog as xid
-from gpuwatchd.health.xid.stage import XidStage
+from gpuwatchd.health.xid.stage import XidStage, xid_condition
 from gpuwatchd.health.xid.tracker import TrackerSettings, XidTracker
 from gpuwatchd.health.xid.workload import match_workload
-from gpuwatchd.model import Event, Workload, WorkloadProcess
+from gpuwatchd.model import Event, GpuInventory, Workload, WorkloadProcess
 from gpuwatchd.sinks.alertmanager.sink import alert_labels
 from gpuwatchd.sinks.store import EventStore
 from gpuwatchd.sources import SourceContext
@@ -25,6 +24,7 @@ from gpuwatchd.sources.runner import Runner
 from gpuwatchd.sources.workloads.slurm import SlurmJobs
 from gpuwatchd.sources.workloads.source import WorkloadSource
 from gpuwatchd.state import State
+from tests.sources.test_workloads import gpu, inventory
 
 T0 = 1_700_000_000.0
 BUS = "0000:41:00.0"
@@ -117,9 +117,7 @@ def test_match_by_pid_then_by_gpu() -> None:
 class Node:
     """Kernel log + workloads source -> state -> Xid stage -> store, on a fake /proc."""
 
-    def __init__(
-        self, tmp: Path, clock: FakeClock, index: dict[str, Any], **workloads: Any
-    ) -> None:
+    def __init__(self, tmp: Path, clock: FakeClock, index: GpuInventory, **workloads: Any) -> None:
         (tmp / "boot_id").write_text(BOOT + "\n")
         self.cfg = Config(
             paths=PathsConfig(
@@ -151,7 +149,7 @@ def test_xid13_with_workload_in_store_log_alert_and_after_restart(
     (proc / "cgroup").write_text("0::/slurm/uid_1000/job_5150/step_0/task_0\n")
     (proc / "environ").write_bytes(b"RANK=3\0WORLD_SIZE=8\0AWS_SECRET_ACCESS_KEY=nope\0")
     (proc / "comm").write_text("python3\n")
-    index = {BUS: {"gpu": 0, "uuid": UUID, "processes": [{"pid": 4242, "used_memory": 1}]}}
+    index = inventory({BUS: gpu(0, UUID, [(4242, 1)])})
     clock = FakeClock(start=T0)
     # kernel times 1 ms apart; the pid comes on the third line
     (tmp_path / "kmsg").write_text(

@@ -397,7 +397,7 @@ def test_real_xid_line_to_alertmanager_and_operator_clear(
     node, clock, state = unique_node(), SystemClock(), State()
     pipeline = XidStage.from_config(cfg, state.publish_extra, None, clock)
     sink = AlertSink(cfg, str(tmp_path / "gpuwatchd.db"), clock, node)
-    engine = HealthEngine(cfg, clock, state, xids=pipeline.active)
+    engine = HealthEngine(cfg, clock, state, xids=pipeline.conditions)
     engine.add_listener(sink.update)
     state.subscribe(pipeline.on_publish)  # the pipeline first: it tracks what the engine reads
     state.subscribe(engine.on_publish)

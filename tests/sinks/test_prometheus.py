@@ -42,7 +42,7 @@ def _publish(state: State, samples: list[Sample], ok: bool = True) -> None:
             1.0,
             0.002,
             1.0 if ok else 0.0,
-            {"errors_by_reason": {} if ok else {"nvml_init": 2}},
+            errors_by_reason={} if ok else {"nvml_init": 2},
         )
     )
 

@@ -1,4 +1,4 @@
-"""Clears are read from SQLite again only when the database files changed."""
+"""Clears are read from SQLite again only when the database changed (PRAGMA data_version)."""
 
 from __future__ import annotations
 
@@ -6,26 +6,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gpuwatchd.sinks import read_cache
 from gpuwatchd.sinks.read_cache import ReadCache
 from gpuwatchd.sinks.store import EventStore
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_unchanged_files_reuse_the_result_and_any_write_reruns_it(tmp_path: Path) -> None:
-    path = tmp_path / "db"
-    path.write_bytes(b"x")
-    clock, calls = Clock(), []
-    cache = ReadCache(str(path), clock)
+def test_an_unchanged_version_reuses_the_result_and_a_new_one_reruns_it() -> None:
+    version, calls = [1], []
+    cache = ReadCache(lambda: version[0])
 
     def query() -> list[int]:
         calls.append(1)
@@ -33,17 +22,15 @@ def test_unchanged_files_reuse_the_result_and_any_write_reruns_it(tmp_path: Path
 
     assert cache.get("k", query) == [1]
     assert cache.get("k", query) == [1] and len(calls) == 1
-    (tmp_path / "db-wal").write_bytes(b"frame")  # a commit by anyone appends to the log
+    version[0] += 1  # a commit by anyone
     assert cache.get("k", query) == [2]
     assert cache.get("other", query) == [3]  # keys are cached apart
-    clock.now += read_cache.BACKSTOP_SECONDS
-    assert cache.get("k", query) == [4]  # the backstop re-reads even when nothing changed
     cache.invalidate()
-    assert cache.get("k", query) == [5]
+    assert cache.get("k", query) == [4]
 
 
-def test_without_a_database_file_nothing_is_cached(tmp_path: Path) -> None:
-    cache, calls = ReadCache(str(tmp_path / "absent")), []
+def test_without_a_version_nothing_is_cached() -> None:
+    cache, calls = ReadCache(lambda: None), []
     for _ in range(3):
         cache.get("k", lambda: calls.append(1) or [])
     assert len(calls) == 3
@@ -81,6 +68,20 @@ def test_reads_of_an_idle_store_do_not_query(tmp_path: Path) -> None:
         store._db.set_trace_callback(queries.append)  # every statement SQLite runs
         for _ in range(10):
             assert [c.who for c in store.clears_since(0)] == ["alice"]
-        assert queries == []
+        assert set(queries) == {"PRAGMA data_version"}  # SQLite's change counter, no query
+    finally:
+        store.close()
+
+
+def test_a_write_through_this_connection_is_seen_without_an_invalidate(tmp_path: Path) -> None:
+    store = EventStore(str(tmp_path / "events.db"))
+    try:
+        assert store.clears_since(0) == []
+        with store._lock, store._db:  # any write of ours, not only add_clear
+            store._db.execute(
+                "INSERT INTO clears (time, who, kind, pci_bus_id, reason, reset, boot_id)"
+                " VALUES (1.0, 'carol', 'xid', '', '', 0, '')"
+            )
+        assert [c.who for c in store.clears_since(0)] == ["carol"]
     finally:
         store.close()

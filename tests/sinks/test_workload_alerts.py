@@ -13,8 +13,9 @@ import pytest
 from gpuwatchd.clock import FakeClock, SystemClock
 from gpuwatchd.config import AlertmanagerConfig, Config
 from gpuwatchd.health import rules
-from gpuwatchd.health.engine import xid_condition
 from gpuwatchd.health.history import History, View
+from gpuwatchd.health.xid.stage import xid_condition
+from gpuwatchd.model import Gpu, GpuInventory, GpuProcess
 from gpuwatchd.sinks.alertmanager.sink import AlertSink
 from gpuwatchd.sources.workloads.podresources import PodResourcesClient
 from gpuwatchd.sources.workloads.slurm import SlurmJobs
@@ -68,10 +69,12 @@ def test_alerts_name_the_pod_and_the_slurm_job(
         f"0::/system.slice/slurmstepd.scope/job_{job}/step_0/user/task_0\n",
         b"RANK=1\0",
     )
-    index = {
-        "0000:41:00.0": {"gpu": 0, "uuid": POD_GPU, "processes": [{"pid": 501}]},
-        "0000:42:00.0": {"gpu": 1, "uuid": JOB_GPU, "processes": [{"pid": 601}]},
-    }
+    index = GpuInventory(
+        (
+            Gpu(index=0, uuid=POD_GPU, pci_bus_id="0000:41:00.0", processes=(GpuProcess(pid=501),)),
+            Gpu(index=1, uuid=JOB_GPU, pci_bus_id="0000:42:00.0", processes=(GpuProcess(pid=601),)),
+        )
+    )
     (tmp_path / "kmsg").write_text(
         "3,1,1000000000,-;NVRM: Xid (PCI:0000:41:00): 79, pid=501, name=python3,"
         " GPU has fallen off the bus.\n"

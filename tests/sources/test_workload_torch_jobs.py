@@ -9,16 +9,16 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack
-from typing import Any
 
 import pytest
 
 from gpuwatchd.health.xid.workload import attach_workload
-from gpuwatchd.model import Event, Sample
+from gpuwatchd.model import Event, Gpu, GpuProcess, Sample
 from gpuwatchd.sources.hangs.jobs import jobs_from_workloads
 from gpuwatchd.sources.workloads.cgroup import attribute
 from gpuwatchd.sources.workloads.environ import TORCH_ENV, torch_job_id
 from gpuwatchd.sources.workloads.source import WorkloadSource, workloads_from_status
+from tests.sources.test_workloads import inventory
 
 GPU0 = "GPU-8a47641b-dff6-f09f-618c-c3eb58fb430d"
 GPU1 = "GPU-4e391288-897c-ba5d-6944-dfbea55ebcfa"
@@ -67,8 +67,12 @@ def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
         yield procs
 
 
-def gpu(index: int, uuid: str, pids: list[int]) -> dict[str, Any]:
-    return {"gpu": index, "uuid": uuid, "processes": [{"pid": p, "used_memory": 1} for p in pids]}
+def gpu(index: int, uuid: str, pids: list[int]) -> Gpu:
+    return Gpu(
+        index=index,
+        uuid=uuid,
+        processes=tuple(GpuProcess(pid=p, used_memory_bytes=1) for p in pids),
+    )
 
 
 def test_the_ranks_of_one_torch_job_are_one_workload(
@@ -79,7 +83,7 @@ def test_the_ranks_of_one_torch_job_are_one_workload(
         "0000:01:00.0": gpu(0, GPU0, [rank0, elastic]),
         "0000:02:00.0": gpu(1, GPU1, [rank1, bare]),
     }
-    src = WorkloadSource(lambda: index, procfs="/proc")
+    src = WorkloadSource(lambda: inventory(index), procfs="/proc")
     samples = src.poll(0.0)
     by_id = {w.id: w for w in src.workloads()}
     assert sorted(by_id) == sorted(["torch:127.0.0.1:29633", "torchelastic:5c1f", str(bare)])

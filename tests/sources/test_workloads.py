@@ -8,12 +8,14 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gpuwatchd.errors import SourceError
+from gpuwatchd.model import Gpu, GpuInventory, GpuProcess
 from gpuwatchd.sources.workloads.environ import parse_environ, read_torch_env
 from gpuwatchd.sources.workloads.podresources import PodResourcesClient, device_key
 from gpuwatchd.sources.workloads.slurm import SlurmJobs, parse_jobs
@@ -193,12 +195,14 @@ def fake_proc(root: Path, pid: int, cgroup: str, env: dict[str, str], comm: str)
     (d / "comm").write_text(comm + "\n")
 
 
-def gpu(index: int, uuid: str, procs: list[tuple[int, int]]) -> dict[str, Any]:
-    return {
-        "gpu": index,
-        "uuid": uuid,
-        "processes": [{"pid": p, "used_memory": m} for p, m in procs],
-    }
+def gpu(index: int, uuid: str, procs: list[tuple[int, int]], **more: Any) -> Gpu:
+    found = tuple(GpuProcess(pid=p, used_memory_bytes=m) for p, m in procs)
+    return Gpu(index=index, uuid=uuid, processes=found, **more)
+
+
+def inventory(by_bus: dict[str, Gpu]) -> GpuInventory:
+    """What the NVML source publishes: its GPUs, by bus id (a new object per poll)."""
+    return GpuInventory(tuple(replace(g, pci_bus_id=bus) for bus, g in by_bus.items()))
 
 
 def test_source_names_pod_slurm_job_and_ranks(
@@ -219,7 +223,7 @@ def test_source_names_pod_slurm_job_and_ranks(
         "0000:02:00.0": gpu(1, GPU1, [(102, 2 << 30)]),
         "0000:03:00.0": gpu(2, "GPU-3", [(201, 3 << 30), (301, 1 << 20)]),
     }
-    nvml = [index]  # what the NVML source published last; a new object per NVML poll
+    nvml = [inventory(index)]  # what the NVML source published last; a new object per poll
     src = WorkloadSource(
         lambda: nvml[-1],
         procfs=str(procfs),
@@ -259,18 +263,21 @@ def test_source_names_pod_slurm_job_and_ranks(
     status = src.status()
     assert workloads_from_status(status) == list(src.workloads())
     assert "SECRET" not in repr(status) and status["kubelet"] == "ok"
-    held = workloads_on_gpus(status, [GPU1])
+    held = workloads_on_gpus(src.workloads(), [GPU1])
     assert [w["pod"] for w in held] == ["llama-train-0"]
     assert [
-        w["slurm_job"] for w in workloads_on_gpus(status, ["0000:03:00.0"]) if "slurm_job" in w
+        w["slurm_job"]
+        for w in workloads_on_gpus(src.workloads(), ["0000:03:00.0"])
+        if "slurm_job" in w
     ] == [job]
     assert kubelet.calls == {"List": 1}
     assert src.poll(1.0) == samples and kubelet.calls == {"List": 1}  # no new NVML poll yet
     # an exited process stays attributable for a while
-    nvml.append({**index, "0000:02:00.0": gpu(1, GPU1, [])})
+    nvml.append(inventory({**index, "0000:02:00.0": gpu(1, GPU1, [])}))
     src.poll(10.0)
     assert kubelet.calls == {"List": 2}  # one List per NVML poll
     exited = workloads_from_status(src.status())[-1]
+    assert src.payload().exited[-1] == exited
     assert exited.pod == "llama-train-0" and exited.processes[0].pid == 102
     slurm.run(["scancel", job])
 
@@ -282,7 +289,7 @@ def test_source_without_kubelet_or_slurm_keeps_the_cgroup_ids(tmp_path: Path) ->
     fake_proc(procfs, 12, "0::/slurm/uid_1000/job_77/step_batch/task_0\n", {}, "a.out")
     index = {"0000:01:00.0": gpu(0, GPU0, [(11, 1), (12, 2)])}
     src = WorkloadSource(
-        lambda: index,
+        lambda: inventory(index),
         procfs=str(procfs),
         kubelet=PodResourcesClient(str(tmp_path / "absent.sock")),
         slurm=SlurmJobs(which=lambda name: None),
@@ -300,16 +307,12 @@ def test_a_pod_on_a_mig_device_is_matched_by_the_mig_uuid(
     procfs = tmp_path / "proc"
     fake_proc(procfs, 701, f"0::/kubepods/pod{POD_UID}/{'d' * 64}\n", {}, "tritonserver")
     parent = "GPU-7e1a0c3b-0000-4000-8000-000000000001"
-    index = {
-        "0000:05:00.0": {
-            "gpu": 4,
-            "uuid": parent,
-            "processes": [{"pid": 701, "used_memory": 5 << 30, "mig_uuid": MIG}],
-            "last": {"mig_mode": True, "mig_devices": [{"uuid": MIG, "gpu_instance": 1}]},
-        }
-    }
+    on_mig = GpuProcess(pid=701, used_memory_bytes=5 << 30, mig_uuid=MIG)
+    index = {"0000:05:00.0": Gpu(index=4, uuid=parent, mig=(MIG,), processes=(on_mig,))}
     src = WorkloadSource(
-        lambda: index, procfs=str(procfs), kubelet=PodResourcesClient(str(kubelet.socket_path))
+        lambda: inventory(index),
+        procfs=str(procfs),
+        kubelet=PodResourcesClient(str(kubelet.socket_path)),
     )
     samples = src.poll(0.0)
     (w,) = src.workloads()
@@ -327,7 +330,7 @@ def test_a_poll_asks_slurm_about_few_new_jobs(tmp_path: Path) -> None:
     index = {"0000:01:00.0": gpu(0, GPU0, [(400 + i, 1) for i in range(6)])}
     # the commands "exist" but cannot be started (empty PATH): each ask fails at once
     jobs = SlurmJobs(env={"PATH": ""}, which=lambda name: f"/nonexistent/{name}")
-    src = WorkloadSource(lambda: dict(index), procfs=str(procfs), slurm=jobs)  # a poll each
+    src = WorkloadSource(lambda: inventory(index), procfs=str(procfs), slurm=jobs)  # a poll each
     src.poll(0.0)
     assert jobs.calls == 4
     src.poll(10.0)

@@ -10,13 +10,13 @@ the Xid alert (`xid_incident`), so a router can group the two.
 from __future__ import annotations
 
 import time as _time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from gpuwatchd.health.hangs.detector import JobVerdict
 from gpuwatchd.health.incident import xid_incident
 from gpuwatchd.jobview import JobView
-from gpuwatchd.model import Event
+from gpuwatchd.model import Event, GpuInventory
 from gpuwatchd.pci import normalize_bus_id
 
 __all__ = ["HardwareCause", "XidMemory"]
@@ -49,11 +49,10 @@ class XidMemory:
         self._seen: list[_Seen] = []
         self._bus_of: dict[str, str] = {}
 
-    def note_gpus(self, gpus: Mapping[str, object]) -> None:
-        """NVML's status `gpus` (bus id -> {"gpu": index, ...})."""
-        for bus, info in gpus.items():
-            if isinstance(info, Mapping) and isinstance(info.get("gpu"), int):
-                self._bus_of[str(info["gpu"])] = normalize_bus_id(str(bus))
+    def note_gpus(self, gpus: GpuInventory) -> None:
+        """The GPUs of NVML's last poll (index -> bus id)."""
+        for g in gpus:
+            self._bus_of[str(g.index)] = g.pci_bus_id
 
     def note(self, events: Iterable[Event], now: float) -> None:
         """Keep the Xid/SXid events of a publish."""

@@ -211,9 +211,8 @@ class HangMonitor:
         if nvml is None or not nvml.ok or nvml.timestamp == self._seen_stamp:
             return
         self._seen_stamp = nvml.timestamp
-        gpus = nvml.status.get("gpus")
-        if isinstance(gpus, Mapping):
-            self._xids.note_gpus(gpus)
+        if nvml.inventory is not None:
+            self._xids.note_gpus(nvml.inventory)
         self._members.merge(self.jobs_of(snap))
         # The poll's own time, never before the last probe (time only moves forward here).
         now = max(nvml.timestamp or self._clock.time(), self._probed_at)

@@ -36,6 +36,7 @@ MULTILINE_XIDS = frozenset({13})  # codes the driver reports over several lines
 # a few spare for driver versions that add one.
 MAX_REPORT_LINES = 6
 MAX_MESSAGE_CHARS = 8192  # the kernel's record cap (PRINTK_MESSAGE_MAX)
+_PROCESS_FIELDS = frozenset({"pid", "process"})
 # What the line that names the process brings to the joined event.
 _PROCESS_KEYS = frozenset(
     {
@@ -126,7 +127,12 @@ def join_lines(first: Event, line: Event) -> Event:
     message = " | ".join(details)
     if len(message) > MAX_MESSAGE_CHARS:
         message = message[: MAX_MESSAGE_CHARS - 1] + "\u2026"
-    return replace(first, message=message, attrs=tuple(sorted(attrs.items())))
+    fields = first.fields
+    if fields is not None:
+        if line.xid is not None and line.xid.pid is not None and fields.pid is None:
+            fields = replace(fields, pid=None, process="").filled_from(line.xid, _PROCESS_FIELDS)
+        fields = fields.filled_from(line.xid)
+    return replace(first, message=message, attrs=tuple(sorted(attrs.items())), fields=fields)
 
 
 class Bursts:

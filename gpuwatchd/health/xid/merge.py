@@ -42,10 +42,12 @@ def richer(log_event: Event, nvml_event: Event) -> Event:
         if value and not attrs.get(key):
             attrs[key] = value
     attrs["confirmed_by"] = nvml_event.source
+    fields = log_event.fields
     return replace(
         log_event,
         pci_bus_id=log_event.pci_bus_id or nvml_event.pci_bus_id,
         attrs=tuple(sorted(attrs.items())),
+        fields=fields.filled_from(nvml_event.xid) if fields is not None else None,
     )
 
 

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Protocol
 from gpuwatchd.bootid import read_boot_id
 from gpuwatchd.clock import Clock
 from gpuwatchd.errors import StoreError
+from gpuwatchd.health.alerts import WORKLOAD_ATTRS
+from gpuwatchd.health.rules import XidCondition
 from gpuwatchd.health.xid import catalog as xid
 from gpuwatchd.health.xid.bursts import JOIN_WINDOW, MULTILINE_XIDS
 from gpuwatchd.health.xid.merge import XidMerger
@@ -41,7 +43,6 @@ from gpuwatchd.model import (
     Sample,
     SourceSnapshot,
     XidFields,
-    workloads_from_status,
 )
 from gpuwatchd.pci import normalize_bus_id
 
@@ -53,6 +54,7 @@ __all__ = [
     "EventSink",
     "METRICS",
     "XidStage",
+    "xid_condition",
 ]
 
 log = logging.getLogger("gpuwatchd.health.xid.catalog")
@@ -105,7 +107,7 @@ class XidStage:
         tracker: XidTracker,
         merger: XidMerger,
         store: EventSink | None,
-        publish: Callable[[str, Sequence[Sample]], None],
+        publish: Callable[[str, Sequence[Sample]], object],
         clock: Clock,
     ) -> None:
         self.tracker = tracker
@@ -116,7 +118,6 @@ class XidStage:
         self._lock = threading.Lock()
         self._cursors: dict[str, str] = {}
         self._store_errors = 0
-        self._published: tuple[Sample, ...] | None = None
         self._last_clear_id = 0
         self.log_reports = True  # off for a one-shot `check`: it reports what it found itself
         self._unlogged: dict[str, tuple[float, Event]] = {}
@@ -125,7 +126,7 @@ class XidStage:
     def from_config(
         cls,
         cfg: Config,
-        publish: Callable[[str, Sequence[Sample]], None],
+        publish: Callable[[str, Sequence[Sample]], object],
         store: EventSink | None,
         clock: Clock,
     ) -> XidStage:
@@ -174,17 +175,17 @@ class XidStage:
         self, snap: NodeSnapshot, source: SourceSnapshot | None, events: tuple[Event, ...]
     ) -> None:
         """Consumer step: a source's publish (events, and the kernel log cursor to store)."""
-        cursor = ""
-        if source is not None and source.source == "kmsg":
-            cursor = str(source.status.get("cursor") or "")
+        kmsg = source.kmsg if source is not None else None
+        cursor = kmsg.cursor if kmsg is not None else ""
         xids = [e for e in events if e.kind in KINDS]
         nvml = snap.sources.get("nvml")
-        gpus = nvml.status.get("gpus") if nvml is not None else None
-        if xids and isinstance(gpus, Mapping):
+        gpus = nvml.inventory if nvml is not None else None
+        if xids and gpus is not None:
             xids = [attach_mig(e, gpus) for e in xids]
         workloads = snap.sources.get("workloads")
-        if xids and workloads is not None:
-            known = workloads_from_status(workloads.status)
+        held = workloads.workloads if workloads is not None else None
+        if xids and held is not None:
+            known = [*held.current, *held.exited]
             xids = [attach_workload(e, known) for e in xids]
         self._process(xids, {"kmsg": cursor} if cursor else {})
 
@@ -263,10 +264,7 @@ class XidStage:
         store_samples = getattr(self.store, "samples", None)  # the store's own metrics
         if store_samples is not None:
             samples.extend(store_samples())
-        frozen = tuple(samples)
-        if frozen != self._published:  # a quiet tick: keep the snapshot (and scrape cache)
-            self._published = frozen
-            self._publish_extra(OWNER, frozen)
+        self._publish_extra(OWNER, samples)  # the state skips an unchanged publish
 
     # --- operator actions -------------------------------------------------------------
 
@@ -337,9 +335,34 @@ class XidStage:
             log.info("applied clear by %s: %s %s %s", r.who, r.kind, r.code or "*", r.pci_bus_id)
 
     def active(self, now: float | None = None) -> list[ActiveXid]:
-        """Active Xid/SXid conditions (for the health engine)."""
+        """Active Xid/SXid conditions, as the tracker keeps them."""
         with self._lock:
             return self.tracker.active(self.clock.time() if now is None else now)
+
+    def conditions(self, now: float | None = None) -> list[XidCondition]:
+        """Active Xid/SXid conditions as the Xid rule reads them (the health engine's input)."""
+        return [xid_condition(a) for a in self.active(now)]
+
+
+def xid_condition(a: ActiveXid) -> XidCondition:
+    """The Xid rule's view of a tracker's ActiveXid."""
+    xid = a.event.xid or XidFields(code=a.code)
+    pid = f"pid {xid.pid}" if xid.pid is not None else ""
+    who = " ".join(x for x in (pid, xid.process) if x)
+    parts = [p for p in (who, xid.detail, xid.escalated, f"active until {a.until}") if p]
+    return XidCondition(
+        code=a.code,
+        pci_bus_id=a.pci_bus_id,
+        severity=a.info.severity,
+        action=a.info.action,
+        name=a.info.name,
+        remediation=a.info.remediation,
+        since=a.since,
+        kind=a.kind,
+        count=a.count,
+        detail="; ".join(parts),
+        workload=tuple((k, v) for k, v in a.event.attrs if k in WORKLOAD_ATTRS),
+    )
 
 
 def journal_fields(ev: Event) -> dict[str, str]:

@@ -317,7 +317,13 @@ class XidTracker:
             attrs["policy"] = "ignored by site policy"
         elif policy.threshold > 1:
             attrs["policy"] = f"counts after {policy.threshold} reports"
-        return replace(event, severity=info.severity, attrs=tuple(sorted(attrs.items())))
+        fields = event.fields
+        if fields is not None:
+            name, action, why = (attrs.get(k, "") for k in ("name", "action", "escalated"))
+            fields = replace(fields, name=name, action=action, escalated=why)
+        return replace(
+            event, severity=info.severity, attrs=tuple(sorted(attrs.items())), fields=fields
+        )
 
     def _epoch(self, bus: str) -> str:
         return f"{self.boot_id}#{self._resets.get(bus, 0)}"

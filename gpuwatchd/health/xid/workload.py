@@ -11,10 +11,10 @@ that process under.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 
-from gpuwatchd.model import Event, Workload, WorkloadProcess
+from gpuwatchd.model import Event, GpuInventory, Workload, WorkloadProcess
 from gpuwatchd.pci import normalize_bus_id
 
 __all__ = ["attach_mig", "attach_workload", "match_workload"]
@@ -84,27 +84,23 @@ def attach_workload(ev: Event, workloads: Sequence[Workload]) -> Event:
 _INSTANCE_KEYS = ("gpu_instance", "compute_instance")
 
 
-def _mig_of(pid: int, bus: str, gpus: Mapping[str, object]) -> dict[str, str]:
+def _mig_of(pid: int, bus: str, gpus: GpuInventory) -> dict[str, str]:
     """gpu_instance, compute_instance, mig_uuid of `pid` on GPU `bus` as NVML lists it."""
-    for key, gpu in gpus.items():
-        if not isinstance(gpu, Mapping) or normalize_bus_id(str(key)) != bus:
+    gpu = gpus.by_bus_id(bus)
+    for p in gpu.processes if gpu is not None else ():
+        if p.pid != pid or not p.mig_uuid:
             continue
-        procs = gpu.get("processes")
-        for p in procs if isinstance(procs, list) else ():
-            if not isinstance(p, Mapping) or p.get("pid") != pid or not p.get("mig_uuid"):
-                continue
-            gi, ci = p.get("gpu_instance"), p.get("compute_instance")
-            if isinstance(gi, int) and isinstance(ci, int):
-                return {
-                    "gpu_instance": str(gi),
-                    "compute_instance": str(ci),
-                    "mig_uuid": str(p["mig_uuid"]),
-                }
+        if p.gpu_instance is not None and p.compute_instance is not None:
+            return {
+                "gpu_instance": str(p.gpu_instance),
+                "compute_instance": str(p.compute_instance),
+                "mig_uuid": p.mig_uuid,
+            }
     return {}
 
 
-def attach_mig(ev: Event, gpus: Mapping[str, object]) -> Event:
-    """The event with the MIG device NVML lists its pid on (`gpus`: the NVML status's)."""
+def attach_mig(ev: Event, gpus: GpuInventory) -> Event:
+    """The event with the MIG device NVML lists its pid on (`gpus`: NVML's last poll)."""
     pid = _pid(ev)
     bus = normalize_bus_id(ev.pci_bus_id) if ev.pci_bus_id else ""
     if pid is None or not bus:

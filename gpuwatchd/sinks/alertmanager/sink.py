@@ -9,7 +9,7 @@ resend interval, with endsAt = now + 4 x max(poll, resend interval) so
 the alerts of a dead daemon expire on their own.
 
 The sink writes nothing into the shared state: its own counters are read
-through `samples()` by the consumer thread when `version` moved.
+through `samples()` by the consumer thread on its tick.
 """
 
 from __future__ import annotations
@@ -127,7 +127,6 @@ class AlertSink:
         self._am = cfg.alertmanager
         self._clock = clock
         self._node = node
-        self.version = 0  # bumped whenever what samples() returns may have changed
         if fsync is None:
             self._outbox = Outbox(db_path, self._am.max_alerts)
         else:
@@ -430,7 +429,6 @@ class AlertSink:
     def _changed(self) -> None:
         with self._samples_lock:  # computed on the sink's threads, read by the consumer
             self._samples = self._compute_samples()
-            self.version += 1
 
     def status(self) -> dict[str, object]:
         """JSON-able view for /status and /alerts."""

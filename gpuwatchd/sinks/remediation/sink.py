@@ -105,7 +105,6 @@ class RemediationSink:
         self.cfg = cfg
         self._clock = clock
         self._store = store
-        self.version = 0  # bumped when samples() may have changed; the consumer publishes them
         self._node = node
         self.slurm = SlurmNodes(cfg, node, env)
         self.kube = KubernetesNode(cfg, node)
@@ -145,7 +144,6 @@ class RemediationSink:
             )
         self._thread = threading.Thread(target=self._loop, name="remediation", daemon=True)
         self._thread.start()
-        self.publish()
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -178,7 +176,6 @@ class RemediationSink:
                 continue
             tried.append(d)
             self._take(d, now)
-        self.publish()
         return tried
 
     def _take(self, d: Decision, now: float) -> None:
@@ -243,10 +240,6 @@ class RemediationSink:
             for a in actions
         ]
         return out
-
-    def publish(self) -> None:
-        """Mark the samples changed: a sink only reads; the consumer thread publishes them."""
-        self.version += 1
 
     def status(self) -> dict[str, Any]:
         """JSON-able view for /status."""

@@ -24,6 +24,7 @@ import pickle
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from gpuwatchd.errors import FlightError
 from gpuwatchd.jobview import GroupProgress
 
 __all__ = [
@@ -44,10 +45,6 @@ DEFAULT_TEMP_PREFIX = "/tmp/nccl_trace_rank_"
 _TEMP_VARS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 _PIPE_VAR = "TORCH_NCCL_DEBUG_INFO_PIPE_FILE"
 FLIGHT_ENV_KEYS = (*_TEMP_VARS, _PIPE_VAR)
-
-
-class FlightError(Exception):
-    """A dump that could not be found, read or parsed (the reason says which)."""
 
 
 @dataclass(frozen=True, slots=True)

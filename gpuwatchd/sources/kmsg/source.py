@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from gpuwatchd.bootid import read_boot_id
 from gpuwatchd.clock import Clock
-from gpuwatchd.model import Event, GpuInventory, MetricSpec, Sample
+from gpuwatchd.model import Event, GpuInventory, KmsgState, MetricSpec, Sample
 from gpuwatchd.sources.kmsg.filereader import FileReader
 from gpuwatchd.sources.kmsg.journal import JournalReader
 from gpuwatchd.sources.kmsg.parse import (
@@ -35,6 +35,7 @@ from gpuwatchd.sources.kmsg.readers import (
 )
 from gpuwatchd.sources.workloads.cgroup import attribute
 from gpuwatchd.sources.workloads.environ import read_torch_env
+from gpuwatchd.xidfields import XidFields
 
 if TYPE_CHECKING:
     from gpuwatchd.config import Config
@@ -330,6 +331,20 @@ class KmsgSource:
             attrs["lines"] = str(rec.lines)
         attrs.update(rec.extras)
         attrs.update(self._attribution(rec, when, now))
+        extras = dict(rec.extras)
+        fields = XidFields(
+            code=rec.code,
+            gpu=attrs["gpu"],
+            uuid=attrs["uuid"],
+            pid=rec.pid,
+            process=rec.process,
+            gpc=_digits(extras.get("gpc")),
+            tpc=_digits(extras.get("tpc")),
+            sm=_digits(extras.get("sm")),
+            recovery_action=rec.recovery_action,
+            fatal=rec.fatal,
+            detail=rec.detail,
+        )
         return Event(
             kind=rec.kind,
             source=self.name,
@@ -338,6 +353,7 @@ class KmsgSource:
             pci_bus_id=rec.pci_bus_id,
             message=rec.detail,
             attrs=tuple(sorted((k, v) for k, v in attrs.items() if v != "")),
+            fields=fields,  # typed, as parsed: no stage reads them back from the strings
         )
 
     def _time_of(self, rec: KmsgRecord, now: float) -> float:
@@ -399,6 +415,15 @@ class KmsgSource:
             "retry_in_seconds": 0.0 if self._reader is not None else self._retry_in(),
         }
 
+    def payload(self) -> KmsgState:
+        """The reader's state, typed (the Xid stage stores the cursor, `check` the rest)."""
+        return KmsgState(
+            reader_up=self._reader is not None,
+            error=self._error,
+            cursor=self._cursor,
+            records_read=self._read,
+        )
+
     def _retry_in(self) -> float:
         return max(0.0, round(self._retry_at - self.clock.monotonic(), 1))
 
@@ -412,3 +437,8 @@ class KmsgSource:
         if self._reader is not None:
             self._reader.close()
             self._reader = None
+
+
+def _digits(text: str | None) -> int | None:
+    """A number the parser matched as digits (gpc, tpc, sm)."""
+    return int(text) if text and text.isdigit() else None

@@ -10,12 +10,12 @@ UUID and profile are on the info series only. GPM per GPU instance
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
-from gpuwatchd.model import MetricSpec, MetricType
+from gpuwatchd.model import GpuProcess, MetricSpec, MetricType
 from gpuwatchd.sources.nvml.gpm import samples_from_gpm
 
-__all__ = ["MIG_METRICS", "MigDevice", "read_mig"]
+__all__ = ["MIG_METRICS", "MigDevice", "gpu_processes", "mig_uuids", "read_mig"]
 
 Get = Callable[..., object | None]
 Put = Callable[..., None]
@@ -179,3 +179,31 @@ MIG_METRICS: tuple[MetricSpec, ...] = (
         (*_GPU, "direction", "gpu_instance"),
     ),
 )
+
+
+def gpu_processes(procs: Iterable[Mapping[str, object]]) -> tuple[GpuProcess, ...]:
+    """A reading's processes (MIG ones tagged by `read_mig`), typed and ordered by pid."""
+    out = []
+    for p in procs:
+        pid, used, mig = p.get("pid"), p.get("used_memory"), str(p.get("mig_uuid") or "")
+        if not isinstance(pid, int) or pid <= 0:
+            continue
+        gi, ci = p.get("gpu_instance"), p.get("compute_instance")
+        out.append(
+            GpuProcess(
+                pid=pid,
+                used_memory_bytes=used if isinstance(used, int) else None,
+                mig_uuid=mig,
+                gpu_instance=gi if mig and isinstance(gi, int) else None,
+                compute_instance=ci if mig and isinstance(ci, int) else None,
+            )
+        )
+    return tuple(sorted(out, key=lambda p: p.pid))
+
+
+def mig_uuids(last: Mapping[str, object]) -> tuple[str, ...]:
+    """UUIDs of the GPU's MIG devices as of its last reading (none without MIG)."""
+    found = last.get("mig_devices")
+    if not isinstance(found, list):
+        return ()
+    return tuple(str(d["uuid"]) for d in found if isinstance(d, Mapping) and d.get("uuid"))

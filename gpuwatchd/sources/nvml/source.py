@@ -31,6 +31,7 @@ from gpuwatchd.sources.nvml.client import NvmlClient, NvmlDevice, Pynvml, XidEve
 from gpuwatchd.sources.nvml.events import XidListener
 from gpuwatchd.sources.nvml.fabric import FabricManagerProbe
 from gpuwatchd.sources.nvml.metrics import METRICS
+from gpuwatchd.sources.nvml.mig import gpu_processes, mig_uuids
 from gpuwatchd.sources.nvml.read import DeviceReader, Identity, Reading, sorted_processes
 from gpuwatchd.sources.nvml.topology import GpuLinks, assemble, device_getter, read_links
 
@@ -190,7 +191,8 @@ class NvmlSource:
                     uuid=g.identity.uuid,
                     pci_bus_id=normalize_bus_id(g.identity.pci_bus_id),
                     name=g.identity.name,
-                    mig=_mig_uuids(g.reading),
+                    mig=mig_uuids(g.reading.last) if g.reading else (),
+                    processes=gpu_processes(g.reading.processes) if g.reading else (),
                 )
                 for g in self._gpus
                 if g.identity is not None
@@ -434,6 +436,8 @@ class NvmlSource:
         """The GPUs of the last poll, typed (the runner publishes it on the snapshot)."""
         return self._inventory
 
+    payload = inventory
+
     def gpu_map(self) -> Mapping[str, Mapping[str, str]]:
         """PCI bus id -> {gpu, uuid, name, minor, state} as of the last poll (thread-safe)."""
         return self._gpu_map
@@ -473,14 +477,6 @@ def _links_up(reading: Reading | None) -> int:
     """The GPU's NVLinks up at its last poll."""
     samples = reading.samples if reading is not None else ()
     return sum(1 for s in samples if s.name == "gpuwatchd_nvlink_up" and s.value == 1)
-
-
-def _mig_uuids(reading: Reading | None) -> tuple[str, ...]:
-    """UUIDs of the GPU's MIG devices as of its last reading (none without MIG)."""
-    found = reading.last.get("mig_devices") if reading is not None else None
-    if not isinstance(found, list):
-        return ()
-    return tuple(str(d["uuid"]) for d in found if isinstance(d, dict) and d.get("uuid"))
 
 
 def _cuda_version(value: object) -> str:

@@ -1,7 +1,7 @@
 """The workloads source: which pod, Slurm job or process holds each GPU, with ranks.
 
 Polled at the NVML interval. Processes per GPU come from the NVML source's
-last poll (ctx.gpu_status, no second NVML client); each pid is placed by
+last poll (ctx.gpus, no second NVML client); each pid is placed by
 its cgroup (pod UID, Slurm job), named through the kubelet pod-resources
 API (one List per poll, matched by GPU/MIG UUID) or Slurm (cached per
 job), and given its torch.distributed rank from /proc/PID/environ. A
@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from gpuwatchd.errors import SourceError
 from gpuwatchd.model import (
     Event,
+    GpuInventory,
     MetricSpec,
     Sample,
     Workload,
     WorkloadProcess,
-    workloads_from_status,
+    WorkloadSet,
 )
 from gpuwatchd.sources.workloads.cgroup import Attribution, attribute, start_ticks
 from gpuwatchd.sources.workloads.environ import read_torch_env, torch_job_id
@@ -68,7 +69,7 @@ SLURM_LOOKUPS_PER_POLL = 4
 # Exited processes remembered for late Xids: the newest, at most this many.
 MAX_EXITED = 256
 
-GpuStatus = Callable[[], Mapping[str, Mapping[str, Any]]]
+GpuLookup = Callable[[], GpuInventory]
 
 
 class _GpuProcesses(NamedTuple):
@@ -102,7 +103,7 @@ class WorkloadSource:
 
     def __init__(
         self,
-        gpu_status: GpuStatus,
+        gpus: GpuLookup,
         *,
         procfs: str = "/proc",
         interval: float = 10.0,
@@ -112,7 +113,7 @@ class WorkloadSource:
         keep_seconds: float = 600.0,
     ) -> None:
         self.interval = interval
-        self._gpu_status = gpu_status
+        self._gpu_lookup = gpus
         self.procfs = procfs
         self.kubelet = kubelet
         self.slurm = slurm
@@ -124,7 +125,7 @@ class WorkloadSource:
         self._errors = {"kubelet": 0, "slurm": 0}
         self._kubelet_error = ""
         self._slurm_budget = SLURM_LOOKUPS_PER_POLL
-        self._last_status: object = None
+        self._last_inventory: object = None
         self._samples_cache: list[Sample] | None = None
 
     @classmethod
@@ -132,7 +133,7 @@ class WorkloadSource:
         """Build from sources.workloads; polled at the NVML interval (see poll())."""
         wc = cfg.sources.workloads
         return cls(
-            ctx.gpu_status,
+            ctx.gpus,
             procfs=cfg.paths.procfs,
             interval=cfg.sources.nvml.interval,
             kubelet=PodResourcesClient(wc.kubelet_socket, wc.call_timeout),
@@ -147,15 +148,15 @@ class WorkloadSource:
         """Read processes, place and name them; samples: workload info and lookup errors.
 
         Polled at the NVML interval, it works only when NVML has published a
-        new poll since (a new status object): at most one kubelet call per
+        new poll since (a new inventory object): at most one kubelet call per
         NVML poll. (Polling faster would name new processes sooner but adds
         a publish, and a pass of the consumer chain, every time.)
         """
-        status = self._gpu_status()
-        if status is self._last_status and self._samples_cache is not None:
+        inventory = self._gpu_lookup()
+        if inventory is self._last_inventory and self._samples_cache is not None:
             return self._samples_cache
-        self._last_status = status
-        gpus = self._gpus(status)
+        self._last_inventory = inventory
+        gpus = self._gpus(inventory)
         devices = self._pod_devices(gpus)
         groups: dict[tuple[str, str], dict[str, Any]] = {}
         seen: set[tuple[int, int | None]] = set()
@@ -193,25 +194,20 @@ class WorkloadSource:
         self._samples_cache = self._samples(gpus, workloads)
         return self._samples_cache
 
-    def _gpus(self, status: Mapping[str, Mapping[str, Any]]) -> list[_GpuProcesses]:
+    def _gpus(self, inventory: GpuInventory) -> list[_GpuProcesses]:
         out = []
-        for bus, gpu in sorted(status.items()):
-            procs = []
-            for p in gpu.get("processes") or ():
-                pid = p.get("pid") if isinstance(p, Mapping) else None
-                if isinstance(pid, int) and pid > 0:
-                    used = p.get("used_memory")
-                    mig = str(p.get("mig_uuid") or "")
-                    gi, ci = (_instance(p.get(k)) if mig else "" for k in _INSTANCE_KEYS)
-                    procs.append((pid, used if isinstance(used, int) else None, mig, gi, ci))
-            last = gpu.get("last")
-            found = last.get("mig_devices") if isinstance(last, Mapping) else None
-            migs = tuple(
-                str(d["uuid"]) for d in found or () if isinstance(d, Mapping) and d.get("uuid")
-            )
-            out.append(
-                _GpuProcesses(str(gpu.get("gpu", "")), str(gpu.get("uuid", "")), bus, migs, procs)
-            )
+        for g in sorted(inventory, key=lambda g: g.pci_bus_id):
+            procs = [
+                (
+                    p.pid,
+                    p.used_memory_bytes,
+                    p.mig_uuid,
+                    _instance(p.gpu_instance) if p.mig_uuid else "",
+                    _instance(p.compute_instance) if p.mig_uuid else "",
+                )
+                for p in g.processes
+            ]
+            out.append(_GpuProcesses(str(g.index), g.uuid, g.pci_bus_id, g.mig, procs))
         return out
 
     def _pod_devices(self, gpus: list[_GpuProcesses]) -> Mapping[str, list[PodDevice]]:
@@ -331,6 +327,12 @@ class WorkloadSource:
         """The workloads of the last poll."""
         return self._workloads
 
+    def payload(self) -> WorkloadSet:
+        """Current workloads, then recently exited ones, typed (what /status lists)."""
+        return WorkloadSet(
+            self._workloads, tuple(w for _, w in sorted(self._exited.values(), key=_first))
+        )
+
     def status(self) -> Mapping[str, object]:
         """For /status: current workloads, recently exited processes, backends."""
         kubelet = "absent"
@@ -400,12 +402,34 @@ def workload_json(w: Workload) -> dict[str, object]:
     return out
 
 
-def workloads_on_gpus(status: Mapping[str, object], gpus: Sequence[str]) -> list[dict[str, object]]:
-    """The workloads (JSON form) holding any of `gpus` (UUIDs or PCI bus ids), current only."""
+def workloads_on_gpus(
+    workloads: Sequence[Workload], gpus: Sequence[str]
+) -> list[dict[str, object]]:
+    """The workloads (JSON form) holding any of `gpus` (UUIDs or PCI bus ids)."""
     wanted = {g for g in gpus if g}
     out = []
-    for w in workloads_from_status({"workloads": status.get("workloads")}):
+    for w in workloads:
         held = set(w.gpus) | {p.uuid for p in w.processes} | {p.pci_bus_id for p in w.processes}
         if held & wanted:
             out.append(workload_json(w))
+    return out
+
+
+def workloads_from_status(status: Mapping[str, object]) -> list[Workload]:
+    """Workloads (current, then recently exited) back from `status()`'s JSON form (/status)."""
+    out = []
+    for key in ("workloads", "exited"):
+        items = status.get(key)
+        for item in items if isinstance(items, list) else ():
+            if not isinstance(item, Mapping):
+                continue
+            try:
+                procs = tuple(
+                    WorkloadProcess(**p) for p in item.get("processes") or () if isinstance(p, dict)
+                )
+                fields = {k: v for k, v in item.items() if k not in ("processes", "gpus")}
+                gpus = tuple(item.get("gpus") or ())
+                out.append(Workload(**fields, processes=procs, gpus=gpus))
+            except TypeError:  # not this version's shape: no attribution rather than a crash
+                continue
     return out
