@@ -23,7 +23,7 @@ from gpuwatchd.health.hangs.gpu import (
     SM_OCCUPANCY,
     UTIL,
 )
-from gpuwatchd.model import Sample, SourceSnapshot
+from gpuwatchd.model import Gpu, GpuInventory, GpuProcess, Sample, SourceSnapshot
 from gpuwatchd.state import NodeSnapshot
 from tests.hangs.replay import FIXTURES
 
@@ -78,7 +78,7 @@ class Trace:
 def nvml_snapshot(row: Mapping[str, Any], stamp: float) -> NodeSnapshot:
     """The NVML source's snapshot of one reading: samples the detector reads, processes."""
     samples = []
-    gpus: dict[str, dict[str, Any]] = {}
+    gpus: list[Gpu] = []
     for g in row["gpus"]:
         gpu = g["gpu"]
         for name, key, extra in (
@@ -92,9 +92,13 @@ def nvml_snapshot(row: Mapping[str, Any], stamp: float) -> NodeSnapshot:
         ):
             if g.get(key) is not None:
                 samples.append(Sample.of(name, g[key], gpu=gpu, **extra))
-        procs = [{"pid": int(p), "used_memory_bytes": m} for p, m in g["processes"].items()]
-        gpus[f"0000:00:0{6 + int(gpu)}.0"] = {"gpu": int(gpu), "processes": procs}
-    nvml = SourceSnapshot("nvml", tuple(samples), True, timestamp=stamp, status={"gpus": gpus})
+        procs = tuple(
+            GpuProcess(pid=int(p), used_memory_bytes=m) for p, m in g["processes"].items()
+        )
+        bus = f"0000:00:0{6 + int(gpu)}.0"
+        gpus.append(Gpu(index=int(gpu), pci_bus_id=bus, processes=procs))
+    inventory = GpuInventory(tuple(gpus))
+    nvml = SourceSnapshot("nvml", tuple(samples), True, timestamp=stamp, payload=inventory)
     return NodeSnapshot(sources={"nvml": nvml})
 
 
