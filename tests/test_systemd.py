@@ -54,3 +54,24 @@ def test_watchdog_interval_is_half_and_respects_pid() -> None:
     assert mine.watchdog_interval() == 5.0
     other = Notifier(env={"NOTIFY_SOCKET": "/x", "WATCHDOG_USEC": "10000000", "WATCHDOG_PID": "1"})
     assert other.watchdog_interval() is None
+
+
+def test_notify_never_blocks_on_a_receiver_that_does_not_read(tmp_path: Path) -> None:
+    """A full notify queue drops messages; it used to block the sender (and, through
+    systemd-python, every thread of the daemon) until the receiver read."""
+    import threading
+
+    path = str(tmp_path / "notify.sock")
+    receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    receiver.bind(path)  # never read
+    try:
+        notifier = Notifier({"NOTIFY_SOCKET": path})
+        sent = threading.Thread(
+            target=lambda: [notifier.watchdog() for _ in range(5000)], daemon=True
+        )
+        sent.start()
+        sent.join(timeout=10)
+        assert not sent.is_alive(), "sd_notify blocked on a full queue"
+        assert notifier.dropped > 0
+    finally:
+        receiver.close()
