@@ -332,11 +332,7 @@ class WebServer:
                 self._want(conn, IN)
                 return
             except OSError as exc:
-                want = tls_want(exc) if conn.web is not None else 0
-                if want:
-                    self._want(conn, want)
-                else:
-                    self._close(conn)
+                self._io_failed(conn, exc)
                 return
             if not chunk:
                 if conn.buf:
@@ -408,6 +404,14 @@ class WebServer:
         self._set_deadline(conn, time.monotonic() + IO_TIMEOUT)
         self._write(conn)
 
+    def _io_failed(self, conn: Connection, exc: OSError) -> None:
+        """A read or write that TLS wants retried when the socket is ready, else the end."""
+        want = tls_want(exc) if conn.web is not None else 0
+        if want:
+            self._want(conn, want)
+        else:
+            self._close(conn)
+
     def _write(self, conn: Connection) -> None:
         while conn.out:
             try:
@@ -416,11 +420,7 @@ class WebServer:
                 self._want(conn, OUT)
                 return
             except OSError as exc:
-                want = tls_want(exc) if conn.web is not None else 0
-                if want:
-                    self._want(conn, want)
-                else:
-                    self._close(conn)
+                self._io_failed(conn, exc)
                 return
             conn.out = conn.out[sent:]
         # Half-close, then read what the client still sends: closing with unread
