@@ -10,6 +10,9 @@
 #              an NVML capture during the first hangs.
 # scenarios-b  the other controls (healthy DDP/FSDP 3 min, checkpoint 3 min, slow loader,
 #              compile, normal end); an NVML capture and nvidia-smi NVLink reads under load.
+# extras       every GPU idle (capture, tests/gpu/compare_nvidia_smi.py, nvlink_bandwidth.py),
+#              then one DDP job on every GPU: compare again, nvidia-smi dmon and NVLink reads,
+#              a capture, the daemon's CPU, tests/gpu/footprint.py under that load.
 # finish       last reads of the daemon, SIGTERM to it, its log, state and footprint, then
 #              tests/gpu/footprint.py (daemon beside bare pynvml, 60 s, idle).
 #
@@ -20,7 +23,8 @@
 # the wheels and starts the daemon first. Every phase says at its start and end whether
 # the daemon this session started (pid + start time) still runs, and keeps the daemon's
 # fault log, run marker and new kernel `segfault` lines. NVLink multicast stays off.
-# Env: PYTHON (python3), GW_CONFIG (a config file for the daemon; default: none = defaults),
+# Env: DRILL_VARIANTS (a scenarios phase also runs tests/gpu/nvml_crash_drill.py with these),
+# TRAIN_SECONDS (extras' training job, 170), RECORD_IDLE_POLLS (start's idle capture, 30; 0 none), FOOTPRINT_SECONDS (finish, 60), PYTHON (python3), GW_CONFIG (a config file for the daemon; default: none = defaults),
 # BUDGET (harness seconds per scenarios phase, 520), HANG_SECONDS (90), CONTROL_SECONDS (180),
 # GW_ARGS (extra `gpuwatchd run` arguments), GW_PORT (10370), GW_STATE (/tmp/gw-state),
 # GW_RUN (/tmp/gw-daemon: its pid, log, identity files), WORK_ROOT (/tmp: phase work dirs), HARNESS_ARGS (extra harness arguments, e.g.
@@ -189,7 +193,10 @@ phase_start() { # W
   run_to "$w/smi-topo.txt" 30 nvidia-smi topo -m
   run_to "$w/smi-q.txt" 60 nvidia-smi -q
   smi_nvlink "$w" idle
-  run_to "$w/record-idle.log" 120 "$py" -m gpuwatchd record --out "$w/record-idle.json" --polls 30 --interval 1
+  if [ "${RECORD_IDLE_POLLS:-30}" -gt 0 ]; then
+    run_to "$w/record-idle.log" 120 "$py" -m gpuwatchd record --out "$w/record-idle.json" \
+      --polls "${RECORD_IDLE_POLLS:-30}" --interval 1
+  fi
   daemon_reads "$w" start
 }
 
@@ -213,6 +220,11 @@ phase_scenarios() { # W SUITE
     (sleep 90 && smi_nvlink "$w" load) >/dev/null 2>&1 &
     bg+=($!)
   fi
+  if [ -n "${DRILL_VARIANTS:-}" ]; then  # other NVML clients beside daemons of these variants
+    (sleep 20 && run_to "$w/crash-drill.log" 400 "$py" tests/gpu/nvml_crash_drill.py \
+      --variants "$DRILL_VARIANTS" --out "$w/crash-drill.json") >/dev/null 2>&1 &
+    bg+=($!)
+  fi
   note "scenarios: $names (plan: $(tail -1 "$w/plan.txt"))"
   # shellcheck disable=SC2086  # HARNESS_ARGS: extra harness arguments (--dry-run ...)
   timeout -k 15 "$(( ${BUDGET:-520} + 60 ))" "$py" tests/gpu/nccl_scenarios.py --out "$w/scen" \
@@ -227,6 +239,40 @@ phase_scenarios() { # W SUITE
   cp "$w/scen/summary.json" "$w/summary.json" 2>/dev/null
   daemon_proc "$w/daemon-proc-after.json"
   daemon_reads "$w" after
+}
+
+phase_extras() { # W: every GPU idle, then every GPU in one DDP job: the node-wide reads
+  local w=$1 train=$1/train-all pid n
+  ensure_daemon "$w"
+  n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+  run_to "$w/record-idle.log" 60 "$py" -m gpuwatchd record --out "$w/record-idle.json" --polls 20 --interval 1
+  run_to "$w/compare-idle.log" 90 "$py" tests/gpu/compare_nvidia_smi.py --util-rounds 5 \
+    --json "$w/compare-idle.json" --markdown "$w/compare-idle.md"
+  run_to "$w/nvlink-bw.log" 150 "$py" tests/gpu/nvlink_bandwidth.py --seconds 20 \
+    --metrics-url $gw_url/metrics --out "$w/nvlink-bw.json"
+  mkdir -p "$train"
+  note "DDP training on all $n GPUs for ${TRAIN_SECONDS:-170} s"
+  (setsid bash -c 'echo $$ >'"$train"'/pid; exec "$@"' train "$py" -m torch.distributed.run --standalone \
+    --nproc-per-node="$n" tests/gpu/nccl_jobs.py healthy_ddp --dir "$train" \
+    --seconds "${TRAIN_SECONDS:-170}" --warm 5 --scratch /tmp/gpuscen-ckpt \
+    >"$train/torchrun.log" 2>&1 </dev/null &)
+  sleep 35
+  daemon_proc "$w/daemon-proc-train-before.json"
+  run_to "$w/compare-load.log" 90 "$py" tests/gpu/compare_nvidia_smi.py --util-rounds 10 \
+    --json "$w/compare-load.json" --markdown "$w/compare-load.md"
+  run_to "$w/smi-dmon-load.txt" 30 nvidia-smi dmon -c 5 -s pucm
+  smi_nvlink "$w" load-all
+  run_to "$w/record-load.log" 60 "$py" -m gpuwatchd record --out "$w/record-load-all.json" --polls 15 --interval 2
+  daemon_proc "$w/daemon-proc-train-after.json"
+  daemon_reads "$w" train
+  run_to "$w/footprint-train.log" 150 "$py" tests/gpu/footprint.py --seconds 45 --out "$w/footprint-train.json"
+  if pid=$(cat "$train/pid" 2>/dev/null) && proc_start "$pid" >/dev/null; then
+    note "training still running after the reads; stopping it"
+    kill -TERM -- "-$pid" 2>/dev/null
+    sleep 5
+    kill -KILL -- "-$pid" 2>/dev/null
+  fi
+  rm -rf /tmp/gpuscen-ckpt
 }
 
 phase_finish() { # W
@@ -245,7 +291,8 @@ phase_finish() { # W
   rm -f $gw_pidfile $gw_id  # stopped on purpose: the end check expects no daemon
   cp $gw_log "$w/daemon.log" 2>/dev/null
   tar -C "$(dirname $gw_state)" -czf "$w/gw-state.tar.gz" "$(basename $gw_state)" 2>/dev/null
-  run_to "$w/footprint.log" 200 "$py" tests/gpu/footprint.py --seconds 60 --out "$w/footprint.json"
+  run_to "$w/footprint.log" 200 "$py" tests/gpu/footprint.py --seconds "${FOOTPRINT_SECONDS:-60}" \
+    --out "$w/footprint.json"
 }
 
 summarize() { # W PHASE START: the phase's part of OUTDIR/session-summary.json
@@ -289,7 +336,7 @@ pack() { # W PHASE: OUTDIR/PHASE.tar.gz under 15 MiB (big bulk files dropped fir
 
 read -ra list <<<"${phases//,/ }"
 for phase in "${list[@]}"; do
-  case $phase in start | scenarios-?* | finish) ;; *) note "unknown phase $phase"; exit 2 ;; esac
+  case $phase in start | scenarios-?* | extras | finish) ;; *) note "unknown phase $phase"; exit 2 ;; esac
 done
 if [ ${#list[@]} -gt 6 ]; then  # files back per call: one tar.gz per phase + 2
   note "at most 6 phases per call (${#list[@]} given)"
@@ -306,6 +353,7 @@ for phase in "${list[@]}"; do
     case $phase in
       start) phase_start "$w" ;;
       scenarios-*) phase_scenarios "$w" "${phase#scenarios-}" ;;
+      extras) phase_extras "$w" ;;
       finish) phase_finish "$w" ;;
     esac
     daemon_check "$w" end

@@ -35,7 +35,23 @@ VARIANTS: dict[str, str] = {
     "no_gpm": "sources:\n  nvml:\n    gpm: false\n",
     "no_xid_events": "sources:\n  nvml:\n    xid_events: false\n",
     "fast_poll": "sources:\n  nvml:\n    interval: 1.0\n",
+    # the daemon as it was before GPM calls took turns: does overlap alone kill it?
+    "gpm_unserialized": "",
+    "gpm_unserialized_fast": "sources:\n  nvml:\n    interval: 1.0\n",
 }
+
+# Runs `gpuwatchd ARGS` with the GPM turn lock replaced by one that never waits, so the
+# per-GPU workers call GPM at the same time again (drill only; the daemon has no such knob).
+UNSERIALIZED = r"""
+import runpy, sys
+import gpuwatchd.sources.nvml.structured as structured
+class NoTurn:
+    def acquire(self, timeout=-1.0): return True
+    def release(self): pass
+structured.GPM_TURN = NoTurn()
+sys.argv = ["gpuwatchd", *sys.argv[1:]]
+runpy.run_module("gpuwatchd", run_name="__main__", alter_sys=True)
+"""
 
 GPM_CLIENT = r"""
 import time, pynvml as nv
@@ -84,11 +100,11 @@ def start_daemon(variant: str, work: Path, port: int) -> tuple[subprocess.Popen[
     cfg.write_text(VARIANTS[variant] or "{}\n")
     state = work / f"state-{variant}"
     log = open(work / f"daemon-{variant}.log", "wb")  # noqa: SIM115 - closed with the process
+    entry = ["-c", UNSERIALIZED] if variant.startswith("gpm_unserialized") else ["-m", "gpuwatchd"]
     proc = subprocess.Popen(
         [
             PY,
-            "-m",
-            "gpuwatchd",
+            *entry,
             "run",
             "--config",
             str(cfg),
@@ -140,27 +156,32 @@ def drill(variant: str, work: Path, port: int, warm: float) -> dict[str, Any]:
     before = set(kernel_segfaults())
     proc, url = start_daemon(variant, work, port)
     t0 = time.monotonic()
-    time.sleep(warm)
-    steps: list[dict[str, Any]] = [{"step": f"warm {warm:.0f}s", "alive": alive(proc, url)}]
-    for name, cmd in clients(work):
-        if not steps[-1]["alive"]:
-            break
-        started = time.monotonic() - t0
-        try:
-            r = subprocess.run(cmd, capture_output=True, timeout=60, cwd=ROOT)
-            rc: int | str = r.returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        time.sleep(3)  # the daemon's next GPM sample and poll
-        steps.append({"step": name, "at_s": round(started, 1), "rc": rc, "alive": alive(proc, url)})
-    died = proc.poll()
-    if died is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+    steps: list[dict[str, Any]] = []
+    try:
+        time.sleep(warm)
+        steps.append({"step": f"warm {warm:.0f}s", "alive": alive(proc, url)})
+        for name, cmd in clients(work):
+            if not steps[-1]["alive"]:
+                break
+            started = time.monotonic() - t0
+            try:
+                r = subprocess.run(cmd, capture_output=True, timeout=60, cwd=ROOT)
+                rc: int | str = r.returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            time.sleep(3)  # the daemon's next GPM sample and poll
+            steps.append(
+                {"step": name, "at_s": round(started, 1), "rc": rc, "alive": alive(proc, url)}
+            )
+        died = proc.poll()
+    finally:  # a drill stopped early (SIGTERM) stops its daemon too: it runs in its own session
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
     new = [line for line in kernel_segfaults() if line not in before]
     log_tail = (work / f"daemon-{variant}.log").read_text(errors="replace").splitlines()[-15:]
     return {
@@ -175,10 +196,11 @@ def drill(variant: str, work: Path, port: int, warm: float) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variants", default="default,no_gpm,no_xid_events")
+    ap.add_argument("--variants", default="default,no_gpm,no_xid_events", help=",".join(VARIANTS))
     ap.add_argument("--warm", type=float, default=15.0, help="seconds before the first client")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the drills' finally blocks
     results = []
     with tempfile.TemporaryDirectory(prefix="gw-crash-") as tmp:
         for n, variant in enumerate(args.variants.split(",")):
