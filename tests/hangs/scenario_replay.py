@@ -1,0 +1,247 @@
+"""Any recorded scenario (tests/fixtures/hangs/NAME/) replayed through the hang monitor,
+and what its expect.json says the monitor must make of it.
+
+expect.json (every key but `kind` optional; an unknown key is an error):
+
+    kind            "hang" | "control"
+    flagged         a finding at some point of the replay (hang: within `within_s`)
+    within_s        first finding at most this many seconds after trace.json's hang_start
+    severity        the first finding's severity ("critical", "warning")
+    alertname       the first finding's alertname
+    reason_contains strings every one of which the first finding's reason holds
+    labels          label -> value the first finding carries
+    decided_by_all  signals ("liveness", "gpu", "ras", ...) that all decided the first finding
+    decided_by_any  signals of which at least one decided it
+    conditions_any  detector conditions ("rank_dead", "collective_stall", ...) of which at
+                    least one appears in a hang record
+    signature       the signature label once forensics ran (the last finding of the replay)
+    stays_open      once flagged, flagged on every later tick while the recording lasts
+    max_severity    no finding over the whole recording above this ("ok": none at all)
+    nvml_phases     NVML poll offsets (seconds) to replay at; default [0, 5]
+    note            free text: why these expectations
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from gpuwatchd.clock import FakeClock
+from gpuwatchd.config import Config
+from gpuwatchd.forensics import NodeForensics
+from gpuwatchd.health.hangs.monitor import HangMonitor
+from gpuwatchd.jobview import JobView, StackCapture
+from gpuwatchd.model import Finding, Severity
+from gpuwatchd.sources.hangs import flight, stacks
+from tests.hangs.ras_server import RasReplayServer, ras_server
+from tests.hangs.real_trace import FlightRank, ProcTree, Trace, nvml_snapshot
+
+NVML_INTERVAL = Config().sources.nvml.interval
+
+
+@dataclass(frozen=True)
+class Expect:
+    """A fixture's expect.json."""
+
+    kind: str
+    flagged: bool | None = None
+    within_s: float | None = None
+    severity: str | None = None
+    alertname: str | None = None
+    reason_contains: tuple[str, ...] = ()
+    labels: tuple[tuple[str, str], ...] = ()
+    decided_by_all: tuple[str, ...] = ()
+    decided_by_any: tuple[str, ...] = ()
+    conditions_any: tuple[str, ...] = ()
+    signature: str | None = None
+    stays_open: bool = False
+    max_severity: str | None = None
+    nvml_phases: tuple[int, ...] = (0, 5)
+    note: str = ""
+
+    @classmethod
+    def load(cls, path: str) -> Expect:
+        with open(path) as f:
+            doc = json.load(f)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(doc) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown keys {unknown}; known: {sorted(known)}")
+        if doc.get("kind") not in ("hang", "control"):
+            raise ValueError(f"{path}: kind must be 'hang' or 'control'")
+        for key in ("severity", "max_severity"):
+            if doc.get(key) is not None:
+                Severity.parse(doc[key])  # a typo fails here, not as a silent pass
+        for key in ("reason_contains", "decided_by_all", "decided_by_any", "conditions_any"):
+            doc[key] = tuple(doc.get(key, ()))
+        doc["labels"] = tuple(sorted(doc.get("labels", {}).items()))
+        doc["nvml_phases"] = tuple(doc.get("nvml_phases", (0, 5)))
+        return cls(**doc)
+
+
+def decided_by(f: Finding) -> set[str]:
+    """The signals a finding's reason names after `Decided by:`."""
+    if "Decided by: " not in f.reason:
+        return set()
+    return set(f.reason.split("Decided by: ")[1].split(".")[0].split("+"))
+
+
+class QuickFlight(NodeForensics):
+    """The node's flight recorder path, waiting for the replayed dumps, not 2 s of wall time."""
+
+    def __init__(self, ranks: list[FlightRank]) -> None:
+        self.ranks = ranks
+
+    def flight(
+        self, job: JobView, procfs: str, wait: Callable[[float], object]
+    ) -> tuple[list[flight.GroupProgress], list[str]]:
+        before = [fr.triggered for fr in self.ranks]
+
+        def written(seconds: float) -> None:
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                pending = [
+                    fr
+                    for fr, n in zip(self.ranks, before, strict=True)
+                    if fr.triggered > n and not fr.written.is_set()
+                ]
+                asked = [fr.triggered > n for fr, n in zip(self.ranks, before, strict=True)]
+                if not pending and any(asked):
+                    return
+                time.sleep(0.01)
+
+        for fr in self.ranks:
+            fr.written.clear()
+        return super().flight(job, procfs, written)
+
+
+class Replay:
+    """The monitor beside one recorded job: a fake clock, /proc tree, NVML, RAS, dumps."""
+
+    def __init__(
+        self, tmp: str, trace: Trace, srv: RasReplayServer, cfg: Config, phase: float
+    ) -> None:
+        self.trace, self.srv = trace, srv
+        self.origin = trace.origin
+        self.proc = ProcTree(os.path.join(tmp, "proc"), trace.environ(srv.addr), trace.cmdlines())
+        cfg = dataclasses.replace(cfg, paths=dataclasses.replace(cfg.paths, procfs=self.proc.root))
+        samples = trace.samples()
+        self.clock = FakeClock(start=samples[0][0])
+        self.launch = float(trace.doc["t_launch"])
+        self.boot = trace.boot_uptime()
+        dumps = {pid: itertools.cycle(trace.pyspy(pid)) for pid in trace.pids.values()}
+        self.stacks_taken: list[float] = []
+
+        def capture(pid: int) -> StackCapture:  # py-spy as recorded, in turn
+            self.stacks_taken.append(self.clock.time() - self.origin)
+            text = next(dumps.get(pid, iter(())), None)
+            if text is None:
+                return StackCapture(pid, False, error="no py-spy dump recorded")
+            python, threads = stacks.parse_dump(text)
+            return StackCapture(pid, True, threads, python=python, raw=text)
+
+        fr = trace.flight_dumps()
+        self.flights = [
+            FlightRank(self.proc, pid, rank, fr[rank])
+            for rank, pid in trace.pids.items()
+            if rank in fr
+        ]
+        self.monitor = HangMonitor(
+            cfg, self.clock, io=QuickFlight(self.flights), ras_workers=0, capture=capture
+        )
+        self.found: list[tuple[float, list[Finding]]] = []
+        self.monitor.add_listener(lambda f, now: self.found.append((now - self.origin, list(f))))
+        self.next_nvml = samples[0][0] + phase
+        self.ticks: list[tuple[float, list[Finding]]] = []  # the monitor's findings each second
+
+    def step(self, t: float, ranks: dict[int, dict[str, Any]]) -> None:
+        """One second of the node: /proc now, an NVML poll when due, the consumer's tick."""
+        trace = self.trace
+        self.clock.advance(t - self.clock.time())
+        self.proc.write(self.boot + t - self.launch, ranks)
+        self.srv.json_answer = trace.ras_answer(t, "json") or trace.first_ras_answer("json")
+        self.srv.text_answer = trace.ras_answer(t, "text") or trace.first_ras_answer("text")
+        if t >= self.next_nvml:
+            self.next_nvml += NVML_INTERVAL
+            self.monitor.on_publish(nvml_snapshot(trace.nvml_row(t), t))
+        self.monitor.tick()
+
+    def run(self, forensics: bool = True) -> None:
+        """The whole recording, second by second (forensics in this thread)."""
+        for t, ranks in self.trace.samples():
+            self.step(t, ranks)
+            if forensics:
+                self.monitor.run_pending()
+            self.ticks.append((t - self.origin, self.monitor.findings()))
+
+    def close(self) -> None:
+        for fr in self.flights:
+            fr.close()
+
+
+@contextmanager
+def replaying(tmp: str, trace: Trace, phase: float, cfg: Config | None = None) -> Iterator[Replay]:
+    """A Replay with its RAS server, closed afterwards."""
+    text, answer = trace.first_ras_answer("text"), trace.first_ras_answer("json")
+    with ras_server(text, answer) as srv:
+        node = Replay(tmp, trace, srv, cfg or Config(), phase)
+        try:
+            yield node
+        finally:
+            node.close()
+
+
+def check(node: Replay, want: Expect) -> list[str]:
+    """What in the replay differs from expect.json (empty: all held)."""
+    bad: list[str] = []
+    flagged = [(t, f) for t, found in node.ticks for f in found]
+    first = flagged[0] if flagged else None
+    if want.flagged is not None and bool(first) != want.flagged:
+        bad.append(f"flagged: want {want.flagged}, got {first}")
+    if want.max_severity is not None:
+        cap = Severity.parse(want.max_severity)
+        over = [(round(t, 1), f.severity.name, f.reason) for t, f in flagged if f.severity > cap]
+        if over:
+            bad.append(f"above {want.max_severity}: first at {over[0]}")
+    records = node.monitor.records()
+    seen = {c for doc in records for c in doc.get("conditions") or ()}
+    if want.conditions_any and not seen & set(want.conditions_any):
+        bad.append(f"conditions: want one of {want.conditions_any}, got {sorted(seen)}")
+    if first is None:
+        return bad
+    at, f = first
+    if want.within_s is not None:
+        if node.trace.hang_start is None:
+            bad.append("within_s: the recording has no hang_start")
+        elif not 0 <= at <= want.within_s:
+            bad.append(f"first finding at {at:+.1f} s, want within {want.within_s} s")
+    if want.severity is not None and f.severity != Severity.parse(want.severity):
+        bad.append(f"severity: want {want.severity}, got {f.severity.name}")
+    if want.alertname is not None and f.alertname != want.alertname:
+        bad.append(f"alertname: want {want.alertname}, got {f.alertname}")
+    bad += [f"reason lacks {s!r}: {f.reason}" for s in want.reason_contains if s not in f.reason]
+    labels = dict(f.labels)
+    bad += [
+        f"label {k}={labels.get(k)!r}, want {v!r}" for k, v in want.labels if labels.get(k) != v
+    ]
+    signals = decided_by(f)
+    if not set(want.decided_by_all) <= signals:
+        bad.append(f"decided by {sorted(signals)}, want all of {want.decided_by_all}")
+    if want.decided_by_any and not signals & set(want.decided_by_any):
+        bad.append(f"decided by {sorted(signals)}, want one of {want.decided_by_any}")
+    if want.signature is not None:
+        last = flagged[-1][1]
+        if dict(last.labels).get("signature") != want.signature:
+            bad.append(f"signature {dict(last.labels).get('signature')}, want {want.signature}")
+    if want.stays_open:
+        gaps = [t for t, found in node.ticks if t >= at and not found]
+        if gaps:
+            bad.append(f"not flagged at {gaps[0]:+.1f} s after being flagged at {at:+.1f} s")
+    return bad
