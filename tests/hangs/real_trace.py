@@ -54,7 +54,7 @@ def read(name: str, mode: str = "r", directory: str = DIR) -> Any:
 
 
 def _nvml_rows(directory: str, doc: Mapping[str, Any]) -> list[dict[str, Any]]:
-    if os.path.exists(os.path.join(directory, "nvml.jsonl")):
+    if any(os.path.exists(os.path.join(directory, n)) for n in ("nvml.jsonl", "nvml.jsonl.gz")):
         text = read("nvml.jsonl", directory=directory)
         return [json.loads(line) for line in text.splitlines() if line.strip()]
     return list(doc.get("nvml") or [])
