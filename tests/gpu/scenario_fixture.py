@@ -173,7 +173,7 @@ def flight_dump(data: bytes, scrub: Scrub) -> tuple[bytes, str]:
         doc = flight.parse_dump(data)
     except Exception as e:
         return data, f"kept as written ({type(e).__name__}: {e})"
-    return pickle.dumps(scrub.value(doc), protocol=2), "re-pickled with paths scrubbed"
+    return pickle.dumps(scrub.value(doc), protocol=4), "re-pickled with paths scrubbed"
 
 
 def draft_expect(trace: dict[str, Any], row: dict[str, Any] | None) -> dict[str, Any]:
