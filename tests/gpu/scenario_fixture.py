@@ -209,14 +209,17 @@ def draft_expect(trace: dict[str, Any], row: dict[str, Any] | None) -> dict[str,
     return out
 
 
-def summary_row(src: str, name: str, trace: dict[str, Any]) -> dict[str, Any]:
+def summary_row(src: str, name: str, trace: dict[str, Any]) -> dict[str, Any] | None:
     """The scenario's row of the harness's summary.json, else trace.json's `daemon`."""
     path = os.path.join(os.path.dirname(os.path.abspath(src)), "summary.json")
     if os.path.exists(path):
         with open(path) as f:
-            for row in json.load(f).get("rows", []):
-                if row.get("scenario") == name:
-                    return dict(row)
+            summary = json.load(f)
+        if not (summary.get("args") or {}).get("daemon_url", "x"):
+            return None  # no daemon ran beside the harness: nothing to draft from
+        for row in summary.get("rows", []):
+            if row.get("scenario") == name:
+                return dict(row)
     det = trace.get("daemon") or {}
     last = det.get("last") or {}
     return {
