@@ -18,7 +18,7 @@ class HangsConfig:
         45.0, "a CPU or GPU stall (jobs without NCCL RAS) must last this long", min=5
     )
     rank_missing_after_seconds: float = opt(
-        15.0, "fewer ranks than expected while the others make no progress, for this long", min=5
+        10.0, "fewer ranks than expected while the others make no progress, for this long", min=5
     )
     dead_peer_after_seconds: float = opt(
         10.0, "a rank gone while its peers make no progress is a dead peer after this", min=2

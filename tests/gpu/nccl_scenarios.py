@@ -62,6 +62,7 @@ from nccl_plan import (  # noqa: E402
 )
 
 JOBS = os.path.join(HERE, "nccl_jobs.py")
+FR_AFTER_S = 50.0  # the harness's flight recorder ask, when the daemon has not flagged
 RUN = "torch.distributed.run"  # torchrun, where the script is not on PATH
 
 
@@ -194,6 +195,7 @@ class Run:
         window_start: float | None = None  # a control's pause (checkpoint, evaluation)
         ready_at: float | None = None
         fr_done = spy_done = 0
+        flagged_at: float | None = None  # seconds from the hang's start to the daemon's flag
         next_ras = 0.0
         end = t0 + a.startup_timeout + s.estimate(a.hang_seconds, a.control_seconds, a.settle)
         while not stop.is_set():
@@ -231,7 +233,11 @@ class Run:
                 # healthy controls get the same dumps 20-30 s after ready (a baseline)
                 plain = s.kind == "control" and s.mode not in ("checkpoint", "eval_pause")
                 since = hang_start or window_start or (ready_at if plain else None)
-                if since is not None and fr_done == 0 and now - since >= 20:
+                # The dump is the rank's I/O: asked early it would read as the job's
+                # progress to the daemon beside us (the daemon discounts only its own
+                # asks). So once the daemon flagged, else late in the watch.
+                fr_at = FR_AFTER_S if flagged_at is None else min(FR_AFTER_S, flagged_at + 3)
+                if since is not None and fr_done == 0 and now - since >= fr_at:
                     fr_done = 1
                     self.trace["fr_triggers"] = trigger_flight_recorder(
                         os.path.join(self.dir, "fr", "pipe_")
@@ -247,7 +253,9 @@ class Run:
                 # flagged: keep watching 20 s for the forensics, at least 40 s in all
                 det = self.ctx.daemon.detection(self.match, hang_start - 5, now)
                 if det.get("flagged"):
-                    end = min(end, max(hang_start + 40, det["first_seen"] + 20))
+                    if flagged_at is None:  # the dump goes 3 s later: watch it land
+                        flagged_at = det["first_seen"] - hang_start
+                        end = min(end, max(hang_start + 40, det["first_seen"] + 20, now + 12))
             self.trace["hang_start"] = hang_start
             self.trace["window_start"] = window_start
             if now >= end:

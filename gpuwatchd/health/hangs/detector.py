@@ -58,7 +58,8 @@ CONDITIONS = (
 )
 CRITICAL = frozenset({"rank_dead", "rank_missing", "collective_stall"})
 FORGET_GONE_SECONDS = 300.0
-_ONSET = ("rank_missing", "straggler", "gpu_stall", "cpu_stall")  # held from first seen
+# held from first seen ("blocked": every rank in a collective, nothing moving; no verdict)
+_ONSET = ("rank_missing", "straggler", "gpu_stall", "cpu_stall", "blocked")
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +148,21 @@ class HangDetector:
     def doubtful(self) -> list[str]:
         """Jobs worth asking RAS sooner: a rank gone, RAS missing a rank, or counts flat."""
         return [
-            key for key, m in self._jobs.items() if m.gone or m.ras.missing or m.ras.flat_for() > 0
+            key
+            for key, m in self._jobs.items()
+            if m.gone or m.ras.missing or m.ras.flat_for() > 0 or "blocked" in m.onset
+        ]
+
+    def started(self) -> list[str]:
+        """Jobs past NCCL start-up by evidence: every live rank's GPUs did real work once.
+
+        Real work on every GPU means the job trained, so its first communicators are
+        up: RAS may be asked before the age-based start-up grace ends.
+        """
+        return [
+            key
+            for key, m in self._jobs.items()
+            if m.prev and all(pid in m.worked for pid in m.prev if pid not in m.gone)
         ]
 
     # --- one job ----------------------------------------------------------------------
@@ -185,6 +200,8 @@ class HangDetector:
             if fresh:
                 working = any(self._baseline.working(self._gpus.get(g), t) for g in r.gpus)
                 mem.gpu_working[r.pid] = working
+                if working:
+                    mem.worked.add(r.pid)
             if mem.gpu_working.get(r.pid):
                 signals.add("gpu")
             if signals - {"gpu"}:
@@ -204,6 +221,10 @@ class HangDetector:
                 mem.prev.pop(pid, None)
         return moved
 
+    def _kernel_sits(self, r: RankView) -> bool:
+        """A kernel is resident on one of the rank's GPUs without working."""
+        return any(self._baseline.resident(self._gpus.get(g), self.thresholds) for g in r.gpus)
+
     def _recent(self, mem: JobMemory, pid: int, now: float, window: float) -> bool:
         if mem.gpu_working.get(pid):
             return True
@@ -220,10 +241,21 @@ class HangDetector:
         progressing: list[int] = []
         waiting: list[int] = []
         states: list[tuple[int, str]] = []
+
+        def in_collective(r: RankView) -> bool:  # a kernel sits, or (no GPM) a core spins
+            gs = [self._gpus.get(g) for g in r.gpus]
+            if any(self._baseline.resident(g, t) for g in gs):
+                return True
+            no_gpm = not gs or any(g is None or g.sm_active is None for g in gs)
+            return no_gpm and mem.cpu_ratio.get(r.pid, 0.0) > t.waiting_cpu_ratio
+
         for r in alive:
             cpu = mem.cpu_ratio.get(r.pid)
             busy_cpu = cpu is not None and cpu > t.waiting_cpu_ratio
-            if self._recent(mem, r.pid, now, window) or (r.pid in behind and busy_cpu):
+            # A rank behind in the counts that burns a core catches up, unless a kernel
+            # sits on its GPU: then it waits in another collective (unbalanced ranks).
+            catching_up = r.pid in behind and busy_cpu and not self._kernel_sits(r)
+            if self._recent(mem, r.pid, now, window) or catching_up:
                 progressing.append(r.pid)
                 states.append((r.pid, "progress"))
             else:
@@ -244,13 +276,6 @@ class HangDetector:
             kernel = any(self._baseline.resident(self._gpus.get(g), t) for g in r.gpus)
             return kernel or mem.cpu_ratio.get(r.pid, 1.0) <= t.waiting_cpu_ratio
 
-        def in_collective(r: RankView) -> bool:  # a kernel sits, or (no GPM) a core spins
-            gs = [self._gpus.get(g) for g in r.gpus]
-            if any(self._baseline.resident(g, t) for g in gs):
-                return True
-            no_gpm = not gs or any(g is None or g.sm_active is None for g in gs)
-            return no_gpm and mem.cpu_ratio.get(r.pid, 0.0) > t.waiting_cpu_ratio
-
         # Every rank waits (rather than computes on the CPU, which an idle GPU and a busy
         # core look like); without GPM a job known to NCCL is given the benefit.
         gpm = bool(gpu_rs) and all(g is not None and g.sm_active is not None for g in gpu_rs)
@@ -263,7 +288,8 @@ class HangDetector:
         cpu_phase = bool(alive) and all(
             mem.cpu_ratio.get(r.pid, 0.0) > t.waiting_cpu_ratio for r in alive
         )
-        young = any(
+        worked = all(r.pid in mem.worked for r in alive)
+        young = not worked and any(
             r.age_seconds is not None and r.age_seconds < t.startup_grace_seconds for r in alive
         )
         distributed = (job.world_size or 1) > 1 or len(set(mem.seen) | set(mem.gone)) > 1
@@ -301,11 +327,19 @@ class HangDetector:
             signals["rank_missing"] = "liveness+" + ("cpu" if quiet_cpu else "gpu")
         keep_decided(mem, held, signals, bool(gone or ras_dead), bool(ras_dead), short > 0)
         flat_for = ras.flat_for() if not gone else 0.0
+        # Every rank sits in a collective and nothing moves: when RAS then reads the counts
+        # flat, the stall dates from here, not from the first answer (asked late at start).
+        if alive and not gone and not progressing and collective and not ras.rising():
+            held["blocked"] = mem.onset.get("blocked", now)
         if not young and not gone:
             flat = flat_for > 0 and ras.counts_since is not None
             if flat and not progressing and (collective or cpu_phase):
                 assert ras.counts_since is not None
-                held["collective_stall"] = ras.counts_since
+                since = ras.counts_since
+                if collective and "blocked" in held:
+                    since = min(since, held["blocked"])
+                    flat_for = max(flat_for, now - since)
+                held["collective_stall"] = since
                 signals["collective_stall"] = "+".join(
                     ["ras", "io"] + ["gpu"] * resident + ["cpu"] * quiet_cpu
                 )

@@ -41,7 +41,7 @@ class HangThresholds:
 
     decide_after_seconds: float = 45.0  # cpu_stall, gpu_stall
     straggler_after_seconds: float = 60.0
-    rank_missing_after_seconds: float = 15.0
+    rank_missing_after_seconds: float = 10.0
     dead_peer_after_seconds: float = 10.0
     ras_wait_seconds: float = 20.0  # how long a death waits for a RAS answer at most
     collective_stall_seconds: float = 30.0  # RAS counts flat this long

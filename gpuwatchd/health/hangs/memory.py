@@ -27,6 +27,7 @@ class JobMemory:
     prev: dict[int, tuple[float, RankView]] = field(default_factory=dict)
     progress_at: dict[int, float] = field(default_factory=dict)  # I/O, children
     gpu_working: dict[int, bool] = field(default_factory=dict)  # as of the last reading
+    worked: set[int] = field(default_factory=set)  # pids whose GPUs did real work once
     cpu_ratio: dict[int, float] = field(default_factory=dict)
     ras: JobRas = field(default_factory=JobRas)
     replaced: set[int] = field(default_factory=set)  # gone pids whose rank runs again

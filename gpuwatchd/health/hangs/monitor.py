@@ -243,6 +243,7 @@ class HangMonitor:
                 urgent_interval=h.ras_urgent_interval_seconds,
                 grace=h.startup_grace_seconds,
                 urgent=urgent,
+                started=self.detector.started(),
             )
         self.observe(jobs, gpus, now)
 
@@ -383,7 +384,11 @@ class HangMonitor:
         fresh = self._poller.answer(job.job, self._clock.time() - h.ras_poll_interval_seconds)
         if h.ras and fresh is not None and not rec.summary:
             answer = fresh  # the poll's answer is recent: no second query on the port
-        elif h.ras and _young(job, h.startup_grace_seconds):
+        elif (
+            h.ras
+            and _young(job, h.startup_grace_seconds)
+            and job.job not in self.detector.started()
+        ):
             ras_error = "not asked: the job started less than the start-up grace ago"
         elif h.ras and self._ras_query is not None:
             try:

@@ -1,7 +1,8 @@
 """NCCL RAS polled for every distributed job on a slow cadence, off the consumer thread.
 
 Hazards designed around (NCCL's issue tracker): a RAS query while communicators
-start crashed jobs on NCCL 2.26.2, so a job is first asked `ras_grace_seconds`
+start crashed jobs on NCCL 2.26.2, so a job is first asked once every rank's GPUs
+did real work (it trained: its communicators are up), or else `startup_grace_seconds`
 after its youngest rank started; stray traffic on the port crashed ranks, so
 only the documented protocol is spoken, once per job and cadence, never two
 queries in flight for one job; every query has a deadline. A job under
@@ -53,9 +54,13 @@ class RasPoller:
         urgent_interval: float,
         grace: float,
         urgent: Iterable[str] = (),
+        started: Iterable[str] = (),
     ) -> None:
-        """Ask every due job's RAS service (non-blocking with a pool)."""
-        hurry = set(urgent)
+        """Ask every due job's RAS service (non-blocking with a pool).
+
+        `started`: jobs known to be past NCCL start-up (their GPUs worked): no grace.
+        """
+        hurry, proven = set(urgent), set(started)
         current = set()
         for job in jobs:
             current.add(job.job)
@@ -65,7 +70,7 @@ class RasPoller:
                 continue
             ages = [r.age_seconds for r in alive]
             youngest = min((a for a in ages if a is not None), default=now - first)
-            if youngest < grace:
+            if youngest < grace and job.job not in proven:
                 continue
             every = urgent_interval if job.job in hurry else interval
             with self._lock:
