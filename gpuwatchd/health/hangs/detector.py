@@ -150,7 +150,10 @@ class HangDetector:
         return [
             key
             for key, m in self._jobs.items()
-            if m.gone or m.ras.missing or m.ras.flat_for() > 0 or "blocked" in m.onset
+            if m.gone
+            or m.ras.missing
+            or m.ras.flat_for() > 0
+            or {"blocked", "cpu_stall", "gpu_stall"} & set(m.onset)
         ]
 
     def started(self) -> list[str]:
@@ -348,8 +351,14 @@ class HangDetector:
                 signals["straggler"] = "+".join(
                     sorted({s for p in progressing for s in moved.get(p, ())} or {"ras"})
                 )
-        # Without RAS (or before its grace): the GPUs and the CPU, unless counts just rose.
-        counting = ras.rising()
+        # Without RAS (or before its grace): the GPUs and the CPU, unless counts rose lately
+        # (a job stepping every few seconds, a slow data loader, shows flat answer pairs).
+        counting = ras.rising() or (
+            ras.rose_at is not None and now - ras.rose_at < t.collective_stall_seconds
+        )
+        # A distributed job's weak stalls wait for RAS to have its say: asked once, and
+        # when the job speaks NCCL, twice (rising or flat). A slow loader idles CPU and GPU.
+        unheard = t.await_ras and distributed and (ras.at == 0.0 or (ras.nccl and ras.answers < 2))
         if not gone and not progressing and not counting:
             fallen = bool(gpu_rs) and all(self._baseline.fallen(g, t) for g in gpu_rs)
             if spin or (fallen and distributed):  # a lone server idles below its peak
@@ -378,6 +387,7 @@ class HangDetector:
                 if c == "collective_stall"
                 else (c == "rank_dead" and bool(ras_dead)) or now - held[c] >= need[c]
             )
+            and not (unheard and c in ("gpu_stall", "cpu_stall"))
         )
         if "rank_dead" in decided and mem.dead_since is None:
             mem.dead_since, mem.dead_signals = held["rank_dead"], signals["rank_dead"]

@@ -65,6 +65,7 @@ class HangThresholds:
     max_cpu_ratio: float = 0.05
     max_gap_seconds: float = 30.0
     single_process_cpu_stall: bool = False
+    await_ras: bool = False  # RAS is polled: a distributed job's CPU or GPU stall waits for it
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,4 +225,5 @@ def thresholds_from_config(cfg: Config) -> HangThresholds:
         max_sm_occupancy=h.max_sm_occupancy,
         max_cpu_ratio=h.max_cpu_ratio,
         single_process_cpu_stall=h.single_process_cpu_stall,
+        await_ras=h.ras and h.ras_poll,
     )
