@@ -238,8 +238,9 @@ def test_real_dead_peer_forensics_stacks_and_flight_recorder(
     assert doc["flight_recorder_errors"] == []
     if phase == 0:
         assert doc["ras"]["error"] == "" and '"missing_ranks_count": 1' in doc["ras"]["answer"]
-        assert "rank 1 on 192.0.2.2 pid 1274 (RAS, communicator 0x3f8a81094df1762e)" in (
-            doc["missing"]
+        assert (
+            "rank 1 on 192.0.2.2 pid 1274 (RAS, communicator 0x3f8a81094df1762e)"
+            in (doc["missing"])
         )
     else:
         assert doc["ras"]["error"].startswith("not asked: the job started less than")
