@@ -1,7 +1,8 @@
 """The RAS poll end to end: the monitor's pool asks a RAS replay server on loopback (the
 answers recorded from a 2-rank job on 2x H100 before and after rank 1 was SIGKILLed,
-NCCL 2.28.9's malformed JSON included), never within the start-up grace, one query per
-job at a time, and the answer decides with the probe."""
+NCCL 2.28.9's malformed JSON included), never within the start-up grace unless every
+rank's GPU did real work (the job trained: its communicators are up), one query per job
+at a time, and the answer decides with the probe."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from collections.abc import Sequence
 
 from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import Config
+from gpuwatchd.health.hangs.gpu import SM_ACTIVE
 from gpuwatchd.health.hangs.monitor import HangMonitor
 from gpuwatchd.jobview import JobView, RankView, RasAnswer, StackCapture
-from gpuwatchd.model import SourceSnapshot
+from gpuwatchd.model import Sample, SourceSnapshot
 from gpuwatchd.sources.hangs import ras
 from gpuwatchd.state import NodeSnapshot
 from tests.hangs.ras_server import ras_server
@@ -122,24 +124,41 @@ def test_dead_peer_decided_with_the_polled_recorded_answers() -> None:
             monitor.stop()
 
 
-def test_no_query_within_the_start_up_grace() -> None:
+def _first_query_age(sm_active: dict[str, float]) -> float | None:
+    """The ranks' age at the first RAS query, ranks 10 s old at the start, for 60 s.
+
+    NVML reads `sm_active` (GPU -> SM activity) every 10 s; the hang probe runs every
+    3 s, on the consumer's ticks 2 s apart (so every 4 s here)."""
     healthy = ANSWERS["healthy"]
     with ras_server(healthy["text_body"], healthy["json_body"]) as srv:
         io = Ranks(srv.addr, age=10.0)
         clock = FakeClock(start=1_800_000_000.0)
         monitor = HangMonitor(Config(), clock, io=io, ras_workers=0)
-        monitor.on_publish(NodeSnapshot(sources={"nvml": _nvml(clock.time())}))
-        for _ in range(20):  # 40 s, the ranks 10-50 s old
+        for i in range(31):
+            if i % 5 == 0:
+                monitor.on_publish(NodeSnapshot(sources={"nvml": _nvml(clock.time(), sm_active)}))
+            else:
+                monitor.tick()
+            if srv.requests:
+                return io.age
             clock.advance(2.0)
             io.age += 2.0
-            monitor.tick()
-        assert srv.requests == []
-        for _ in range(10):
-            clock.advance(2.0)
-            io.age += 2.0
-            monitor.tick()
-        assert len(srv.requests) == 1  # asked once the youngest rank is 60 s old
+        return None
 
 
-def _nvml(stamp: float) -> SourceSnapshot:
-    return SourceSnapshot("nvml", (), True, timestamp=stamp)
+def test_no_query_within_the_start_up_grace_while_the_gpus_never_worked() -> None:
+    # no GPU reading, or one rank's GPU idle: asked once the youngest rank is 60 s old
+    for sm_active in ({}, {"0": 0.9, "1": 0.0}):
+        age = _first_query_age(sm_active)
+        assert age is not None and 60.0 <= age <= 64.0, (sm_active, age)
+
+
+def test_a_job_whose_gpus_all_worked_is_asked_within_the_grace() -> None:
+    # every rank's GPU read at work (NCCL is past its start-up): the next probe asks
+    age = _first_query_age({"0": 0.9, "1": 0.8})
+    assert age is not None and age <= 14.0
+
+
+def _nvml(stamp: float, sm_active: dict[str, float] | None = None) -> SourceSnapshot:
+    samples = tuple(Sample.of(SM_ACTIVE, v, gpu=g) for g, v in (sm_active or {}).items())
+    return SourceSnapshot("nvml", samples, True, timestamp=stamp)

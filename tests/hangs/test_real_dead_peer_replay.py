@@ -23,6 +23,7 @@ import pytest
 from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import Config
 from gpuwatchd.forensics import NodeForensics
+from gpuwatchd.health.hangs.gpu import HangThresholds
 from gpuwatchd.health.hangs.monitor import HangMonitor
 from gpuwatchd.health.hangs.summary import where_stuck
 from gpuwatchd.jobview import StackCapture
@@ -43,6 +44,25 @@ from tests.hangs.real_trace import (
 TRACE = Trace()
 KILL = TRACE.kill
 NVML_INTERVAL = Config().sources.nvml.interval  # 10 s
+PROBE_INTERVAL = Config().hangs.probe_interval_seconds  # 3 s
+
+
+def every_gpu_worked_at(phase: float) -> float | None:
+    """The NVML poll (seconds from the kill) by which both ranks' GPUs had read at work.
+
+    None at the phases whose polls caught GPU 0 or 1 just below the work floor (an SM
+    activity of 0.299 and 0.294 against 0.30): there the age grace holds until a rank dies.
+    """
+    floor = HangThresholds().min_work_sm_active
+    worked: set[str] = set()
+    t = TRACE.samples()[0][0] + phase
+    while t < KILL:
+        row = TRACE.nvml_row(t)["gpus"]
+        worked |= {g["gpu"] for g in row if (g.get("sm_active") or 0.0) >= floor}
+        if worked >= {"0", "1"}:
+            return t - KILL
+        t += NVML_INTERVAL
+    return None
 
 
 def recorded_stack(pid: int, text: str) -> StackCapture:
@@ -104,7 +124,8 @@ class Node:
 
 def recorded(node: Node, until: float, forensics: bool = False, first: bool = False) -> None:
     """Replay the recording up to `until` seconds after the kill (`first`: or a verdict)."""
-    first_json = TRACE.ras_answer(KILL + 60, "json") or ""
+    # before RAS first answered (-7 s), the earliest answer: a healthy one, as the job trained
+    first_json = TRACE.first_ras_answer("json")
     for t, ranks in TRACE.samples():
         if t - KILL > until:
             return
@@ -142,18 +163,30 @@ def test_real_dead_peer_is_decided_within_30_s_at_every_nvml_phase(
     assert dict(f.labels)["role"] == "culprit"
     # liveness (rank 1 gone) with the survivor's GPU resident but far below its peak
     assert {"liveness", "gpu"} <= decided_by(f)
-    assert not any(t < 30.0 for t in node.ras_asked)  # the ranks are younger than the grace
+    # RAS is asked once both ranks' GPUs worked (within a probe), never before; at the
+    # phases where no poll read both at work, not while both ranks lived (the age grace)
+    worked = every_gpu_worked_at(phase)
+    if worked is None:
+        assert all(t > 0.0 for t in node.ras_asked), node.ras_asked
+    else:
+        assert node.ras_asked and worked <= node.ras_asked[0] <= worked + PROBE_INTERVAL + 1
 
 
-def test_real_ras_answers_name_the_dead_rank_after_the_start_up_grace(
-    tmp_path: Path, srv: RasReplayServer
+@pytest.mark.parametrize(("phase", "first_asked"), [(0, (-11.5, -10.5)), (3, (30.0, 33.0))])
+def test_real_ras_answers_name_the_dead_rank(
+    tmp_path: Path, srv: RasReplayServer, phase: int, first_asked: tuple[float, float]
 ) -> None:
-    """NCCL 2.28.9's malformed JSON (the answer with a missing rank) is read, not dropped."""
-    node = Node(tmp_path, srv, Config(), 0.0)
+    """NCCL 2.28.9's malformed JSON (the answer with a missing rank) is read, not dropped.
+
+    Phase 0: both GPUs read at work at -14 s, so RAS is asked at the next probe while the
+    job trains (a healthy answer). Phase 3: GPU 0 never read at work before the kill and
+    the ranks were launched 30 s before it: first asked once the youngest is 60 s old.
+    """
+    node = Node(tmp_path, srv, Config(), float(phase))
     recorded(node, until=45.0)
-    # ranks launched 30 s before the kill: first asked once the youngest is 60 s old
-    assert node.ras_asked and 30.0 <= node.ras_asked[0] <= 33.0
+    assert node.ras_asked and first_asked[0] <= node.ras_asked[0] <= first_asked[1]
     assert srv.requests[0] == ["CLIENT PROTOCOL 2", "TIMEOUT 5", "SET FORMAT json", "STATUS"]
+    assert all(t > 0.0 for t, _ in node.found)  # the healthy answers flag nothing
     (f,) = node.monitor.findings()
     assert f.severity.name == "CRITICAL"
     assert "rank 1 died (pid 1274)" in f.reason and "RAS cannot reach it" in f.reason
@@ -168,17 +201,22 @@ def test_real_dead_peer_stays_one_open_hang_while_rank_1_is_dead(
     at, _ = node.found[0]
     assert all(found for t, found in node.found if t >= at), node.timeline
     assert len(node.monitor.records()) == 1
-    (f,) = node.monitor.findings()  # RAS (+30..32 s) confirmed the open hang
+    (f,) = node.monitor.findings()  # RAS (asked from -11 s) confirmed the open hang
     assert {"liveness", "gpu", "ras"} <= decided_by(f) and "RAS cannot reach it" in f.reason
 
 
+@pytest.mark.parametrize("phase", [0, 3])
 def test_real_dead_peer_forensics_stacks_and_flight_recorder(
-    tmp_path: Path, srv: RasReplayServer
+    tmp_path: Path, srv: RasReplayServer, phase: int
 ) -> None:
-    """`hangs.stacks: true` (the recorded py-spy dumps) and the flight recorder's pipe."""
+    """`hangs.stacks: true` (the recorded py-spy dumps) and the flight recorder's pipe.
+
+    Phase 0: the job's GPUs worked, RAS was asked and its answer is in the record.
+    Phase 3: they never read at work and the ranks are younger than the grace: the
+    forensics do not ask RAS either."""
     cfg = Config()
     hangs = dataclasses.replace(cfg.hangs, stacks=True, stacks_confirm_seconds=0.0)
-    node = Node(tmp_path, srv, dataclasses.replace(cfg, hangs=hangs), 0.0)
+    node = Node(tmp_path, srv, dataclasses.replace(cfg, hangs=hangs), float(phase))
     fr = FlightRank(node.proc, TRACE.pids[0], 0, read("fr-dump-rank0.pkl", "rb"))
     try:
         recorded(node, until=19.0, forensics=True)
@@ -198,7 +236,15 @@ def test_real_dead_peer_forensics_stacks_and_flight_recorder(
         "process group 0: rank 0 at #25177 nccl:all_reduce (scheduled)"
     ]
     assert doc["flight_recorder_errors"] == []
-    assert doc["ras"]["error"].startswith("not asked: the job started less than")
+    if phase == 0:
+        assert doc["ras"]["error"] == "" and '"missing_ranks_count": 1' in doc["ras"]["answer"]
+        assert (
+            "rank 1 on 192.0.2.2 pid 1274 (RAS, communicator 0x3f8a81094df1762e)"
+            in (doc["missing"])
+        )
+    else:
+        assert doc["ras"]["error"].startswith("not asked: the job started less than")
+        assert doc["missing"] == ["rank 1"]
 
 
 DUMP_WCHAR = 269_688  # rank 0's wchar across its dump at +20 s (trace.json samples)
@@ -210,7 +256,7 @@ def test_the_monitors_own_flight_trigger_does_not_clear_its_page(
     """Defaults (flight_recorder on): rank 0 writes what it wrote when the harness asked."""
     node = Node(tmp_path, srv, Config(), 0.0)
     fr = FlightRank(node.proc, TRACE.pids[0], 0, read("fr-dump-rank0.pkl", "rb"))
-    first_json = TRACE.ras_answer(KILL + 60, "json") or ""
+    first_json = TRACE.first_ras_answer("json")
     try:
         for t, ranks in TRACE.samples():
             if t - KILL > 19.0:  # the harness's own trigger came at +20 s

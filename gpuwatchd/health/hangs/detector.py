@@ -321,7 +321,10 @@ class HangDetector:
         if ras_dead and not progressing and stuck_others and not ras.rising():
             first = min(s for _, s in ras_dead.values())
             held["rank_dead"] = min(held.get("rank_dead", first), first)
-            signals["rank_dead"] = "ras" + ("+liveness" if gone else "")
+            # RAS confirms what liveness and the survivors' GPUs may show already: keep both
+            named = {"ras", *(["liveness"] if gone else [])}
+            shown = set(signals.get("rank_dead", "").split("+")) - {""}
+            signals["rank_dead"] = "+".join(sorted(named | shown))
         # rank_missing: fewer ranks than expected, none of them doing anything
         known = len(set(mem.seen) | gone)
         short = (job.expected_local or 0) - max(known, len(job.ranks))
