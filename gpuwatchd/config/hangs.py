@@ -33,7 +33,10 @@ class HangsConfig:
         600.0, "a straggler becomes critical at the job's collective timeout (PyTorch's)", min=10
     )
     startup_grace_seconds: float = opt(
-        60.0, "after its youngest rank started a job is not asked RAS and not a stall", min=0
+        30.0,
+        "a job is asked RAS and judged a collective stall only this long after its youngest"
+        " rank started, unless every rank's GPUs already did real work",
+        min=0,
     )
     probe_interval_seconds: float = opt(
         3.0, "read each rank's /proc liveness, CPU and I/O this often", min=0.5, max=60

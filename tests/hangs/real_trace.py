@@ -36,7 +36,11 @@ from tests.hangs.replay import FIXTURES
 DIR = os.path.join(FIXTURES, "dead-peer-2xh100")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PIPE_PREFIX = "/run/job/pipe_"  # the job's TORCH_NCCL_DEBUG_INFO_PIPE_FILE
-DUMP_PREFIX = "/run/job/fr/dump_"  # its TORCH_NCCL_DEBUG_INFO_TEMP_FILE
+DUMP_PREFIX = "/run/job/fr/dump_"
+DUMP_STEP = (
+    100_000,
+    2_000_000,
+)  # a 2,000-entry flight recorder dump: ~270 KB  # its TORCH_NCCL_DEBUG_INFO_TEMP_FILE
 # what each recorded variable becomes in the replay (the harness's own paths and port)
 PIPE_VARS = ("TORCH_NCCL_DEBUG_INFO_PIPE_FILE", "TORCH_FR_DEBUG_INFO_PIPE_FILE")
 DUMP_VARS = ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE")
@@ -105,12 +109,48 @@ class Trace:
         return str(self.doc.get("scenario", {}).get("launch", "hand"))
 
     def samples(self) -> list[tuple[float, dict[int, dict[str, Any]]]]:
-        """(wall time, rank -> /proc reading) once a second, from the ranks' launch."""
-        return [
-            (s["t"], {int(r): v for r, v in s["ranks"].items()})
+        """(wall time, rank -> /proc reading) once a second, from the ranks' launch.
+
+        Without the flight recorder dumps asked during the recorded hang: the live
+        daemon asked for one when it flagged and the harness later, and a replayed
+        monitor that flags at another moment would read them as the job's writes (the
+        daemon discounts only the dumps it asks for itself). A dump shows as one step
+        of `wchar` (DUMP_STEP bytes) after the hang began, with no other write (but
+        another dump) within 3 s around it; such steps are taken out of the rank's later readings.
+        """
+        rows = [
+            (s["t"], {int(r): dict(v) for r, v in s["ranks"].items()})
             for s in self.doc["samples"]
             if s["ranks"]
         ]
+        start = self.hang_start
+        if start is None:
+            return rows
+        for rank in {r for _, rs in rows for r in rs}:
+            series = [(t, rs[rank]) for t, rs in rows if "wchar" in rs.get(rank, {})]
+            raw = [v["wchar"] for _, v in series]
+            removed = 0
+            for i in range(1, len(series)):
+                step = raw[i] - raw[i - 1]
+                around = range(max(1, i - 3), min(len(raw), i + 4))
+                quiet = all(  # nothing else written around it (a second dump may be)
+                    raw[j] == raw[j - 1] or DUMP_STEP[0] <= raw[j] - raw[j - 1] <= DUMP_STEP[1]
+                    for j in around
+                )
+                if series[i][0] > start and DUMP_STEP[0] <= step <= DUMP_STEP[1] and quiet:
+                    removed += step
+                series[i][1]["wchar"] = raw[i] - removed
+        return rows
+
+    def harness_asks(self) -> dict[int, float]:
+        """rank -> when the harness asked its flight recorder (pipe written)."""
+        out: dict[int, float] = {}
+        for ask in self.doc.get("fr_triggers") or []:
+            name = str(ask.get("pipe", ""))
+            digits = name.rsplit("_", 1)[-1].split(".")[0]
+            if ask.get("ok") and digits.isdigit():
+                out[int(digits)] = float(ask["t"])
+        return out
 
     def boot_uptime(self) -> float:
         """The node's uptime at the launch: the earliest rank's start (clock ticks)."""

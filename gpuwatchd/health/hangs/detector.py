@@ -341,11 +341,16 @@ class HangDetector:
             flat = flat_for > 0 and ras.counts_since is not None
             if flat and not progressing and (collective or cpu_phase):
                 assert ras.counts_since is not None
-                since = ras.counts_since
+                since, confirmed = ras.counts_since, True
                 if collective and "blocked" in held:
+                    # Only an answer taken while every rank already waited proves that no
+                    # collective completed since (a rank back from evaluation has not).
+                    assert ras.counts_at is not None
+                    confirmed = ras.counts_at >= held["blocked"]
                     since = min(since, held["blocked"])
                     flat_for = max(flat_for, now - since)
-                held["collective_stall"] = since
+                if confirmed:
+                    held["collective_stall"] = since
                 signals["collective_stall"] = "+".join(
                     ["ras", "io"] + ["gpu"] * resident + ["cpu"] * quiet_cpu
                 )

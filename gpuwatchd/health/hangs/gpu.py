@@ -46,7 +46,7 @@ class HangThresholds:
     ras_wait_seconds: float = 20.0  # how long a death waits for a RAS answer at most
     collective_stall_seconds: float = 30.0  # RAS counts flat this long
     collective_timeout_seconds: float = 600.0  # a straggler pages when it lasts this long
-    startup_grace_seconds: float = 60.0
+    startup_grace_seconds: float = 30.0
     progress_window_seconds: float = 15.0
     io_progress_bytes_per_second: float = 65536.0
     child_cpu_ratio: float = 0.2
