@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -34,7 +32,6 @@ from benchmarks.bench_footprint import (  # noqa: E402
     TARGET_RSS_ABOVE_FLOOR_MIB,
     measure,
 )
-from benchmarks.bench_scrape import rss_bytes  # noqa: E402
 
 
 def gpu_count() -> tuple[int, str]:
@@ -51,54 +48,6 @@ def gpu_count() -> tuple[int, str]:
         return 0, f"{type(exc).__name__}: {exc}"
 
 
-# A bare pynvml process that reads, every 10 s, what the daemon reads of each GPU (the
-# main per-device calls, NVLink state per link, a GPM sample pair): libnvidia-ml's own
-# memory for querying these GPUs, which any NVML reader holds (dcgm-exporter, nvidia-smi).
-POLLER = r"""
-import sys, time, pynvml as nv
-nv.nvmlInit()
-hs = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(nv.nvmlDeviceGetCount())]
-gpm = {}
-def quiet(fn, *a):
-    try:
-        return fn(*a)
-    except Exception:
-        return None
-end = time.monotonic() + float(sys.argv[1])
-while time.monotonic() < end:
-    for i, h in enumerate(hs):
-        for fn in (nv.nvmlDeviceGetUtilizationRates, nv.nvmlDeviceGetMemoryInfo,
-                   nv.nvmlDeviceGetPowerUsage, nv.nvmlDeviceGetComputeRunningProcesses,
-                   nv.nvmlDeviceGetPerformanceState,
-                   nv.nvmlDeviceGetCurrentClocksEventReasons):
-            quiet(fn, h)
-        quiet(nv.nvmlDeviceGetTemperature, h, 0)
-        quiet(nv.nvmlDeviceGetClockInfo, h, 1)
-        for link in range(18):
-            quiet(nv.nvmlDeviceGetNvLinkState, h, link)
-            quiet(nv.nvmlDeviceGetNvLinkErrorCounter, h, link, 0)
-        s = quiet(nv.nvmlGpmSampleAlloc)
-        if s is not None and quiet(nv.nvmlGpmSampleGet, h, s) is None and i in gpm:
-            nv.nvmlGpmSampleFree(gpm[i])
-        if s is not None:
-            gpm[i] = s
-    time.sleep(10)
-"""
-
-
-def poller_rss_mib(seconds: float) -> float | None:
-    """RSS of POLLER after `seconds` (at least two rounds), None when it fails."""
-    proc = subprocess.Popen([sys.executable, "-c", POLLER, str(seconds + 60)])
-    try:
-        time.sleep(seconds)
-        if proc.poll() is not None:
-            return None
-        return rss_bytes(proc.pid) / 2**20
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=120)
@@ -109,10 +58,6 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"error": "no GPU", "detail": driver}))
         return 2
     fig = measure(None, args.seconds)
-    poller = poller_rss_mib(25.0)
-    if poller is not None:  # what of the RSS above the floor is libnvidia-ml's own
-        fig["nvml_poller_rss_mib"] = round(poller, 1)
-        fig["rss_above_poller_mib"] = round(fig["daemon_rss_mib"] - poller, 1)
     fig["gpus"] = gpus
     fig["driver"] = driver
     # The CPU target is stated for one GPU; scale it when the machine has more.
