@@ -239,9 +239,7 @@ def test_real_dead_peer_forensics_stacks_and_flight_recorder(
     ]
     assert doc["flight_recorder_errors"] == []
     assert doc["ras"]["error"] == "" and '"missing_ranks_count": 1' in doc["ras"]["answer"]
-    assert "rank 1 on 192.0.2.2 pid 1274 (RAS, communicator 0x3f8a81094df1762e)" in (
-        doc["missing"]
-    )
+    assert "rank 1 on 192.0.2.2 pid 1274 (RAS, communicator 0x3f8a81094df1762e)" in (doc["missing"])
 
 
 DUMP_WCHAR = 269_688  # rank 0's wchar across its dump at +20 s (trace.json samples)
