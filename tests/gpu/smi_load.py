@@ -25,8 +25,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpuwatchd.model import Sample
 from smi_nvlink import _row, _value
+
+from gpuwatchd.model import Sample
 
 __all__ = [
     "EQUAL",
@@ -188,9 +189,9 @@ def throughput_rows(
         for s in samples
         if s.name == "gpuwatchd_gpu_nvlink_bytes_per_second"
     }
-    windows = (
-        f"GPM window {gpm_seconds:.2f} s" if gpm_seconds else "GPM window unknown"
-    ) + (f", nvidia-smi window {smi_seconds:.2f} s" if smi_seconds else "")
+    windows = (f"GPM window {gpm_seconds:.2f} s" if gpm_seconds else "GPM window unknown") + (
+        f", nvidia-smi window {smi_seconds:.2f} s" if smi_seconds else ""
+    )
     comparable = _comparable(gpm_seconds, smi_seconds)
     out = []
     for uuid, bus in sorted(buses.items(), key=lambda kv: kv[1]):
