@@ -60,6 +60,7 @@ class RoundsSummary:
     gpu: str
     rounds: int
     equal: int  # rounds where the collector equals query or dmon within EQUAL
+    exact: int  # rounds where it equals them to the percent
     direct_equal: int  # the same for NVML's own read in that round
     low: float
     high: float
@@ -72,8 +73,8 @@ class RoundsSummary:
     @property
     def verdict(self) -> str:
         if not self.swinging:
-            # a steady load (idle): every round must agree
-            return "agree" if self.equal == self.rounds else "MISMATCH"
+            # a steady load (idle): every round must agree to the percent
+            return "agree" if self.exact == self.rounds else "MISMATCH"
         if 2 * self.equal > self.rounds:
             return "agree"
         # the collector no worse than NVML's own read taken with nvidia-smi
@@ -82,7 +83,8 @@ class RoundsSummary:
     @property
     def text(self) -> str:
         return (
-            f"{self.equal} of {self.rounds} rounds equal nvidia-smi (within {EQUAL:g}); "
+            f"{self.equal} of {self.rounds} rounds equal nvidia-smi (within {EQUAL:g}; "
+            f"{self.exact} to the percent); "
             f"NVML's own read in the same rounds: {self.direct_equal} of {self.rounds}; "
             f"readings {self.low:.2f}-{self.high:.2f}"
             + (" (load swings)" if self.swinging else " (steady)")
@@ -114,19 +116,27 @@ def summarize_rounds(rounds: Iterable[Mapping[str, Any]]) -> dict[str, RoundsSum
                 per.setdefault(row["gpu"], []).append((float(row["gpuwatchd"]), _readings(row)))
     out = {}
     for gpu, got in sorted(per.items()):
-        equal = direct_equal = 0
+        equal = exact = direct_equal = 0
         swing = False
         values = []
         for ours, read in got:
             smi = [read.get(k) for k in _SMI]
             equal += _near(ours, smi, EQUAL)
+            exact += _near(ours, smi, 0.005)
             direct = read.get(DIRECT)
             if direct is not None:
                 direct_equal += _near(direct, smi, EQUAL)
                 swing |= any(s is not None and abs(direct - s) > SWING for s in smi)
-            values += [ours, *read.values()]
+            values += read.values()  # the collector's own spread is what is judged
         out[gpu] = RoundsSummary(
-            gpu, len(got), equal, direct_equal, min(values), max(values), swing
+            gpu,
+            len(got),
+            equal,
+            exact,
+            direct_equal,
+            min(values, default=0.0),
+            max(values, default=0.0),
+            swing,
         )
     return out
 
