@@ -14,12 +14,17 @@ nvidia-smi counterpart (most of GPM, corrected NVLink errors) are listed as
 `no counterpart`.
 
 NVLink rows (smi_nvlink.py): link state and speed against `nvidia-smi
-nvlink -s`, replay/recovery/CRC errors against `nvlink -e`, GPM NVLink
-throughput against the rate of the `nvlink -gt d` counters over the same
-interval (use --gap 5 or more under load). The utilisation row puts
-gpuwatchd's reading beside nvmlDeviceGetUtilizationRates (read by this
-script), `--query-gpu=utilization.gpu` and `nvidia-smi dmon`, all at once;
-`--util-rounds N` repeats that N times into the JSON.
+nvlink -s`, replay/recovery/CRC errors against `nvlink -e`. GPM NVLink
+throughput (smi_load.py) against the rate of the `nvlink -gt r` counters
+(header and payload, as GPM counts), within 10 %; past that the row says
+"window differs under varying load" when GPM's window (between the two
+polls) and the counters' are not comparable (use --gap 5 or more under
+load). Thresholds derived from T.Limit accept 1 C (two rounded readings).
+The utilisation row puts gpuwatchd's reading beside
+nvmlDeviceGetUtilizationRates (read by this script), `--query-gpu=utilization.gpu`
+and `nvidia-smi dmon`, all at once; `--util-rounds N` repeats that N times,
+and the rounds judge utilisation: the collector must equal nvidia-smi in most
+of them (a single instant under a swinging load then says "varies under load").
 """
 
 from __future__ import annotations
@@ -46,6 +51,12 @@ from gpuwatchd.sources.nvml.client import NvmlClient, Pynvml  # noqa: E402
 from gpuwatchd.sources.nvml.source import NvmlSource  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from smi_load import (  # noqa: E402
+    rounds_rows,
+    soften_single_instant,
+    summarize_rounds,
+    throughput_rows,
+)
 from smi_nvlink import (  # noqa: E402
     nvlink_rows,
     parse_dmon,
@@ -57,6 +68,8 @@ from smi_nvlink import (  # noqa: E402
 )
 
 MIB = 1024 * 1024
+# a tlimit: threshold is current temperature + margin, two whole-degree readings
+TLIMIT_TOLERANCE = 1.0
 
 
 def _num(text: str) -> float | None:
@@ -435,6 +448,9 @@ def compare(
                 verdict = "n/a in nvidia-smi"
             else:
                 allowed = max(row.tolerance, abs(theirs) * row.relative)
+                if used.startswith("tlimit:"):
+                    # two readings rounded to whole degrees, taken at different instants
+                    allowed = max(allowed, TLIMIT_TOLERANCE)
                 verdict = "agree" if abs(ours - theirs) <= allowed + 1e-9 else "MISMATCH"
             results.append(
                 {
@@ -484,7 +500,10 @@ def _lookup(
         if cur is None or margin is None or rel is None:
             return None
         limit = cur + margin
-        return f"{limit - rel:g} (T.Limit {limit:g} C, {name} {rel:g} C)"
+        return (
+            f"{limit - rel:g} (T.Limit {limit:g} C, {name} {rel:g} C; derived from the "
+            f"current temperature and a margin, each rounded: +-{TLIMIT_TOLERANCE:g} C accepted)"
+        )
     return _q_value(qgpu, name)
 
 
@@ -572,21 +591,17 @@ def collect(
     source = NvmlSource(client, call_timeout=10.0, interval=gap)
     extra: dict[str, Any] = {"utilization_rounds": []}
     try:
+        polled_at = [time.monotonic()]
         first = source.poll(time.time())
         count = len(
             {dict(s.labels).get("uuid") for s in first if isinstance(s, Sample)} - {None, ""}
         )
-        t0 = time.monotonic()
-        before = _at_once(
-            {
-                "d": lambda: run_smi(smi, "nvlink", "-gt", "d"),
-                "r": lambda: run_smi(smi, "nvlink", "-gt", "r"),
-            }
-        )
+        before = _at_once({"d": _timed(smi, "d"), "r": _timed(smi, "r")})
         time.sleep(gap)
         polled: dict[str, Any] = {}
 
         def poll() -> None:
+            polled_at.append(time.monotonic())
             polled["items"] = source.poll(time.time())
             polled["nvml"] = _nvml_utilization(client, count)
 
@@ -595,24 +610,30 @@ def collect(
                 "poll": poll,
                 "query": lambda: run_query(smi, wanted),
                 "q": lambda: run_smi(smi, "-q"),
-                "d": lambda: run_smi(smi, "nvlink", "-gt", "d"),
-                "r": lambda: run_smi(smi, "nvlink", "-gt", "r"),
+                "d": _timed(smi, "d"),
+                "r": _timed(smi, "r"),
                 "status": lambda: run_smi(smi, "nvlink", "-s"),
                 "errors": lambda: run_smi(smi, "nvlink", "-e"),
                 "dmon": lambda: run_smi(smi, "dmon", "-c", "1", "-s", "pu", timeout=30),
                 "topo": lambda: run_smi(smi, "topo", "-m"),
             }
         )
-        seconds = time.monotonic() - t0
         items = polled.get("items", [])
+        # each rate over the interval between its own two reads (mid-points of the runs)
+        windows = {
+            k: smi_out[k][0] - before[k][0] for k in ("d", "r") if k in smi_out and k in before
+        }
         extra.update(
             nvml_utilization=polled.get("nvml", {}),
             status=smi_out.get("status", ""),
             errors=smi_out.get("errors", ""),
             dmon=smi_out.get("dmon", ""),
-            throughput_before={"d": before.get("d", ""), "r": before.get("r", "")},
-            throughput_after={"d": smi_out.get("d", ""), "r": smi_out.get("r", "")},
-            throughput_seconds=seconds,
+            throughput_before={k: before.get(k, (0.0, ""))[1] for k in ("d", "r")},
+            throughput_after={k: smi_out.get(k, (0.0, ""))[1] for k in ("d", "r")},
+            throughput_seconds=windows.get("d", 0.0),
+            throughput_seconds_by_kind=windows,
+            gap=gap,
+            gpm_window_seconds=polled_at[-1] - polled_at[0] if len(polled_at) > 1 else gap,
             topo=smi_out.get("topo", ""),
             topology=source.status().get("topology"),
         )
@@ -644,27 +665,48 @@ def collect(
     return samples, smi_out.get("query", {}), parse_q(smi_out.get("q", "")), accepted, extra
 
 
+def _timed(smi: str, kind: str) -> Callable[[], tuple[float, str]]:
+    """A job reading `nvlink -gt KIND`, returning (mid-point in monotonic time, stdout)."""
+
+    def job() -> tuple[float, str]:
+        start = time.monotonic()
+        out = run_smi(smi, "nvlink", "-gt", kind)
+        return (start + time.monotonic()) / 2, out
+
+    return job
+
+
 def extra_rows(
-    samples: list[Sample], query: Mapping[str, Mapping[str, str]], extra: Mapping[str, Any]
+    samples: list[Sample],
+    query: Mapping[str, Mapping[str, str]],
+    extra: Mapping[str, Any],
+    gap: float = 1.0,
 ) -> list[dict[str, Any]]:
-    """The NVLink and side-by-side utilisation rows from what collect() saved."""
+    """The NVLink, side-by-side and rounds utilisation rows from what collect() saved.
+
+    `gap` stands in for the GPM window where the JSON predates `gpm_window_seconds`.
+    """
     if not extra:
         return []
     rates: dict[str, dict[str, float]] = {}
+    by_kind = extra.get("throughput_seconds_by_kind", {})
     for kind in ("d", "r"):
         for uuid, sums in throughput_rates(
             parse_nvlink_throughput(extra.get("throughput_before", {}).get(kind, "")),
             parse_nvlink_throughput(extra.get("throughput_after", {}).get(kind, "")),
-            float(extra.get("throughput_seconds", 0.0)),
+            float(by_kind.get(kind, extra.get("throughput_seconds", 0.0))),
         ).items():
             rates.setdefault(uuid, {}).update(sums)
     topology = topology_rows(extra.get("topology"), extra.get("topo", ""))
+    gpm_seconds = float(extra.get("gpm_window_seconds", extra.get("gap", gap)))
     return (
         topology
-        + nvlink_rows(samples, extra.get("status", ""), extra.get("errors", ""), rates)
+        + nvlink_rows(samples, extra.get("status", ""), extra.get("errors", ""))
+        + throughput_rows(samples, rates, gpm_seconds, extra.get("throughput_seconds"))
         + utilization_rows(
             samples, extra.get("nvml_utilization", {}), query, parse_dmon(extra.get("dmon", ""))
         )
+        + rounds_rows(summarize_rounds(extra.get("utilization_rounds", [])))
     )
 
 
@@ -676,6 +718,11 @@ def saved(
 ) -> tuple[list[Sample], dict[str, Any], dict[str, Any], set[str], dict[str, Any]]:
     """The gpuwatchd readings and nvidia-smi outputs of an earlier --json run."""
     data = json.loads(path.read_text())
+    # the GPU index (dmon's rows) by bus id; older JSON has it in the daemon's topology
+    index = data.get("gpu_index") or {
+        str(g["pci_bus_id"]).upper(): str(g["gpu"])
+        for g in (data.get("nvlink", {}).get("topology") or {}).get("gpus", [])
+    }
     samples = []
     for r in data["results"]:
         m = _METRIC.match(r["metric"])
@@ -683,6 +730,8 @@ def saved(
             continue
         labels = dict(re.findall(r'([a-z_]+)="([^"]*)"', m.group(2) or ""))
         uuid = data.get("uuids", {}).get(r["gpu"], "")
+        if r["gpu"] in index:
+            labels.setdefault("gpu", index[r["gpu"]])
         samples.append(
             Sample.of(m.group(1), r["gpuwatchd"], pci_bus_id=r["gpu"], uuid=uuid, **labels)
         )
@@ -695,7 +744,13 @@ def main(argv: list[str] | None = None) -> int:
     """Poll, compare, print the table; exit 1 when any value disagrees."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nvidia-smi", default="nvidia-smi", help="the nvidia-smi to run")
-    parser.add_argument("--gap", type=float, default=1.0, help="seconds between the two polls")
+    parser.add_argument(
+        "--gap",
+        type=float,
+        default=1.0,
+        help="seconds between the two polls (with --rejudge: the GPM window of a JSON "
+        "that did not save it)",
+    )
     parser.add_argument(
         "--util-rounds",
         type=int,
@@ -717,13 +772,14 @@ def main(argv: list[str] | None = None) -> int:
         samples, query, q, accepted, extra = collect(
             Pynvml(), args.nvidia_smi, args.gap, args.util_rounds
         )
-    nvlink = extra_rows(samples, query, extra)
+    nvlink = extra_rows(samples, query, extra, args.gap)
     covered = {r["metric"].split("{")[0] for r in nvlink}
     results = [
         r
         for r in compare(samples, query, q, accepted)
         if not (r["verdict"] == "no counterpart" and r["metric"] in covered)
     ] + nvlink
+    soften_single_instant(results, summarize_rounds(extra.get("utilization_rounds", [])))
     table = markdown(results)
     print(table)
     if args.json:
@@ -731,7 +787,18 @@ def main(argv: list[str] | None = None) -> int:
             dict(s.labels).get("pci_bus_id", "").upper(): dict(s.labels).get("uuid", "")
             for s in samples
         }
-        doc = {"results": results, "query": query, "q": q, "nvlink": extra, "uuids": uuids}
+        index = {
+            dict(s.labels).get("pci_bus_id", "").upper(): dict(s.labels).get("gpu", "")
+            for s in samples
+        }
+        doc = {
+            "results": results,
+            "query": query,
+            "q": q,
+            "nvlink": extra,
+            "uuids": uuids,
+            "gpu_index": index,
+        }
         args.json.write_text(json.dumps(doc, indent=1))
     if args.markdown:
         args.markdown.write_text(table)

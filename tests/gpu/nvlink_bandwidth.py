@@ -42,6 +42,7 @@ NO_MULTICAST = {
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "NVSHMEM_DISABLE_NVLS": "1",
 }
+DEFAULT_OUT = Path("nvlink-bandwidth.json")
 _GPM = re.compile(r"^gpuwatchd_gpu_nvlink_bytes_per_second\{([^}]*)\} (\S+)$", re.MULTILINE)
 
 
@@ -59,39 +60,124 @@ def bus_bandwidth(algbw: float, ranks: int) -> float:
     return algbw * 2 * (ranks - 1) / ranks if ranks > 1 else algbw
 
 
+def _runs(samples: list[dict[str, Any]]) -> list[tuple[float, float, dict[str, float]]]:
+    """(last scrape before, first scrape of, values) for each GPM value the scrapes showed.
+
+    The daemon's poll that made a value fell between those two scrapes; a
+    scrape that failed tells nothing, so it neither starts nor ends a run.
+    """
+    out = []
+    prev: tuple[float, dict[str, float]] | None = None
+    for s in samples:
+        gpm = s.get("gpm")
+        if not gpm:
+            continue
+        if prev is not None and gpm != prev[1]:
+            out.append((prev[0], s["time"], gpm))
+        prev = (s["time"], gpm)
+    return out
+
+
+def infer_gpm_window(samples: list[dict[str, Any]]) -> float | None:
+    """The daemon's poll interval from when the scraped value changed (median of the
+    mid-points of each change-to-change interval's bounds), None with fewer than 2 changes."""
+    runs = _runs(samples)
+    mids = [((b[1] - a[1]) + (b[0] - a[0])) / 2 for a, b in zip(runs, runs[1:], strict=False)]
+    return statistics.median(mids) if mids else None
+
+
 def summarize(
-    samples: list[dict[str, Any]], window: tuple[float, float], ranks: list[dict[str, Any]]
+    samples: list[dict[str, Any]],
+    loop: tuple[float, float],
+    ranks: list[dict[str, Any]],
+    gpm_window: float,
+    smi_gpus: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Medians over the timed all-reduce window, per GPU, beside NCCL's figures."""
-    inside = [s for s in samples if window[0] <= s["time"] <= window[1]]
+    """Per GPU: GPM over the windows wholly inside the all-reduce loop, nvidia-smi's
+    rates over the intervals wholly inside, beside NCCL's bus bandwidth.
+
+    A GPM value covers the `gpm_window` seconds before the poll that made it,
+    and that poll fell between the last scrape showing the old value and the
+    first showing the new one; only values whose whole window lies inside
+    `loop` count (a window partly outside mixes idle seconds in).
+    """
+    start, end = loop
+    inside = [
+        {"from": before - gpm_window, "to": first, "gpm": gpm}
+        for before, first, gpm in _runs(samples)
+        if before - gpm_window >= start and first <= end
+    ]
     gpm: dict[str, dict[str, list[float]]] = {}
-    smi: dict[str, dict[str, list[float]]] = {}
-    for s in inside:
-        for key, value in s.get("gpm", {}).items():
+    for w in inside:
+        for key, value in w["gpm"].items():
             gpu, direction = key.split("/")
             gpm.setdefault(gpu, {}).setdefault(direction, []).append(value)
-        for uuid, rates in s.get("smi_rates", {}).items():
-            for key, value in rates.items():
-                smi.setdefault(uuid, {}).setdefault(key, []).append(value)
+    smi: dict[str, dict[str, list[float]]] = {}
+    used = 0
+    prev_at: float | None = None
+    for s in samples:
+        # the counters are read after the scrape, within 0.5 s; older JSON has no smi_time
+        at = s.get("smi_time", s["time"] + 0.5)
+        if prev_at is not None and prev_at >= start and at <= end and s.get("smi_rates"):
+            used += 1
+            for per in (s["smi_rates"], s.get("smi_raw_rates", {})):
+                for uuid, values in per.items():
+                    for key, value in values.items():
+                        smi.setdefault(uuid, {}).setdefault(key, []).append(value)
+        prev_at = s.get("smi_time", s["time"])
     med = statistics.median
     rank0 = next((r for r in ranks if r.get("rank") == 0), {})
     busbw = rank0.get("busbw_bytes_per_second")
+    if smi_gpus is None:
+        # nvidia-smi prints GPUs in index order; the first sample's keys keep that order
+        first = next((s["smi_rates"] for s in samples if s.get("smi_rates")), {})
+        smi_gpus = {uuid: str(i) for i, uuid in enumerate(first)}
+    gpm_med = {g: {d: med(v) for d, v in dirs.items()} for g, dirs in sorted(gpm.items())}
+    smi_med = {smi_gpus.get(u, u): {k: med(v) for k, v in keys.items()} for u, keys in smi.items()}
     out: dict[str, Any] = {
-        "samples_in_window": len(inside),
+        "loop": {"start": start, "end": end},
+        "gpm_window_seconds": gpm_window,
+        "gpm_windows_inside": inside,
+        "smi_intervals_inside": used,
         "nccl": rank0,
-        "gpm_median_bytes_per_second": {
-            g: {d: med(v) for d, v in dirs.items() if v} for g, dirs in sorted(gpm.items())
-        },
-        "nvidia_smi_gt_median_bytes_per_second": {
-            u: {k: med(v) for k, v in keys.items() if v} for u, keys in sorted(smi.items())
-        },
+        "gpm_median_bytes_per_second": gpm_med,
+        "nvidia_smi_gt_median_bytes_per_second": dict(sorted(smi_med.items())),
+        "smi_gpus": smi_gpus,
     }
     if busbw:
         out["gpm_tx_over_busbw"] = {
-            g: round(d["tx"] / busbw, 3)
-            for g, d in out["gpm_median_bytes_per_second"].items()
-            if "tx" in d
+            g: round(d["tx"] / busbw, 3) for g, d in gpm_med.items() if "tx" in d
         }
+        out["smi_data_tx_over_busbw"] = {
+            g: round(d["data_tx"] / busbw, 3) for g, d in sorted(smi_med.items()) if "data_tx" in d
+        }
+        raw = {g: round(d["raw_tx"] / busbw, 3) for g, d in smi_med.items() if "raw_tx" in d}
+        if raw:
+            out["smi_raw_tx_over_busbw"] = dict(sorted(raw.items()))
+    return out
+
+
+def loop_of(ranks: list[dict[str, Any]]) -> tuple[float, float]:
+    """The seconds every rank spent in the timed all-reduce loop."""
+    return max(r["start"] for r in ranks), min(r["end"] for r in ranks)
+
+
+def summarize_saved(path: Path, gpm_window: float | None) -> dict[str, Any]:
+    """The summary of a JSON written by an earlier run (no GPU needed)."""
+    doc = json.loads(path.read_text())
+    samples, ranks = doc.get("samples", []), doc.get("ranks", [])
+    inferred = infer_gpm_window(samples)
+    if gpm_window is not None:
+        window, how = gpm_window, "--gpm-window"
+    elif doc.get("gpm_window_seconds"):
+        window, how = float(doc["gpm_window_seconds"]), "saved with the run"
+    elif inferred is not None:
+        window, how = inferred, "inferred from when the scraped value changed"
+    else:
+        window, how = 10.0, "default (10 s, a running daemon's poll)"
+    out = summarize(samples, loop_of(ranks), ranks, window, doc.get("smi_gpus"))
+    out["gpm_window_from"] = how
+    out["gpm_window_inferred_seconds"] = inferred
     return out
 
 
@@ -147,11 +233,17 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def smi_gpu_indexes(text: str) -> dict[str, str]:
+    """{uuid: GPU index} from an nvidia-smi listing ("GPU 0: ... (UUID: GPU-...)")."""
+    return {u: i for i, u in re.findall(r"^GPU (\d+): .*\(UUID: (GPU-[0-9a-fA-F-]+)\)", text, re.M)}
+
+
 def sample_loop(url: str, smi: str, stop: threading.Event, out: list[dict[str, Any]]) -> None:
-    """Once a second: the daemon's GPM NVLink rates and nvidia-smi's -gt d counter rates."""
+    """Once a second: the daemon's GPM NVLink rates and nvidia-smi's -gt d and -gt r
+    counter rates (each entry's smi_time: when the counters were read)."""
     from smi_nvlink import parse_nvlink_throughput, run_smi, throughput_rates
 
-    prev: tuple[float, Any] | None = None
+    prev: tuple[float, Any, Any] | None = None
     while not stop.wait(1.0):
         now = time.time()
         entry: dict[str, Any] = {"time": now}
@@ -161,33 +253,67 @@ def sample_loop(url: str, smi: str, stop: threading.Event, out: list[dict[str, A
             entry["gpm"] = {f"{g}/{d}": v for (g, d), v in parse_gpm(body).items()}
         except OSError as exc:
             entry["gpm_error"] = str(exc)
-        counters = parse_nvlink_throughput(run_smi(smi, "nvlink", "-gt", "d", timeout=10))
+        text = run_smi(smi, "nvlink", "-gt", "d", timeout=10)
+        raw = parse_nvlink_throughput(run_smi(smi, "nvlink", "-gt", "r", timeout=10))
+        counters = parse_nvlink_throughput(text)
         t = time.monotonic()
+        entry["smi_time"] = time.time()
+        if not out:
+            entry["smi_gpus"] = smi_gpu_indexes(text)
         if prev is not None and counters:
             entry["smi_rates"] = throughput_rates(prev[1], counters, t - prev[0])
-        prev = (t, counters)
+            entry["smi_raw_rates"] = throughput_rates(prev[2], raw, t - prev[0])
+        prev = (t, counters, raw)
         out.append(entry)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("nvlink-bandwidth.json"))
+    ap.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help="the JSON (with --summarize: the summary)"
+    )
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--size-gib", type=float, default=1.0)
     ap.add_argument("--gpus", type=int, default=0, help="ranks (default: every GPU)")
     ap.add_argument("--metrics-url", default="", help="a running daemon's /metrics")
     ap.add_argument("--nvidia-smi", default="nvidia-smi")
+    ap.add_argument(
+        "--gpm-window",
+        type=float,
+        default=None,
+        help="seconds a GPM value covers: the daemon's poll interval (default 1 for the "
+        "daemon this script starts, 10 with --metrics-url)",
+    )
+    ap.add_argument(
+        "--summarize",
+        type=Path,
+        metavar="JSON",
+        help="print the summary of a JSON an earlier run wrote (no GPU needed)",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--result-dir", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     os.environ.update(NO_MULTICAST)
     if args.worker:
         return worker(args)
+    if args.summarize:
+        summary = summarize_saved(args.summarize, args.gpm_window)
+        text = json.dumps(summary, indent=1)
+        print(text)
+        if args.out != DEFAULT_OUT:
+            args.out.write_text(text + "\n")
+        return 0
 
     import torch
 
     gpus = args.gpus or torch.cuda.device_count()
-    doc: dict[str, Any] = {"gpus": gpus, "env": NO_MULTICAST, "seconds": args.seconds}
+    gpm_window = args.gpm_window or (10.0 if args.metrics_url else 1.0)
+    doc: dict[str, Any] = {
+        "gpus": gpus,
+        "env": NO_MULTICAST,
+        "seconds": args.seconds,
+        "gpm_window_seconds": gpm_window,
+    }
     samples: list[dict[str, Any]] = []
     results = Path(args.out).with_suffix(".ranks")
     results.mkdir(parents=True, exist_ok=True)
@@ -230,9 +356,10 @@ def main(argv: list[str] | None = None) -> int:
     ranks = [json.loads(p.read_text()) for p in sorted(results.glob("rank*.json"))]
     doc["ranks"] = ranks
     doc["samples"] = samples
+    smi_gpus = next((s["smi_gpus"] for s in samples if s.get("smi_gpus")), None)
+    doc["smi_gpus"] = smi_gpus
     if ranks:
-        window = (max(r["start"] for r in ranks) + 1.5, min(r["end"] for r in ranks) - 0.5)
-        doc["summary"] = summarize(samples, window, ranks)
+        doc["summary"] = summarize(samples, loop_of(ranks), ranks, gpm_window, smi_gpus)
     args.out.write_text(json.dumps(doc, indent=1))
     print(json.dumps(doc.get("summary", {"error": doc.get("torchrun_tail", "")}), indent=1))
     return 0 if ranks else 1

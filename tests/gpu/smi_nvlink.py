@@ -222,11 +222,9 @@ def nvlink_rows(
     samples: list[Sample],
     status: str,
     errors: str,
-    rates: Mapping[str, Mapping[str, float]],
-    relative: float = 0.15,
 ) -> list[dict[str, Any]]:
-    """Every per-link NVLink series of gpuwatchd against `nvlink -s` and `-e`; GPM
-    throughput against the `-gt d` (and `-gt r`) counters' rate over the same interval."""
+    """Every per-link NVLink series of gpuwatchd against `nvlink -s` and `-e`
+    (GPM throughput: smi_load.throughput_rows)."""
     speeds = parse_nvlink_status(status)
     counts = parse_nvlink_errors(errors)
     buses = {
@@ -309,32 +307,6 @@ def nvlink_rows(
                 )
                 row["verdict"] = "no counterpart"
                 out.append(row)
-        rate = rates.get(uuid, {})
-        for direction in ("tx", "rx"):
-            ours = _value(
-                samples, "gpuwatchd_gpu_nvlink_bytes_per_second", uuid, direction=direction
-            )
-            theirs = rate.get(f"data_{direction}")
-            raw = rate.get(f"raw_{direction}")
-            text = (
-                None
-                if theirs is None
-                else f"data {theirs / 1e9:.3f} GB/s"
-                + ("" if raw is None else f", raw {raw / 1e9:.3f} GB/s")
-            )
-            # GPM and the counters cover nearly the same second; allow 15 % and 50 MB/s
-            allowed = max(50e6, relative * (theirs or 0.0))
-            out.append(
-                _row(
-                    bus,
-                    f'gpuwatchd_gpu_nvlink_bytes_per_second{{direction="{direction}"}}',
-                    ours,
-                    "nvlink -gt d (rate)",
-                    text,
-                    theirs,
-                    allowed,
-                )
-            )
     return out
 
 
@@ -374,17 +346,17 @@ def utilization_rows(
             text += f" (GPM SM active {sm_active:.2f})"
         known = [v for v in readings.values() if v is not None]
         worst = max(known, key=lambda v: abs(v - s.value)) if known else None
-        out.append(
-            _row(
-                bus,
-                'gpuwatchd_gpu_utilization_ratio{engine="gpu"} (side by side)',
-                s.value,
-                "NVML / query / dmon",
-                text,
-                worst,
-                0.1,
-            )
+        row = _row(
+            bus,
+            'gpuwatchd_gpu_utilization_ratio{engine="gpu"} (side by side)',
+            s.value,
+            "NVML / query / dmon",
+            text,
+            worst,
+            0.1,
         )
+        row["readings"] = readings  # numbers for smi_load.summarize_rounds
+        out.append(row)
     return out
 
 

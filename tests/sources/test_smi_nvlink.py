@@ -65,7 +65,6 @@ def test_probe_replay_agrees_with_nvlink_s_and_e(smi: ModuleType) -> None:
         samples,
         (SMI / "h200x2-nvlink-s.txt").read_text(),
         (SMI / "h200x2-nvlink-e.txt").read_text(),
-        {},
     )
     verdicts = {(r["gpu"], r["metric"]): r["verdict"] for r in rows}
     bus0 = "0000:00:06.0"
@@ -115,7 +114,10 @@ def test_throughput_counters_give_rates_per_gpu(smi: ModuleType) -> None:
             direction="rx",
         ),
     ]
-    rows = {r["metric"]: r["verdict"] for r in smi.nvlink_rows(samples, "", "", rates)}
+    sys.path.insert(0, str(ROOT / "tests" / "gpu"))  # smi_load imports smi_nvlink
+    import smi_load
+
+    rows = {r["metric"]: r["verdict"] for r in smi_load.throughput_rows(samples, rates, 2.0, 2.0)}
     assert rows['gpuwatchd_gpu_nvlink_bytes_per_second{direction="tx"}'] == "agree"
     assert rows['gpuwatchd_gpu_nvlink_bytes_per_second{direction="rx"}'] == "MISMATCH"
 
@@ -165,16 +167,25 @@ def test_bandwidth_summary_puts_gpm_beside_nccl(bw: ModuleType) -> None:
     )
     assert bw.parse_gpm(body) == {("0", "tx"): 3.6e11, ("0", "rx"): 3.5e11}
     assert bw.bus_bandwidth(100.0, 4) == 150.0 and bw.bus_bandwidth(100.0, 2) == 100.0
+    # a 10 s poll: the value first seen at 11.0 covers 0.5-11.0, partly before the loop
     samples = [
-        {"time": t, "gpm": {"0/tx": v, "0/rx": v}, "smi_rates": {"GPU-a": {"data_tx": v}}}
-        for t, v in ((9.0, 0.0), (11.0, 3.6e11), (12.0, 3.8e11), (13.0, 3.7e11), (30.0, 0.0))
+        {"time": t, "gpm": {"0/tx": v, "0/rx": v}, "smi_rates": {"GPU-a": {"data_tx": s}}}
+        for t, v, s in (
+            (10.5, 0.0, 0.0),
+            (11.0, 1.2e11, 3.6e11),
+            (20.5, 1.2e11, 3.8e11),
+            (21.0, 3.7e11, 3.7e11),
+            (30.0, 3.7e11, 3.7e11),
+            (31.0, 2.0e11, 0.0),
+        )
     ]
     ranks = [{"rank": 0, "busbw_bytes_per_second": 3.7e11}, {"rank": 1}]
-    summary = bw.summarize(samples, (10.0, 20.0), ranks)
-    assert summary["samples_in_window"] == 3
+    summary = bw.summarize(samples, (10.0, 30.5), ranks, 10.0)
+    assert [w["gpm"]["0/tx"] for w in summary["gpm_windows_inside"]] == [3.7e11]
     assert summary["gpm_median_bytes_per_second"] == {"0": {"tx": 3.7e11, "rx": 3.7e11}}
-    assert summary["nvidia_smi_gt_median_bytes_per_second"] == {"GPU-a": {"data_tx": 3.7e11}}
+    assert summary["nvidia_smi_gt_median_bytes_per_second"] == {"0": {"data_tx": 3.7e11}}
     assert summary["gpm_tx_over_busbw"] == {"0": 1.0}
+    assert 9.5 < bw.infer_gpm_window(samples) < 10.5  # changes seen at 11, 21, 31
 
 
 def test_topology_rows_against_topo_m(smi: ModuleType) -> None:
