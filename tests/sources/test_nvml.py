@@ -683,9 +683,12 @@ def test_real_xid_event_set_waits_and_times_out() -> None:
 
 H200X2_RECORD = FIXTURES / "h200x2-record.json"
 H100_RECORD = FIXTURES / "h100-record.json"
+H200X4 = {k: FIXTURES / f"h200x4-{k}-record.json" for k in ("idle", "load", "hang")}
 
 
-@pytest.mark.parametrize("path", [H200X2, H200X8, H200X2_RECORD, H100_RECORD], ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path", [H200X2, H200X8, H200X2_RECORD, H100_RECORD, *H200X4.values()], ids=lambda p: p.stem
+)
 def test_every_capture_replays_cleanly(rigs: list[Rig], path: Path) -> None:
     capture = load_capture(path)
     samples = rig(rigs, path).poll()
@@ -746,3 +749,38 @@ def test_a_gpu_without_nvlink_has_no_link_series(rigs: list[Rig]) -> None:
     assert not [s for s in samples if s.name.startswith("gpuwatchd_nvlink_")]
     assert r.client.count(0, "nvlink_state(7)") == 1  # NOT_SUPPORTED once, then never
     assert value(samples, "gpuwatchd_gpu_temperature_celsius", gpu="0", sensor="memory") == 40
+
+
+def test_4xh200_under_nccl_load_reads_no_nvlink_error_as_nvidia_smi_does(rigs: list[Rig]) -> None:
+    """DDP on all four GPUs (the load capture): `nvidia-smi nvlink -e` read 0 on all 72
+    links at that moment; the corrected-error counters are exported apart."""
+    r = rig(rigs, H200X4["load"])
+    r.poll()
+    samples = r.poll()
+    errors = find(samples, "gpuwatchd_nvlink_errors_total")
+    assert len(errors) == 4 * 18 * 3 and all(s.value == 0 for s in errors)
+    assert len(find(samples, "gpuwatchd_nvlink_up")) == 4 * 18
+    assert find(samples, "gpuwatchd_nvlink_corrected_errors_total")
+
+
+def test_4xh200_hang_capture_reads_the_dead_peers_survivor_busy(rigs: list[Rig]) -> None:
+    """13:54-13:55 UTC: rank 1 on GPU 1 was SIGKILLed, rank 0 on GPU 0 waits in an
+    all_reduce, GPUs 2-3 train another job. NVML reads the survivor's GPU busy (1.0) at
+    training's level of utilisation, GPM shows its SM activity (0.18) and power (118 W)
+    far below the training pair's (0.31-0.34, 277-293 W): utilisation is no progress."""
+    r = rig(rigs, H200X4["hang"])
+    r.poll()
+    for _ in range(3):
+        samples = r.poll()
+        util = {
+            dict(x.labels)["gpu"]: x.value
+            for x in find(samples, "gpuwatchd_gpu_utilization_ratio")
+            if dict(x.labels).get("engine") == "gpu"
+        }
+        sm = {
+            dict(x.labels)["gpu"]: x.value for x in find(samples, "gpuwatchd_gpu_sm_active_ratio")
+        }
+        watts = {dict(x.labels)["gpu"]: x.value for x in find(samples, "gpuwatchd_gpu_power_watts")}
+        assert util["0"] == 1.0 and util["1"] == 0.0 and 0.5 <= min(util["2"], util["3"])
+        assert 0.15 <= sm["0"] <= 0.2 and min(sm["2"], sm["3"]) >= 0.3
+        assert watts["0"] < 130 < 270 < min(watts["2"], watts["3"])
