@@ -57,11 +57,19 @@ class NodeForensics:
             if r.alive and r.rank is not None
         ]
         pipes = [flight.pipe_path(pid, rank, envs[pid], procfs) for pid, rank, _ in ranked]
-        if any(p is not None and flight.trigger(p) for p in pipes):
-            wait(2.0)  # the ranks write their dumps from their own threads
+        # Every rank's pipe, not the first that answers: the culprit is the rank whose
+        # dump says where it stands (any() stopped at rank 0 on 4x H200).
+        triggered = [flight.trigger(p) for p in pipes if p is not None]
         paths = [
             (rank, flight.dump_path(pid, rank, envs[pid], procfs), started)
             for pid, rank, started in ranked
         ]
-        dumps, problems = flight.read_dumps(paths)
+        dumps: dict[int, dict[str, object]] = {}
+        problems: list[str] = []
+        for pause in (2.0, 3.0) if any(triggered) else (0.0,):
+            if pause:
+                wait(pause)  # the ranks write their dumps from their own threads
+            dumps, problems = flight.read_dumps(paths)
+            if len(dumps) >= sum(triggered):
+                break
         return flight.progress(dumps), problems

@@ -16,6 +16,7 @@ expect.json (every key but `kind` optional; an unknown key is an error):
                     least one appears in a hang record
     signature       the signature label once forensics ran (the last finding of the replay)
     stays_open      once flagged, flagged on every later tick while the recording lasts
+    flight_contains strings the hang records' flight recorder lines hold (forensics ran)
     max_severity    no finding over the whole recording above this ("ok": none at all)
     nvml_phases     NVML poll offsets (seconds) to replay at; default [0, 5]
     note            free text: why these expectations
@@ -62,6 +63,7 @@ class Expect:
     conditions_any: tuple[str, ...] = ()
     signature: str | None = None
     stays_open: bool = False
+    flight_contains: tuple[str, ...] = ()
     max_severity: str | None = None
     nvml_phases: tuple[int, ...] = (0, 5)
     note: str = ""
@@ -79,7 +81,8 @@ class Expect:
         for key in ("severity", "max_severity"):
             if doc.get(key) is not None:
                 Severity.parse(doc[key])  # a typo fails here, not as a silent pass
-        for key in ("reason_contains", "decided_by_all", "decided_by_any", "conditions_any"):
+        lists = ("reason_contains", "decided_by_all", "decided_by_any", "conditions_any")
+        for key in (*lists, "flight_contains"):
             doc[key] = tuple(doc.get(key, ()))
         doc["labels"] = tuple(sorted(doc.get("labels", {}).items()))
         doc["nvml_phases"] = tuple(doc.get("nvml_phases", (0, 5)))
@@ -212,6 +215,12 @@ def check(node: Replay, want: Expect) -> list[str]:
             bad.append(f"above {want.max_severity}: first at {over[0]}")
     records = node.monitor.records()
     seen = {c for doc in records for c in doc.get("conditions") or ()}
+    flights = "\n".join(line for doc in records for line in doc.get("flight_recorder") or ())
+    bad += [
+        f"flight recorder lacks {s!r}: {flights!r}"
+        for s in want.flight_contains
+        if s not in flights
+    ]
     if want.conditions_any and not seen & set(want.conditions_any):
         bad.append(f"conditions: want one of {want.conditions_any}, got {sorted(seen)}")
     if first is None:
