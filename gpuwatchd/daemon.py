@@ -34,6 +34,7 @@ from gpuwatchd.config.overrides import (
     node_name,
 )
 from gpuwatchd.errors import ConfigError, StoreError
+from gpuwatchd.heap import release_startup_memory
 from gpuwatchd.http import webconfig
 from gpuwatchd.http.app import Route, json_route, make_app
 from gpuwatchd.http.endpoints import healthz_route, status_document, summary_line
@@ -255,6 +256,7 @@ class Daemon:
             log.warning("the consumer did not catch up in %.0fs", FIRST_POLL_TIMEOUT)
         host, port = self.httpd.server_address[:2]
         log.info("gpuwatchd %s serving on %s:%s (%s)", __version__, host, port, wiring.summary())
+        release_startup_memory()
         self.notifier.ready(wiring.summary())
         try:
             return self._loop()
