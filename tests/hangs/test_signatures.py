@@ -57,6 +57,15 @@ def test_rank_missing_at_start_matches_rendezvous_from_the_real_stack() -> None:
     assert "MASTER_ADDR:MASTER_PORT" in s.signature.remediation
 
 
+def test_a_rank_that_never_started_is_the_rendezvous_without_stacks() -> None:
+    # defaults (no stacks): rank 0 of WORLD_SIZE=2 alone at start-up, as on 4x H200
+    job = JobView("torch:127.0.0.1:29603", (RankView(1723, ("2",), 0, 0, 2),), 2, 2)
+    v = _verdict(job.job, ("rank_missing",), {1723: "idle"}, missing_count=1)
+    s = summarize(job, v, {}, None, builtin_catalog())
+    assert "ranks:never_started" in s.facts
+    assert s.signature is not None and s.signature.name == "rendezvous_missing_rank"
+
+
 def test_peer_death_matches_dead_peer_from_the_real_stack() -> None:
     job = JobView("torch:127.0.0.1:29544", (RankView(1031, ("0",), 0, 0, 2),), 2, 2)
     v = _verdict(job.job, ("rank_missing",), {1031: "spin"}, missing_ranks=(1,), missing_count=1)

@@ -187,6 +187,8 @@ def summarize(
             )
         )
     facts = {f"cond:{c}" for c in verdict.conditions}
+    if "rank_missing" in verdict.conditions and not verdict.missing_ranks:
+        facts.add("ranks:never_started")  # none seen and gone: the job is starting
     ras_facts, ras_missing, unresponsive = _ras_facts(report, {r.pid for r in job.ranks})
     facts |= ras_facts
     facts |= set(extra_facts)
