@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import socket
 import time
 from collections.abc import Sequence
 
@@ -163,3 +164,55 @@ def test_a_job_whose_gpus_all_worked_is_asked_within_the_grace() -> None:
 def _nvml(stamp: float, sm_active: dict[str, float] | None = None) -> SourceSnapshot:
     samples = tuple(Sample.of(SM_ACTIVE, v, gpu=g) for g, v in (sm_active or {}).items())
     return SourceSnapshot("nvml", samples, True, timestamp=stamp)
+
+
+class QuietRanks(Ranks):
+    """Two ranks idle on the CPU with no I/O: hung before NCCL (a data loader, a store)."""
+
+    def probe(self, jobs: Sequence[JobView], procfs: str) -> list[JobView]:
+        return [
+            dataclasses.replace(
+                j,
+                ranks=tuple(
+                    dataclasses.replace(
+                        r, state="S", cpu_seconds=5.0, io_bytes=0, age_seconds=self.age
+                    )
+                    for r in j.ranks
+                ),
+            )
+            for j in jobs
+        ]
+
+
+def _free_port_addr() -> str:
+    with socket.socket() as s:  # bound, then closed: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_a_job_without_nccl_still_gets_its_cpu_stall_once_ras_had_its_say() -> None:
+    """Defaults (RAS polled): a distributed job idle on CPU and GPU that no RAS answers
+    for (nothing listens: hung before NCCL started) is decided cpu_stall after the
+    start-up grace's first failed query, not held back for ever; a job that RAS has not
+    been asked about yet is not decided."""
+    io = QuietRanks(_free_port_addr(), age=5.0)
+    clock = FakeClock(start=1_800_000_000.0)
+    monitor = HangMonitor(Config(), clock, io=io, ras_workers=0)
+    grace = Config().hangs.startup_grace_seconds
+    decide = Config().hangs.decide_after_seconds
+    monitor.on_publish(NodeSnapshot(sources={"nvml": _nvml(clock.time())}))
+    start = clock.time()
+    found_at = None
+    while clock.time() - start < 120 and found_at is None:
+        clock.advance(1.0)
+        io.age += 1.0
+        monitor.tick()
+        if monitor.findings():
+            found_at = clock.time() - start
+        elif io.age < grace:
+            assert monitor._poller.queries == 0  # not asked during the grace
+    assert found_at is not None, "no verdict in 120 s"
+    (f,) = monitor.findings()
+    assert "no rank moved CPU time, I/O or its GPU" in f.reason
+    # the stall held from the first probes; decided once RAS failed to answer after the grace
+    assert decide <= found_at <= max(decide, grace - 5.0) + 10.0
