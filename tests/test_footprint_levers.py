@@ -18,7 +18,7 @@ from gpuwatchd.clock import FakeClock
 from gpuwatchd.sources import SourceContext
 from gpuwatchd.sources.kmsg.readers import KmsgReader, Line
 from gpuwatchd.sources.kmsg.source import BLOCKING_WAIT, KmsgSource
-from tests.sources.test_kmsg import kmsg_config, raw
+from tests.sources.kmsg_files import kmsg_config, raw
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOT = "6b1c1a36-8d7a-4b1e-9a55-0c2f7a1d0001"

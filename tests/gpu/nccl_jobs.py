@@ -16,7 +16,8 @@ Each rank writes DIR/markers/NAME.rankR.json ({"t": wall time, "pid", ...}):
 start (after init), ready (after warm-up), phase (what it does now),
 hang (the wall time a hang begins, written just before the blocking call),
 progress (steps so far, every 5 s), done. --fake replaces every GPU call by
-sleeps so the harness can be tried without a GPU.
+sleeps so the harness can be tried without a GPU (nccl_dry_run.py); the modes
+and the marker files are nccl_rank.py.
 """
 
 from __future__ import annotations
@@ -27,74 +28,17 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-# NVLink multicast stays off in every process (set before torch loads NCCL).
-MULTICAST_OFF = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
-os.environ.update(MULTICAST_OFF)
+from nccl_dry_run import run_fake
+from nccl_rank import CONTROLS, HANGS, Job
 
-CONTROLS = (
-    "healthy_ddp",
-    "healthy_fsdp",
-    "checkpoint",
-    "eval_pause",
-    "slow_loader",
-    "compile_start",
-    "ends_normally",
-)
-HANGS = (
-    "teardown_destroy",
-    "teardown_graph_attr",
-    "unbalanced",
-    "dead_peer",
-    "rendezvous_missing",
-    "xid_kill",
-)
 UNMAPPED = 0x7F_0000_0000
 SCRIBBLE = r"""
 extern "C" __global__ void scribble(unsigned int* where) { *where = 31u; }
 """
-
-
-class Job:
-    """The rank's identity, its directory and its marker files."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.dir = args.dir
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        self.fake = bool(args.fake)
-        os.makedirs(os.path.join(self.dir, "markers"), exist_ok=True)
-        self._last_progress = 0.0
-
-    def mark(self, name: str, **extra: Any) -> None:
-        path = os.path.join(self.dir, "markers", f"{name}.rank{self.rank}.json")
-        doc = {"t": time.time(), "pid": os.getpid(), "rank": self.rank, **extra}
-        with open(path + ".tmp", "w") as f:
-            json.dump(doc, f)
-        os.replace(path + ".tmp", path)
-        if name != "progress":  # every marker in order (the files keep only the last)
-            with open(os.path.join(self.dir, "markers", f"log.rank{self.rank}.jsonl"), "a") as f:
-                f.write(json.dumps({"name": name, **doc}) + "\n")
-            print(f"[rank {self.rank}] {name} {extra}", flush=True)
-
-    def progress(self, steps: int) -> None:
-        now = time.monotonic()
-        if now - self._last_progress >= 5.0:
-            self._last_progress = now
-            self.mark("progress", steps=steps)
-
-    def go(self) -> bool:
-        return os.path.exists(os.path.join(self.dir, "go"))
 
 
 # --- the real bodies (torch imported lazily so --fake and import checks need no torch) ----
@@ -388,69 +332,6 @@ def run_real(job: Job) -> int:
         time.sleep(3600)
         return 1
     raise SystemExit(f"unknown mode {mode}")
-
-
-# --- the dry run: the same markers, sleeps instead of GPU work ---------------------------
-
-
-def _fake_flight_recorder(job: Job) -> None:
-    """Answer a write to the pipe file with a dump file, as PyTorch's monitor thread does."""
-    pipe = os.environ.get("TORCH_NCCL_DEBUG_INFO_PIPE_FILE", "")
-    dump = os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "")
-    if not pipe or not dump:
-        return
-    path = f"{pipe}{job.rank}.pipe"
-    os.mkfifo(path)
-
-    def serve() -> None:
-        while True:
-            with open(path) as f:
-                if f.read():
-                    with open(f"{dump}{job.rank}", "w") as out:
-                        out.write(json.dumps({"fake": True, "rank": job.rank}))
-
-    threading.Thread(target=serve, daemon=True).start()
-
-
-def run_fake(job: Job) -> int:
-    mode, secs = job.args.mode, job.args.seconds
-    if mode == "rendezvous_missing":
-        job.mark("hang", what="fake init_process_group")
-        time.sleep(3600)
-        return 1
-    _fake_flight_recorder(job)
-    time.sleep(0.5)
-    job.mark("start")
-    time.sleep(min(job.args.warm, 1.0))
-    job.mark("ready")
-    if mode in CONTROLS:
-        if mode in ("checkpoint", "eval_pause") and job.rank == 0:
-            job.mark("phase", phase=mode)
-            os.makedirs(job.args.scratch, exist_ok=True)
-            path = os.path.join(job.args.scratch, f"fake-{os.getpid()}.bin")
-            end = time.monotonic() + secs
-            with open(path, "wb") as f:
-                while time.monotonic() < end:
-                    f.write(b"\0" * (1 << 16))
-                    f.flush()
-                    os.fsync(f.fileno())
-                    time.sleep(0.05)
-            os.unlink(path)
-        else:
-            time.sleep(secs)
-        job.mark("done")
-        return 0
-    if mode == "xid_kill":
-        while not job.go():
-            time.sleep(0.1)
-        if job.rank == 1:
-            job.mark("hang", what="fake fault")
-            job.mark("faulted", error="fake")
-            os._exit(1)
-    elif mode not in ("dead_peer",):
-        job.mark("hang", what=f"fake {mode}")
-    time.sleep(3600)
-    return 1
 
 
 def fake_torchrun(nproc: int, argv: list[str]) -> int:

@@ -11,7 +11,7 @@ from gpuwatchd.model import Event
 from gpuwatchd.sources import SourceContext
 from gpuwatchd.sources.kmsg.filereader import FileReader
 from gpuwatchd.sources.kmsg.source import KmsgSource
-from tests.sources.test_kmsg import kmsg_config, raw, xid_line
+from tests.sources.kmsg_files import kmsg_config, raw, xid_line
 
 
 def test_one_shot_file_reader_never_sleeps(tmp_path: Path) -> None:

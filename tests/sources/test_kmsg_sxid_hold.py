@@ -16,7 +16,7 @@ from gpuwatchd.model import Event
 from gpuwatchd.sources import SourceContext
 from gpuwatchd.sources.kmsg.readers import Line
 from gpuwatchd.sources.kmsg.source import SXID_HOLD, KmsgSource
-from tests.sources.test_kmsg import kmsg_config, raw
+from tests.sources.kmsg_files import kmsg_config, raw
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "kmsg"
 
