@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from gpuwatchd.jobview import JobView, RasAnswer, StackCapture
-from gpuwatchd.sources.hangs import flight, ras, stacks
+from gpuwatchd.sources.hangs import ras
 from gpuwatchd.sources.hangs.jobs import jobs_from_gpu_processes, jobs_from_workloads, read_environ
 from gpuwatchd.sources.hangs.proc import probe_jobs
 from gpuwatchd.state import NodeSnapshot
+
+if TYPE_CHECKING:
+    from gpuwatchd.sources.hangs import flight
 
 __all__ = ["NodeForensics"]
 
@@ -33,6 +37,8 @@ class NodeForensics:
 
     def capture(self, pid: int, timeout: float) -> StackCapture:
         """One py-spy dump of `pid`, bounded by `timeout`."""
+        from gpuwatchd.sources.hangs import stacks  # only on suspicion: kept out of the RSS
+
         return stacks.capture(pid, timeout=timeout)
 
     def ras(self, job: JobView, netns: bool, timeout: float) -> RasAnswer:
@@ -49,6 +55,8 @@ class NodeForensics:
         self, job: JobView, procfs: str, wait: Callable[[float], object]
     ) -> tuple[list[flight.GroupProgress], list[str]]:
         """Trigger each rank's flight recorder dump (where the job set a pipe), read them."""
+        from gpuwatchd.sources.hangs import flight  # only on suspicion (pickle and all)
+
         envs = {r.pid: read_environ(r.pid, procfs) for r in job.ranks if r.alive}
         now = time.time()
         ranked = [

@@ -128,7 +128,7 @@ def _resume(cfg: Config, args: argparse.Namespace) -> int:
 def _verify(cfg: Config, store: EventStore, args: argparse.Namespace) -> int | None:
     """Run diag standard before a resume; None to go ahead, else the exit code."""
     from gpuwatchd.cli.diag import EXIT, render_text
-    from gpuwatchd.diagnose import run_recorded
+    from gpuwatchd.diagnose.run import run_recorded
     from gpuwatchd.sinks.remediation.sink import engaged_actions, record
 
     rem = cfg.remediation

@@ -14,7 +14,7 @@ import json
 import sys
 from typing import Any
 
-from gpuwatchd.diagnose import DiagOptions, DiagReport, open_nvml, options_for, run_diag
+from gpuwatchd.diagnose.run import DiagOptions, DiagReport, open_nvml, options_for, run_diag
 
 __all__ = ["register", "render_text"]
 

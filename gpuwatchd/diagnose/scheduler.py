@@ -16,17 +16,19 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config
-from gpuwatchd.diagnose.run import DiagReport, run_recorded
 from gpuwatchd.model import Finding, MetricSpec, Sample, Severity
 from gpuwatchd.sinks.diag_store import failures_by_gpu, last_runs, repeat_offenders
 from gpuwatchd.sinks.remediation.slurm import SlurmNodes
 from gpuwatchd.sinks.store import EventStore
-from gpuwatchd.sources.diag.runner import WorkerRun
 from gpuwatchd.state import State
+
+if TYPE_CHECKING:  # a run's machinery loads with the first run, not with the daemon
+    from gpuwatchd.diagnose.run import DiagReport
+    from gpuwatchd.sources.diag.runner import WorkerRun
 
 __all__ = [
     "DiagScheduler",
@@ -223,6 +225,8 @@ class DiagScheduler:
         with self._lock:
             self._running = tier
         self.version += 1
+        from gpuwatchd.diagnose.run import run_recorded
+
         try:
             report, offenders = run_recorded(
                 self.cfg, self._store, tier, trigger, busy=self.busy, on_start=self._started

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.diag.measure import Measurement
-from gpuwatchd.diagnose import DiagOptions, run_diag
+from gpuwatchd.diagnose.run import DiagOptions, run_diag
 from gpuwatchd.errors import ConfigError
 from gpuwatchd.health.diag import evaluate, load_floors, verdict
 from gpuwatchd.sources.diag.dcgm import parse_dcgmi

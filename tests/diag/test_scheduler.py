@@ -12,7 +12,7 @@ import pytest
 
 from gpuwatchd import config
 from gpuwatchd.clock import FakeClock
-from gpuwatchd.diagnose import FAKE_WORKER_ENV
+from gpuwatchd.diagnose.run import FAKE_WORKER_ENV
 from gpuwatchd.diagnose.scheduler import DiagScheduler
 from gpuwatchd.model import Action, Finding, Severity, labels_of
 from gpuwatchd.sinks.store import EventStore
