@@ -11,6 +11,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from smi_nvlink import judge
 from smi_rows import Row, _num, _rows
 
 from gpuwatchd.model import Sample
@@ -127,18 +128,11 @@ def compare(
                     break
             theirs_raw = None if text is None else row.convert(text)
             theirs = None if theirs_raw is None else theirs_raw * row.scale
-            if ours is None and theirs is None:
-                verdict = "both n/a"
-            elif ours is None:
-                verdict = "missing in gpuwatchd"
-            elif theirs is None:
-                verdict = "n/a in nvidia-smi"
-            else:
-                allowed = max(row.tolerance, abs(theirs) * row.relative)
-                if used.startswith("tlimit:"):
-                    # two readings rounded to whole degrees, taken at different instants
-                    allowed = max(allowed, TLIMIT_TOLERANCE)
-                verdict = "agree" if abs(ours - theirs) <= allowed + 1e-9 else "MISMATCH"
+            allowed = max(row.tolerance, abs(theirs or 0.0) * row.relative)
+            if used.startswith("tlimit:"):
+                # two readings rounded to whole degrees, taken at different instants
+                allowed = max(allowed, TLIMIT_TOLERANCE)
+            verdict = judge(ours, theirs, allowed)
             results.append(
                 {
                     "gpu": bus,

@@ -190,6 +190,22 @@ def _value(samples: Iterable[Sample], name: str, uuid: str, **labels: str) -> fl
     return None
 
 
+def _absent(ours: object, theirs: object) -> str:
+    """The verdict when a side has no value ("" when both have one)."""
+    if ours is None and theirs is None:
+        return "both n/a"
+    if ours is None:
+        return "missing in gpuwatchd"
+    return "n/a in nvidia-smi" if theirs is None else ""
+
+
+def judge(ours: float | None, theirs: float | None, allowed: float) -> str:
+    """One value of gpuwatchd against nvidia-smi's: the verdict of a comparison row."""
+    if ours is None or theirs is None:
+        return _absent(ours, theirs)
+    return "agree" if abs(ours - theirs) <= allowed + 1e-9 else "MISMATCH"
+
+
 def _row(
     bus: str,
     metric: str,
@@ -199,14 +215,7 @@ def _row(
     theirs: float | None,
     allowed: float,
 ) -> dict[str, Any]:
-    if ours is None and theirs is None:
-        verdict = "both n/a"
-    elif ours is None:
-        verdict = "missing in gpuwatchd"
-    elif theirs is None:
-        verdict = "n/a in nvidia-smi"
-    else:
-        verdict = "agree" if abs(ours - theirs) <= allowed + 1e-9 else "MISMATCH"
+    verdict = judge(ours, theirs, allowed)
     return {
         "gpu": bus,
         "metric": metric,
@@ -393,10 +402,6 @@ def topology_rows(topology: Mapping[str, Any] | None, topo: str) -> list[dict[st
 
 
 def _text_verdict(ours: str | None, theirs: str | None) -> str:
-    if ours is None and theirs is None:
-        return "both n/a"
-    if ours is None:
-        return "missing in gpuwatchd"
-    if theirs is None:
-        return "n/a in nvidia-smi"
+    if ours is None or theirs is None:
+        return _absent(ours, theirs)
     return "agree" if ours == theirs else "MISMATCH"

@@ -14,16 +14,6 @@ from gpuwatchd.sources.nvml.source import NvmlSource
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "nvml"
 H200X2 = FIXTURES / "h200x2-probe.json"
 H200X8 = FIXTURES / "h200x8-from-h200x2.json"
-GPU0 = {
-    "gpu": "0",
-    "uuid": "GPU-544a204b-219a-29ac-8147-ab3c8c9d52c6",
-    "pci_bus_id": "0000:00:06.0",
-}
-GPU1 = {
-    "gpu": "1",
-    "uuid": "GPU-cb99ac69-31a4-2508-9794-b7f3ed611416",
-    "pci_bus_id": "0000:00:07.0",
-}
 
 
 class Rig:

@@ -23,10 +23,9 @@ from gpuwatchd.sources import SourceContext
 from gpuwatchd.sources.nvml.client import Pynvml, normalize_bus_id, nvml_errors
 from gpuwatchd.sources.nvml.replay import ReplayClient, load_capture
 from gpuwatchd.sources.nvml.source import METRICS, NvmlSource
+from tests.health.snapshots import GPU0, GPU1
 from tests.sources.nvml_rigs import (
     FIXTURES,
-    GPU0,
-    GPU1,
     H200X2,
     Rig,
     closing_rigs,

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from gpuwatchd.sources.nvml.replay import load_capture
+from tests.health.snapshots import GPU1
 from tests.sources.nvml_rigs import (
     FIXTURES,
-    GPU1,
     H200X2,
     H200X8,
     Rig,

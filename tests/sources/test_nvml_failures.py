@@ -12,7 +12,8 @@ import pytest
 
 from gpuwatchd.clock import FakeClock
 from gpuwatchd.errors import SourceError
-from tests.sources.nvml_rigs import GPU0, GPU1, H200X8, Rig, closing_rigs, find, rig, value
+from tests.health.snapshots import GPU0, GPU1
+from tests.sources.nvml_rigs import H200X8, Rig, closing_rigs, find, rig, value
 
 
 @pytest.fixture
