@@ -129,7 +129,7 @@ def test_consumers_found() -> None:
     found = dict(consumers())
     assert any("rules.yaml" in k for k in found) and any(k.endswith(".json") for k in found)
     assert len(found["deploy/prometheus/gpuwatchd-rules.yaml"]) > 20
-    assert "gpuwatchd_gpu_power_watts" in found["gpuwatchd/health/stuck.py"]
+    assert "gpuwatchd_gpu_power_watts" in found["gpuwatchd/health/hangs/gpu.py"]
     assert "gpuwatchd:node_health:max" in recorded_names()
 
 

@@ -24,6 +24,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from gpuwatchd.clock import Clock
+from gpuwatchd.health.hangs.gpu import POWER, POWER_LIMIT, UTIL, activity_from_samples
 from gpuwatchd.logs import escape_control
 from gpuwatchd.model import Action, Finding, GpuInventory, Labels, Sample, Severity
 
@@ -53,9 +54,6 @@ REMEDIATION = (
     "(TORCH_NCCL_ASYNC_ERROR_HANDLING=1, init_process_group(timeout=...)) so hangs end on "
     "their own. If confirmed, kill and restart the job."
 )
-UTIL = "gpuwatchd_gpu_utilization_ratio"
-POWER = "gpuwatchd_gpu_power_watts"
-POWER_LIMIT = "gpuwatchd_gpu_power_limit_watts"
 SUBJECT_LABELS = ("gpu", "uuid", "pci_bus_id")
 
 
@@ -199,38 +197,26 @@ def readings_from_samples(
     describe: Callable[[int], str] | None = None,
 ) -> list[GpuReading]:
     """Build readings from the NVML source's samples (and its GPUs' processes for pids)."""
-    per: dict[str, dict[str, float]] = {}
-    subjects: dict[str, Labels] = {}
+    samples = list(samples)
+    subjects: dict[str, Labels] = {}  # GPUs with a utilisation or power reading
     for s in samples:
         gpu = s.label("gpu")
-        if not gpu:
-            continue
-        if s.name == UTIL:
-            key = "mem" if s.label("engine") == "memory" else "util"
-        elif s.name == POWER:
-            key = "power"
-        elif s.name == POWER_LIMIT:
-            key = "limit"
-        else:
-            continue
-        per.setdefault(gpu, {})[key] = s.value
-        subjects.setdefault(gpu, tuple((k, s.label(k)) for k in SUBJECT_LABELS if s.label(k)))
+        if gpu and s.name in (UTIL, POWER, POWER_LIMIT):
+            subjects.setdefault(gpu, tuple((k, s.label(k)) for k in SUBJECT_LABELS if s.label(k)))
     pids = gpus.pids_by_gpu() if gpus is not None else {}
-    out = []
-    for gpu, v in sorted(per.items()):
-        procs = tuple(describe(p) if describe else str(p) for p in pids.get(gpu, ()))
-        out.append(
-            GpuReading(
-                gpu,
-                v.get("util"),
-                v.get("mem"),
-                v.get("power"),
-                v.get("limit"),
-                subjects.get(gpu, ()),
-                procs,
-            )
+    return [
+        GpuReading(
+            a.gpu,
+            a.utilization,
+            a.memory_utilization,
+            a.power_watts,
+            a.power_limit_watts,
+            subjects[a.gpu],
+            tuple(describe(p) if describe else str(p) for p in pids.get(a.gpu, ())),
         )
-    return out
+        for a in activity_from_samples(samples)
+        if a.gpu in subjects
+    ]
 
 
 def readings_from_snapshot(
