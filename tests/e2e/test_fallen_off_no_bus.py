@@ -14,9 +14,8 @@ from pathlib import Path
 
 from gpuwatchd.cli import main
 from gpuwatchd.sources.kmsg.parse import parse_line
+from tests.check_config import write_check_config
 
-ROOT = Path(__file__).resolve().parents[2]
-H200 = ROOT / "tests" / "fixtures" / "nvml" / "h200x2-probe.json"
 LINE = "[ 1843.308145] NVRM: GPU has fallen off the bus.\n"
 
 
@@ -29,18 +28,7 @@ def test_parser_reads_a_fall_off_without_a_bus_id() -> None:
 def test_check_and_scan_report_it_critical_at_node_level(tmp_path: Path, capsys) -> None:
     log = tmp_path / "kern.log"
     log.write_text(LINE)
-    for d in ("shm", "sys"):
-        (tmp_path / d).mkdir()
-    (tmp_path / "boot_id").write_text("0f3c1f7e-8a2b-4c6d-9e10-1234567890ab\n")
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(
-        f"daemon: {{state_dir: {tmp_path / 'state'}, node_name: gpu-node-17}}\n"
-        f"paths: {{dev_shm: {tmp_path / 'shm'}, sysfs: {tmp_path / 'sys'},"
-        f" boot_id: {tmp_path / 'boot_id'}}}\n"
-        "sources:\n"
-        f"  nvml: {{replay: {H200}}}\n"
-        f"  kmsg: {{backend: file, file: {log}}}\n"
-    )
+    cfg = write_check_config(tmp_path, log)
     assert main(["check", "--json", "--config", str(cfg)]) == 2
     [cond] = json.loads(capsys.readouterr().out)["conditions"]
     assert (cond["alertname"], cond["severity"], cond["scope"]) == (

@@ -14,10 +14,8 @@ from pathlib import Path
 from gpuwatchd.cli import main
 from gpuwatchd.health.xid.catalog import default_catalog
 from gpuwatchd.sources.kmsg.parse import parse_line
+from tests.check_config import write_check_config
 
-ROOT = Path(__file__).resolve().parents[2]
-H200 = ROOT / "tests" / "fixtures" / "nvml" / "h200x2-probe.json"
-BOOT = "0f3c1f7e-8a2b-4c6d-9e10-1234567890ab"
 LINES = (
     "[ 1843.308145] NVRM: Xid (PCI:0000:00:06): 99999, pid=1773, name=python3, a future report\n"
     "[ 1843.410007] nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 99999, Non-fatal, Link 32 future\n"
@@ -41,18 +39,7 @@ def test_parser_reads_codes_beyond_the_catalog() -> None:
 def test_check_reports_unknown_codes_with_the_fallback_remediation(tmp_path: Path, capsys) -> None:
     log = tmp_path / "kern.log"
     log.write_text(LINES)
-    for d in ("shm", "sys"):
-        (tmp_path / d).mkdir()
-    (tmp_path / "boot_id").write_text(BOOT + "\n")
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(
-        f"daemon: {{state_dir: {tmp_path / 'state'}, node_name: gpu-node-17}}\n"
-        f"paths: {{dev_shm: {tmp_path / 'shm'}, sysfs: {tmp_path / 'sys'},"
-        f" boot_id: {tmp_path / 'boot_id'}}}\n"
-        "sources:\n"
-        f"  nvml: {{replay: {H200}}}\n"
-        f"  kmsg: {{backend: file, file: {log}}}\n"
-    )
+    cfg = write_check_config(tmp_path, log)
     assert main(["check", "--json", "--config", str(cfg)]) == 1
     report = json.loads(capsys.readouterr().out)
     got = {

@@ -15,26 +15,16 @@ from gpuwatchd.clock import FakeClock
 from gpuwatchd.config.schema import HangsConfig
 from gpuwatchd.health.hangs.monitor import HangMonitor
 from gpuwatchd.sinks.store import EventStore
+from tests.check_config import write_check_config
 from tests.hangs.replay import polls
 
 ROOT = Path(__file__).resolve().parents[2]
-H200 = ROOT / "tests" / "fixtures" / "nvml" / "h200x2-probe.json"
 NO_XID = ROOT / "tests" / "fixtures" / "kmsg" / "talos-kern-nvrm-no-xid.txt"
 
 
 @pytest.fixture
 def cfg(tmp_path: Path) -> config.Config:
-    (tmp_path / "shm").mkdir()
-    (tmp_path / "sys").mkdir()
-    (tmp_path / "boot_id").write_text("0f3c1f7e-8a2b-4c6d-9e10-1234567890ab\n")
-    path = tmp_path / "config.yaml"
-    path.write_text(
-        f"daemon: {{state_dir: {tmp_path / 'state'}, node_name: n}}\n"
-        f"paths: {{dev_shm: {tmp_path / 'shm'}, sysfs: {tmp_path / 'sys'},"
-        f" boot_id: {tmp_path / 'boot_id'}}}\n"
-        f"sources:\n  nvml: {{replay: {H200}}}\n  kmsg: {{backend: file, file: {NO_XID}}}\n"
-        "hangs: {ras: false}\n"
-    )
+    path = write_check_config(tmp_path, NO_XID, node="n", extra="hangs: {ras: false}\n")
     c = config.load(str(path))
     (tmp_path / "state").mkdir()
     return dataclasses.replace(c, hangs=HangsConfig(ras=False))
