@@ -16,7 +16,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tests.conftest import FIXTURES, DaemonProcess
 from tests.servers import AlertmanagerServer
@@ -35,6 +35,20 @@ FIGURES = (
 )
 
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+T = TypeVar("T")
+
+
+def wait_until(pred: Callable[[], T], timeout: float = 15.0) -> T:
+    """`pred()` once it is truthy (polled every 0.1 s), else its last value at the timeout."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.1)
+    return pred()
 
 
 def xid_line(code: int, gpu: int, tag: str = "") -> str:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tests.conftest import FIXTURES, DaemonProcess
+from tests.e2e.faults import wait_until
 
 CAPTURE = FIXTURES / "nvml" / "h200x2-probe.json"  # GPU 0 at 0000:00:06.0
 PID = 4242
@@ -42,16 +43,6 @@ def xid_line(logged: float) -> str:
         " channel 0x0000000a, intr 00000000. MMU Fault: ENGINE GRAPHICS GPC0 GPCCLIENT_T1_6"
         " faulted @ 0x7f_00000000. Fault is of type FAULT_PDE ACCESS_TYPE_VIRT_WRITE\n"
     )
-
-
-def wait(pred, timeout: float = 15.0):  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.1)
-    return pred()
 
 
 def test_a_reused_pid_is_blamed_on_the_right_job(
@@ -82,11 +73,11 @@ def test_a_reused_pid_is_blamed_on_the_right_job(
         found = json.loads(d.get("/status")[1])["sources"].get("workloads", {})
         return [str(w.get("slurm_job")) for w in found.get("workloads", [])]
 
-    assert wait(lambda: jobs() == ["111"]), d.output()[-3000:]
+    assert wait_until(lambda: jobs() == ["111"]), d.output()[-3000:]
     # job 111 ends; job 222 starts on the same pid five seconds ago
     taken = time.monotonic() - 5
     fake_process(procfs, "222", "7", taken)
-    assert wait(lambda: jobs() == ["222"], 5.0), f"the workload still says {jobs()}"
+    assert wait_until(lambda: jobs() == ["222"], 5.0), f"the workload still says {jobs()}"
 
     with open(kern, "a") as f:
         f.write(xid_line(time.time()))  # from the new process
@@ -94,13 +85,13 @@ def test_a_reused_pid_is_blamed_on_the_right_job(
     def events() -> list[dict[str, dict[str, str]]]:
         return list(json.loads(d.get("/events?code=31")[1])["events"])
 
-    [new] = wait(events)
+    [new] = wait_until(events)
     assert (new["attrs"]["slurm_job"], new["attrs"]["workload_id"]) == ("222", "222")
     assert new["attrs"]["rank"] == "7"
 
     with open(kern, "a") as f:
         f.write(xid_line(boot + taken - 20))  # the old process's, read after the pid was taken
-    got = wait(lambda: len(events()) == 2 and events())
+    got = wait_until(lambda: len(events()) == 2 and events())
     assert got, d.output()[-3000:]
     old = next(e for e in got if e["attrs"] is not new["attrs"] and e != new)
     assert old["attrs"]["attribution"] == "pid reused"

@@ -7,13 +7,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import FIXTURES
+from tests.e2e.faults import wait_until
 
 CAPTURE = FIXTURES / "nvml" / "h200x2-probe.json"  # GPU 0 at 0000:00:06.0
 
@@ -34,16 +34,6 @@ def rank5() -> Iterator[subprocess.Popen[bytes]]:
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.close()
     proc.stdout.close()
-
-
-def wait(pred, timeout: float = 20.0):  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.1)
-    return pred()
 
 
 def test_workload_in_status_metrics_and_xid_event(start_daemon, tmp_path, rank5) -> None:
@@ -68,7 +58,7 @@ def test_workload_in_status_metrics_and_xid_event(start_daemon, tmp_path, rank5)
         found = status["sources"].get("workloads", {}).get("workloads", [])
         return [w for w in found if w.get("id") == str(rank5.pid)]
 
-    found = wait(workloads)
+    found = wait_until(workloads, 20.0)
     assert len(found) == 1, d.output()[-3000:]
     w = found[0]
     [p] = w["processes"]  # type: ignore[index]
@@ -89,7 +79,7 @@ def test_workload_in_status_metrics_and_xid_event(start_daemon, tmp_path, rank5)
     def event() -> list[dict[str, object]]:
         return json.loads(d.get("/events?code=31")[1])["events"]
 
-    events = wait(event)
+    events = wait_until(event, 20.0)
     assert len(events) == 1, d.output()[-3000:]
     ev = events[0]
     attrs = ev["attrs"]
