@@ -14,24 +14,15 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import bcrypt
 import pytest
-import trustme
+
+from tests.web_tls import tls_basic_auth_web
 
 PASSWORD = "tls-e2e-password"
 
 
 def test_daemon_serves_https_with_basic_auth(tmp_path: Path, start_daemon: Any) -> None:
-    ca = trustme.CA()
-    ca_file, server_file = tmp_path / "ca.pem", tmp_path / "server.pem"
-    ca.cert_pem.write_to_path(ca_file)
-    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(server_file)
-    hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(4)).decode()
-    web = tmp_path / "web.yml"
-    web.write_text(
-        f"tls_server_config:\n  cert_file: {server_file}\n  key_file: {server_file}\n"
-        f"basic_auth_users:\n  prom: '{hashed}'\n"
-    )
+    ca_file, web = tls_basic_auth_web(tmp_path, PASSWORD)
     replay = Path(__file__).resolve().parents[1] / "fixtures" / "nvml" / "h100-idle-record.json"
     d = start_daemon(
         f"http:\n  web_config_file: {web}\nsources:\n  nvml: {{replay: {replay}}}\n"
