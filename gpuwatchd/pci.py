@@ -96,15 +96,20 @@ def _numa(devdir: str) -> int | None:
     return node if node >= 0 else None
 
 
+def _bridges_shared(a: PciPlace, b: PciPlace) -> int:
+    """How many bridges below their host bridge two functions have in common."""
+    common = 0
+    for x, y in zip(a.chain[:-1], b.chain[:-1], strict=False):
+        if x != y:
+            break
+        common += 1
+    return common
+
+
 def relation(a: PciPlace, b: PciPlace) -> str | None:
     """The closest affinity of two functions (see AFFINITIES), or None."""
     if a.host == b.host:
-        common = 0
-        for x, y in zip(a.chain[:-1], b.chain[:-1], strict=False):
-            if x != y:
-                break
-            common += 1
-        return "pcie_switch" if common else "host_bridge"
+        return "pcie_switch" if _bridges_shared(a, b) else "host_bridge"
     if a.numa_node is not None and a.numa_node == b.numa_node:
         return "numa_node"
     return None
@@ -118,11 +123,7 @@ def smi_relation(a: PciPlace, b: PciPlace) -> str:
     complex in common.
     """
     if a.host == b.host:
-        common = 0
-        for x, y in zip(a.chain[:-1], b.chain[:-1], strict=False):
-            if x != y:
-                break
-            common += 1
+        common = _bridges_shared(a, b)
         if not common:
             return "PHB"
         below = max(len(a.chain) - 1 - common, len(b.chain) - 1 - common)

@@ -324,15 +324,22 @@ class WebServer:
         conn.state = HEAD
         self._read_head(conn)  # the request may have come with the last handshake flight
 
+    def _recv(
+        self, conn: Connection, failed: Callable[[Connection, OSError], None]
+    ) -> bytes | None:
+        """One read: the bytes (b"" at the peer's end), or None when it must wait or failed."""
+        try:
+            return conn.sock.recv(8192)
+        except BlockingIOError:
+            self._want(conn, IN)
+        except OSError as exc:
+            failed(conn, exc)
+        return None
+
     def _read_head(self, conn: Connection) -> None:
         while True:
-            try:
-                chunk = conn.sock.recv(8192)
-            except BlockingIOError:
-                self._want(conn, IN)
-                return
-            except OSError as exc:
-                self._io_failed(conn, exc)
+            chunk = self._recv(conn, self._io_failed)
+            if chunk is None:
                 return
             if not chunk:
                 if conn.buf:
@@ -436,13 +443,8 @@ class WebServer:
 
     def _linger(self, conn: Connection) -> None:
         while True:
-            try:
-                chunk = conn.sock.recv(8192)
-            except BlockingIOError:
-                self._want(conn, IN)
-                return
-            except OSError:
-                self._close(conn)
+            chunk = self._recv(conn, lambda c, _exc: self._close(c))
+            if chunk is None:
                 return
             conn.drained += len(chunk)
             if not chunk or conn.drained > _LINGER_BYTES:
