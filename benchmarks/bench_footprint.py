@@ -70,6 +70,29 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def rss_by_mapping(pid: int) -> dict[str, float]:
+    """RSS in MiB per kind of mapping: [heap], [anon] (pymalloc arenas, thread heaps and
+    stacks, large blocks) or the mapped file's name (a shared library, a database)."""
+    out: dict[str, float] = {}
+    name = "[anon]"
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()
+        if not head[0].endswith(":"):  # a mapping's first line: range, perms, ..., path
+            name = head[5].rsplit("/", 1)[-1] if len(head) > 5 else "[anon]"
+        elif head[0] == "Rss:":
+            out[name] = out.get(name, 0.0) + int(head[1]) / 1024
+    return out
+
+
+def mapping_difference(daemon: dict[str, float], floor: dict[str, float]) -> dict[str, float]:
+    """Where the daemon's RSS above the floor lives: the mappings that differ by 0.1 MiB
+    or more, largest first."""
+    diff = {k: daemon.get(k, 0.0) - floor.get(k, 0.0) for k in {*daemon, *floor}}
+    return {
+        k: round(v, 2) for k, v in sorted(diff.items(), key=lambda kv: -abs(kv[1])) if abs(v) >= 0.1
+    }
+
+
 def import_seconds(code: str, runs: int = 5) -> float:
     """Best wall time of a fresh interpreter running `code`."""
     best = float("inf")
@@ -127,6 +150,7 @@ def measure(replay: str | None, seconds: float, warmup: float = 5.0) -> dict[str
             t1 = time.monotonic()
             cpu1 = {k: cpu_seconds(p) for k, p in pids.items()}
             rss = {k: rss_bytes(p) / 2**20 for k, p in pids.items()}
+            where = mapping_difference(rss_by_mapping(proc.pid), rss_by_mapping(floor.pid))
     finally:
         floor.terminate()
         floor.wait(10)
@@ -142,6 +166,7 @@ def measure(replay: str | None, seconds: float, warmup: float = 5.0) -> dict[str
         "floor_cpu_percent_of_one_core": round(cpu["floor"] * 100, 3),
         "cpu_above_floor_percent": round((cpu["daemon"] - cpu["floor"]) * 100, 3),
         "scrape_bytes_on_wire": wire,
+        "rss_above_floor_by_mapping_mib": where,
     }
 
 
@@ -180,6 +205,10 @@ def main() -> int:
         last = mib
     beyond = fig["daemon_rss_mib"] - last
     rows.append(f"| RSS of the running daemon beyond its imports | {beyond:+.1f} MiB |")
+    where = ", ".join(
+        f"{k} {v:+.1f}" for k, v in list(fig["rss_above_floor_by_mapping_mib"].items())[:6]
+    )
+    rows.append(f"| RSS above the floor by mapping (MiB, largest) | {where} |")
     publish(fig, "Footprint beside a bare pynvml process", rows, args.section, args.json)
     return 0
 

@@ -1,6 +1,7 @@
 """What keeps the idle daemon small and quiet: a kernel log reader that blocks until a
 record comes or the runner stops it, the exposition on the daemon's own server, the
-hang catalog parsed at first use."""
+hang catalog and the diag floors parsed at first use, the shipped data read without
+`zipfile`."""
 
 from __future__ import annotations
 
@@ -120,6 +121,8 @@ def probe():
     verdict.append(str("prometheus_client.exposition" in sys.modules))
     verdict.append(str(len(servers)))
     verdict.append(str(b"gpuwatchd_gpu_temperature_celsius" in reply))
+    # no config file, no diag judged: no YAML parser; shipped data without zipfile
+    verdict.append(",".join(m for m in ("yaml", "zipfile") if m in sys.modules) or "-")
     os.kill(os.getpid(), signal.SIGTERM)
 
 threading.Thread(target=probe, daemon=True).start()
@@ -130,7 +133,7 @@ print(rc, *verdict)
 
 def test_daemon_renders_through_prometheus_client_on_its_own_server(tmp_path: Path) -> None:
     capture = ROOT / "tests" / "fixtures" / "nvml" / "h100-idle-record.json"
-    assert _python(_OWN_SERVER, str(capture), str(tmp_path)).split() == ["0", "True", "0", "True"]
+    assert _python(_OWN_SERVER, str(capture), str(tmp_path)).split() == ["0", "True", "0", "True", "-"]
 
 
 _NO_YAML = """

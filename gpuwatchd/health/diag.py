@@ -10,14 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from gpuwatchd.diag.measure import Measurement
 from gpuwatchd.errors import ConfigError
+from gpuwatchd.shipped import shipped_text
 
 __all__ = [
     "DiagResult",
@@ -128,7 +126,9 @@ def _checks(entry: object, origin: str, where: str) -> dict[str, Mapping[str, An
 
 def load_floors(site_file: str = "") -> Floors:
     """The shipped floors, with the site's file (if named) matched first."""
-    text = resources.files("gpuwatchd").joinpath("data/diag-floors.yaml").read_text()
+    import yaml  # here: the daemon stores diag results without ever judging one
+
+    text = shipped_text("diag-floors.yaml")
     models, defaults = _parse(yaml.safe_load(text), "shipped")
     if site_file:
         try:

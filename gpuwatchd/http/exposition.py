@@ -32,7 +32,10 @@ Encoder = Callable[[Collector], bytes]
 # Content types kept per generation: the Accept header may name any version or escaping.
 MAX_CACHED_FORMATS = 8
 _EOF = b"# EOF\n"
-_GZIP = 31  # zlib wbits: a gzip header and trailer
+# zlib wbits 16 + 13: a gzip header and trailer, an 8 KiB window; with memLevel 4 the kept
+# compressor holds 40 KiB instead of 260 (an 8-GPU body gzips to 11.9 KB instead of 10.9).
+_GZIP_WBITS = 16 + 13
+_GZIP_MEM_LEVEL = 4
 
 
 def negotiate(accept: str) -> tuple[Encoder, str]:
@@ -71,7 +74,7 @@ class Exposition:
         if not gzip_accepted(accept_encoding):
             return entry.body + tail, headers
         if entry.gzip is None:
-            compressor = zlib.compressobj(wbits=_GZIP)
+            compressor = zlib.compressobj(wbits=_GZIP_WBITS, memLevel=_GZIP_MEM_LEVEL)
             entry.gzip = (compressor.compress(entry.body), compressor)
         prefix, compressor = entry.gzip
         rest = compressor.copy()  # the cached one stays positioned after the body

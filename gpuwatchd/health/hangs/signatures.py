@@ -13,9 +13,9 @@ import functools
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from importlib import resources
 
 from gpuwatchd.errors import ConfigError
+from gpuwatchd.shipped import shipped_text
 
 __all__ = [
     "Alternative",
@@ -107,7 +107,7 @@ def builtin_catalog() -> tuple[Signature, ...]:
     """The shipped catalog, parsed once."""
     import yaml  # here: a node that never hangs needs no YAML parser
 
-    text = (resources.files("gpuwatchd") / "data" / "hang-signatures.yaml").read_text("utf-8")
+    text = shipped_text("hang-signatures.yaml")
     return parse_catalog(yaml.safe_load(text), "gpuwatchd/data/hang-signatures.yaml")
 
 

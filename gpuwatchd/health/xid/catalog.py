@@ -13,12 +13,12 @@ import functools
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
-from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from gpuwatchd.errors import CatalogError, ConfigError
 from gpuwatchd.health.xid import nvlink5
 from gpuwatchd.model import Action, Severity
+from gpuwatchd.shipped import shipped_text
 
 if TYPE_CHECKING:
     from gpuwatchd.config import Config
@@ -241,7 +241,7 @@ def build(data: Mapping[str, Any]) -> Catalog:
 def load_catalog(path: str | None = None) -> Catalog:
     """Load a catalog file (.json compact or .yaml full); None = the shipped one."""
     if path is None:
-        text = (resources.files("gpuwatchd") / "data" / "xid-catalog.json").read_text("utf-8")
+        text = shipped_text("xid-catalog.json")
         return build(json.loads(text))
     with open(path, encoding="utf-8") as f:
         if path.endswith((".yaml", ".yml")):

@@ -10,11 +10,11 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any
 
 from gpuwatchd.errors import CatalogError
 from gpuwatchd.model import Action, Severity
+from gpuwatchd.shipped import shipped_text
 
 __all__ = ["Nvlink5Report", "Nvlink5Rule", "decide", "parse_report", "rules"]
 
@@ -112,7 +112,7 @@ def rules() -> tuple[Nvlink5Rule, ...]:
     """The decode table, loaded once (YAML only when an NVLink5 report needs it)."""
     import yaml
 
-    text = (resources.files("gpuwatchd") / "data" / "nvlink5-status.yaml").read_text("utf-8")
+    text = shipped_text("nvlink5-status.yaml")
     data = yaml.safe_load(text)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CatalogError(f"nvlink5-status.yaml: format {FORMAT} expected")
