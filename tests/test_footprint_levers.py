@@ -133,7 +133,8 @@ print(rc, *verdict)
 
 def test_daemon_renders_through_prometheus_client_on_its_own_server(tmp_path: Path) -> None:
     capture = ROOT / "tests" / "fixtures" / "nvml" / "h100-idle-record.json"
-    assert _python(_OWN_SERVER, str(capture), str(tmp_path)).split() == ["0", "True", "0", "True", "-"]
+    verdict = _python(_OWN_SERVER, str(capture), str(tmp_path)).split()
+    assert verdict == ["0", "True", "0", "True", "-"]
 
 
 _NO_YAML = """
