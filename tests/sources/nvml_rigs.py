@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +53,3 @@ def value(samples: Sequence[Sample], name: str, **labels: str) -> float:
     found = find(samples, name, **labels)
     assert len(found) == 1, (name, labels, found)
     return found[0].value
-
-
-def closing_rigs() -> Iterator[list[Rig]]:
-    """The rigs a test makes, closed at its end (the body of each file's `rigs` fixture)."""
-    made: list[Rig] = []
-    yield made
-    for rig in made:
-        rig.close()

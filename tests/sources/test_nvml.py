@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,17 +27,10 @@ from tests.sources.nvml_rigs import (
     FIXTURES,
     H200X2,
     Rig,
-    closing_rigs,
     find,
     rig,
     value,
 )
-
-
-@pytest.fixture
-def rigs() -> Iterator[list[Rig]]:
-    yield from closing_rigs()
-
 
 # Values read off the probe file by hand (tests/fixtures/nvml/source/), not
 # through the converter, so a conversion or decoding slip shows up here.

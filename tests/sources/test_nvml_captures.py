@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,16 +14,10 @@ from tests.sources.nvml_rigs import (
     H200X2,
     H200X8,
     Rig,
-    closing_rigs,
     find,
     rig,
     value,
 )
-
-
-@pytest.fixture
-def rigs() -> Iterator[list[Rig]]:
-    yield from closing_rigs()
 
 
 def test_eight_gpu_replay(rigs: list[Rig]) -> None:

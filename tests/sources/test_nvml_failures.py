@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,12 +12,7 @@ import pytest
 from gpuwatchd.clock import FakeClock
 from gpuwatchd.errors import SourceError
 from tests.health.snapshots import GPU0, GPU1
-from tests.sources.nvml_rigs import H200X8, Rig, closing_rigs, find, rig, value
-
-
-@pytest.fixture
-def rigs() -> Iterator[list[Rig]]:
-    yield from closing_rigs()
+from tests.sources.nvml_rigs import H200X8, Rig, find, rig, value
 
 
 def test_a_hung_gpu_costs_one_deadline_and_recovers(rigs: list[Rig]) -> None:

@@ -8,36 +8,33 @@ anything that can change them makes the next poll ask again.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import load_text
 from gpuwatchd.errors import ConfigError
 from gpuwatchd.model import Sample
-from gpuwatchd.sources.nvml.replay import ReplayClient
-from gpuwatchd.sources.nvml.source import NvmlSource
+from tests.sources.nvml_rigs import FIXTURES as NVML
+from tests.sources.nvml_rigs import Rig
 
-NVML = Path(__file__).resolve().parent.parent / "fixtures" / "nvml"
 H100 = NVML / "h100-idle-record.json"
 STATIC = ("applications_clock(0)", "applications_clock(2)", "ecc_mode", "mig_mode")
 
 
-class Rig:
-    """The NVML source over the H100 idle replay on a FakeClock."""
+class StaticRig(Rig):
+    """The NVML source over the H100 idle replay, static reads every 300 s, 10 s a poll."""
 
     def __init__(
         self, script: Sequence[dict[str, Any]] = (), capture: Path = H100, **kwargs: Any
     ) -> None:
-        self.clock = FakeClock()
-        self.client = ReplayClient.load(capture, script=script, clock=self.clock)
         kwargs.setdefault("static_interval", 300.0)
-        self.source = NvmlSource(self.client, clock=self.clock, call_timeout=2.0, **kwargs)
+        super().__init__(capture, script=script, **kwargs)
 
     def poll(self, advance: float = 10.0) -> list[Sample]:
+        """The samples of the next poll (an Xid event it brings is not asserted away)."""
         self.clock.advance(advance)
         return [i for i in self.source.poll(self.clock.time()) if isinstance(i, Sample)]
 
@@ -46,17 +43,8 @@ class Rig:
         return {key: self.client.count(0, key) for key in STATIC}
 
 
-@pytest.fixture
-def rigs() -> Iterator[list[Rig]]:
-    made: list[Rig] = []
-    yield made
-    for r in made:
-        r.client.release()
-        r.source.close()
-
-
-def rig(rigs: list[Rig], *args: Any, **kwargs: Any) -> Rig:
-    r = Rig(*args, **kwargs)
+def rig(rigs: list[Rig], *args: Any, **kwargs: Any) -> StaticRig:
+    r = StaticRig(*args, **kwargs)
     rigs.append(r)
     return r
 
