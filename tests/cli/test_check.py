@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import sqlite3
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -322,3 +324,26 @@ def test_json_topology_of_a_vm_that_hides_the_nvlink_far_ends(write_config, caps
     }
     assert [g["cpu_affinity"] for g in topology["gpus"]] == ["0-31", "0-31"]
     assert [g["numa_node"] for g in topology["gpus"]] == [None, None]  # no sysfs, not recorded
+
+
+def test_the_process_exits_at_its_timeout_while_nvml_hangs(write_config, tmp_path) -> None:
+    """The verdict at the deadline is not enough: the process must exit then too. A pool
+    worker blocked on a hung call held the interpreter's exit for the whole NVML call
+    timeout (5.3 s for `--timeout 2` as a Slurm prolog measured it)."""
+    hung = _hanging(tmp_path, {"device": 1, "call": "temperature*", "hang": True})
+    cfg = write_config(NO_XID, nvml=hung)
+    cfg.write_text(
+        cfg.read_text().replace(f"replay: {hung}}}", f"replay: {hung}, call_timeout: 20}}")
+    )
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpuwatchd", "check", "--timeout", "2", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    elapsed = time.monotonic() - started
+    assert proc.returncode in (2, 3), proc.stdout + proc.stderr
+    assert "nvml no answer within 2s" in proc.stdout
+    assert elapsed < 10, f"exited after {elapsed:.1f}s; the NVML call timeout is 20 s"

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from gpuwatchd.sources.nvml.replay import load_capture
+from gpuwatchd.config.load import load_text as load_config_text
+from gpuwatchd.sources import SourceContext
+from gpuwatchd.sources.nvml.events import XidListener
+from gpuwatchd.sources.nvml.replay import ReplayClient, load_capture
+from gpuwatchd.sources.nvml.source import NvmlSource
 from tests.health.snapshots import GPU1
 from tests.sources.nvml_rigs import (
     FIXTURES,
@@ -156,3 +162,64 @@ def test_4xh200_hang_capture_reads_the_dead_peers_survivor_busy(rigs: list[Rig])
         assert util["0"] == 1.0 and util["1"] == 0.0 and 0.5 <= min(util["2"], util["3"])
         assert 0.15 <= sm["0"] <= 0.2 and min(sm["2"], sm["3"]) >= 0.3
         assert watts["0"] < 130 < 270 < min(watts["2"], watts["3"])
+
+
+# --- the replay blocks as libnvidia-ml does -----------------------------------------
+
+
+def test_replay_event_wait_blocks_for_its_timeout_and_free_waits_for_it(rigs: list[Rig]) -> None:
+    """nvmlEventSetWait returns at an event or its timeout, and nvmlEventSetFree waits
+    for a wait in flight (on H200 a one-shot check sat 5.1 s in the free)."""
+    r = rig(rigs)
+    r.poll()
+    events = r.source.open_xid_events()
+    assert events is not None
+    waiting = threading.Thread(target=events.wait, args=(0.6,))
+    t0 = time.monotonic()
+    waiting.start()
+    time.sleep(0.05)
+    events.close()
+    assert time.monotonic() - t0 >= 0.55  # the free waited for the wait
+    waiting.join()
+
+
+def test_xid_listener_stops_within_a_wait_slice(rigs: list[Rig]) -> None:
+    r = rig(rigs)
+    r.poll()
+    events = r.source.open_xid_events()
+    assert events is not None
+    listener = XidListener(events, lambda: None)
+    time.sleep(0.1)  # the thread is inside a wait now
+    t0 = time.monotonic()
+    listener.close()
+    assert time.monotonic() - t0 < 1.5  # it was 5 s: the whole driver wait
+
+
+def test_one_shot_check_opens_no_event_set(tmp_path: Path) -> None:
+    """`check` exits at once: it must not start a listener whose set it then waits to free."""
+    cfg = load_config_text(f"sources:\n  nvml:\n    replay: {H200X2}\n    xid_events: true\n")
+    daemon = NvmlSource.from_config(cfg, SourceContext())
+    one_shot = NvmlSource.from_config(cfg, SourceContext(one_shot=True))
+    try:
+        for source in (daemon, one_shot):
+            source.poll(time.time())
+            source.poll(time.time())
+        assert daemon._xid_listener is not None
+        assert one_shot._xid_listener is None
+    finally:
+        daemon.close()
+        one_shot.close()
+
+
+def test_replay_from_config_blocks_as_long_as_the_recorded_calls() -> None:
+    capture = load_capture(H200X2)
+    recorded_init = capture["init"][0]["us"] / 1e6
+    cfg = load_config_text(f"sources:\n  nvml:\n    replay: {H200X2}\n")
+    source = NvmlSource.from_config(cfg, SourceContext())
+    try:
+        assert isinstance(source.client, ReplayClient)
+        t0 = time.monotonic()
+        source.client.init()
+        assert time.monotonic() - t0 >= recorded_init
+    finally:
+        source.close()

@@ -23,9 +23,14 @@ __all__ = ["XidListener"]
 
 log = logging.getLogger("gpuwatchd.nvml")
 
-# An event ends the wait at once; the timeout only bounds how long the thread
-# sleeps in the driver, so it is long: each timeout is a wake-up and an exception.
-WAIT_SECONDS = 5.0
+# An event ends the wait at once, but nothing else does: freeing the set waits
+# for a wait in flight (measured on H200: `check` spent 5.1 s in nvmlEventSetFree
+# behind a 5 s wait). So the thread waits in short slices and looks at its stop
+# flag between them; a slice's timeout costs one wake-up and one exception.
+WAIT_SECONDS = 0.5
+# How long close() waits for the thread before giving up on freeing the set: a
+# wait hung in a sick driver must not hang the daemon's stop.
+CLOSE_SECONDS = 2 * WAIT_SECONDS + 0.5
 
 
 class XidListener:
@@ -80,5 +85,14 @@ class XidListener:
                 return out
 
     def close(self) -> None:
+        """Stop the thread within about one wait slice, then free the set."""
         self._stop.set()
-        self._events.close()
+        self._thread.join(CLOSE_SECONDS)
+        if self._thread.is_alive():
+            # Freeing now would block behind the hung wait; the process exit frees it.
+            log.warning("NVML event wait did not return within %.1fs; set left open", CLOSE_SECONDS)
+            return
+        try:
+            self._events.close()
+        except NvmlError as exc:
+            log.debug("NVML event set free failed: %s", exc.code)

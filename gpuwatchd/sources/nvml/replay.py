@@ -39,6 +39,7 @@ import dataclasses
 import fnmatch
 import json
 import threading
+import time
 import uuid as uuidlib
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -156,7 +157,9 @@ class ReplayClient:
         *,
         script: Sequence[Mapping[str, Any] | Step] = (),
         clock: Clock | None = None,
+        latency: bool = False,
     ) -> None:
+        """`latency`: each call blocks for the time the real call took when recorded."""
         _check(capture)
         self.capture = capture
         self.steps = [Step.parse(s) for s in [*capture.get("script", []), *script]]
@@ -167,6 +170,7 @@ class ReplayClient:
         self.calls: Counter[tuple[int | None, str]] = Counter()
         self.polls = 0
         self._delivered: set[int] = set()
+        self._latency = latency
 
     @classmethod
     def load(
@@ -176,12 +180,13 @@ class ReplayClient:
         script: Sequence[Mapping[str, Any] | Step] = (),
         clock: Clock | None = None,
         devices: int | None = None,
+        latency: bool = False,
     ) -> ReplayClient:
         """Replay a capture file, optionally widened to `devices` GPUs (expand_devices)."""
         capture = load_capture(path)
         if devices is not None:
             capture = expand_devices(capture, devices)
-        return cls(capture, script=script, clock=clock)
+        return cls(capture, script=script, clock=clock, latency=latency)
 
     # --- test controls -----------------------------------------------------------
 
@@ -220,6 +225,8 @@ class ReplayClient:
             error = NvmlError("NOT_RECORDED", -1, f"the capture has no {key} for the {where}")
         else:
             obs = recorded[min(n, len(recorded) - 1)]
+            if self._latency:
+                time.sleep(float(obs.get("us", 0.0)) / 1e6)
             if "error" in obs:
                 code = str(obs["error"])
                 error = NvmlError(code, int(obs.get("code", NVML_ERROR_CODES.get(code, -1))), code)
@@ -333,33 +340,45 @@ class ReplayDevice:
 
 
 class ReplayXidEvents:
-    """Scripted Xids (steps with `xid`) for the devices registered."""
+    """Scripted Xids (steps with `xid`) for the devices registered.
+
+    Blocks as libnvidia-ml's event set does: a wait returns at an event or at
+    its timeout, never earlier, and close() (nvmlEventSetFree) waits for a
+    wait in flight to return."""
 
     def __init__(self, client: ReplayClient, indexes: Sequence[int]) -> None:
         self._client = client
         self._indexes = list(indexes)
         self._queue: list[tuple[int, int]] = []
-        self._closed = threading.Event()
+        self._in_wait = threading.Lock()
+        self._never = threading.Event()  # what a driver wait sleeps on: nothing sets it
+        self._closed = False
 
     def wait(self, timeout: float) -> XidEvent | None:
         """The next due scripted Xid, or None after `timeout` seconds."""
-        if not any(step.xid is not None for step in self._client.steps):
-            self._closed.wait(timeout)  # no script delivers an Xid: nothing to look for
-            return None
-        waited = 0.0
-        while True:
-            self._queue.extend(self._client.pending_xids(self._indexes))
-            if self._queue:
-                index, code = self._queue.pop(0)
-                dev = self._client.device(index)
-                uuid, bus = dev.identity()
-                return XidEvent(uuid, bus, code, self._client.wall_time())
-            if waited >= timeout or self._closed.wait(min(0.01, timeout - waited)):
+        with self._in_wait:
+            if self._closed:
+                raise nvml_error("UNINITIALIZED", "the event set was freed")
+            if not any(step.xid is not None for step in self._client.steps):
+                self._never.wait(timeout)  # no script delivers an Xid: nothing to look for
                 return None
-            waited += 0.01
+            waited = 0.0
+            while True:
+                self._queue.extend(self._client.pending_xids(self._indexes))
+                if self._queue:
+                    index, code = self._queue.pop(0)
+                    dev = self._client.device(index)
+                    uuid, bus = dev.identity()
+                    return XidEvent(uuid, bus, code, self._client.wall_time())
+                if waited >= timeout:
+                    return None
+                self._never.wait(min(0.01, timeout - waited))
+                waited += 0.01
 
     def close(self) -> None:
-        self._closed.set()
+        """Free the set: waits for a wait in flight, as nvmlEventSetFree does."""
+        with self._in_wait:
+            self._closed = True
 
 
 # --- widening a capture ----------------------------------------------------------
