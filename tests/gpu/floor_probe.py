@@ -4,7 +4,7 @@
 The footprint benchmark compares the daemon with a "floor": a Python that imports
 pynvml, calls nvmlInit() and sleeps. On one real H200 that floor read 50.6 MiB
 when the benchmark started it and 41.0 MiB when the same one-liner was started by
-hand beside the daemon. This starts the one-liner in each way at the same time,
+hand beside the daemon. This starts the one-liner in each way, 0.5 s apart,
 waits, and prints each copy's RSS, its largest mappings, where pynvml and
 libnvidia-ml came from and what differed in its start (working directory,
 environment, interpreter flags):
@@ -43,21 +43,28 @@ REPORT = (
 )
 
 
-def variants(tmp: str) -> dict[str, tuple[list[str], str, dict[str, str]]]:
-    """name -> (argv, cwd, env): the benchmark's way and the ways a person starts it."""
+# glibc keeps freed heap unless the free chunk ends up at the top: give it back, as the
+# daemon does once it serves (malloc_trim), to see what the process really holds.
+TRIM = "import ctypes\nctypes.CDLL('libc.so.6').malloc_trim(0)\n"
+
+
+def variants(tmp: str) -> dict[str, tuple[list[str], str, dict[str, str], str]]:
+    """name -> (argv, cwd, env, code after nvmlInit): the benchmark's way, the ways a
+    person starts it, the same way three times (is it stable?), and trimmed."""
     env = dict(os.environ)
     clean = {k: v for k, v in env.items() if not k.startswith("PYTHON")}
-    python3 = shutil.which("python3") or sys.executable
+    python3 = [shutil.which("python3") or sys.executable, "-c"]
+    here = [sys.executable, "-c"]
+    repo = str(ROOT)
     return {
-        "benchmark (this interpreter, repo cwd, this env)": (
-            [sys.executable, "-c"],
-            str(ROOT),
-            env,
-        ),
-        "this interpreter, /tmp cwd, this env": ([sys.executable, "-c"], tmp, env),
-        "this interpreter, /tmp cwd, no PYTHON* env": ([sys.executable, "-c"], tmp, clean),
-        "python3 on PATH, /tmp cwd, no PYTHON* env": ([python3, "-c"], tmp, clean),
-        "python3 -I (isolated), /tmp cwd": ([python3, "-I", "-c"], tmp, clean),
+        "benchmark (this interpreter, repo cwd, this env)": (here, repo, env, ""),
+        "the same, again": (here, repo, env, ""),
+        "the same, a third time": (here, repo, env, ""),
+        "this interpreter, /tmp cwd, this env": (here, tmp, env, ""),
+        "python3 on PATH, /tmp cwd, no PYTHON* env": (python3, tmp, clean, ""),
+        "benchmark way + malloc_trim": (here, repo, env, TRIM),
+        "benchmark way + malloc_trim, again": (here, repo, env, TRIM),
+        "python3 on PATH, /tmp, no PYTHON* env + malloc_trim": (python3, tmp, clean, TRIM),
     }
 
 
@@ -68,11 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     tmp = tempfile.mkdtemp()
     procs = {}
-    for name, (cmd, cwd, env) in variants(tmp).items():
-        code = REPORT + f"import time\ntime.sleep({args.seconds + 30})\n"
+    for name, (cmd, cwd, env, after) in variants(tmp).items():
+        code = REPORT + after + f"import time\ntime.sleep({args.seconds + 30})\n"
         procs[name] = subprocess.Popen(
             [*cmd, code], cwd=cwd, env=env, stdout=subprocess.PIPE, text=True
         )
+        time.sleep(0.5)  # one nvmlInit at a time
     time.sleep(args.seconds)
     out: dict[str, object] = {"seconds": args.seconds}
     all_ok = True

@@ -192,7 +192,7 @@ def test_xid_listener_stops_within_a_wait_slice(rigs: list[Rig]) -> None:
     time.sleep(0.1)  # the thread is inside a wait now
     t0 = time.monotonic()
     listener.close()
-    assert time.monotonic() - t0 < 1.5  # it was 5 s: the whole driver wait
+    assert time.monotonic() - t0 < 2.5  # it was 5 s: the whole driver wait
 
 
 def test_one_shot_check_opens_no_event_set(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ log = logging.getLogger("gpuwatchd.nvml")
 # for a wait in flight (measured on H200: `check` spent 5.1 s in nvmlEventSetFree
 # behind a 5 s wait). So the thread waits in short slices and looks at its stop
 # flag between them; a slice's timeout costs one wake-up and one exception.
-WAIT_SECONDS = 0.5
+WAIT_SECONDS = 1.0
 # How long close() waits for the thread before giving up on freeing the set: a
 # wait hung in a sick driver must not hang the daemon's stop.
 CLOSE_SECONDS = 2 * WAIT_SECONDS + 0.5
