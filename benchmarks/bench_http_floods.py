@@ -197,9 +197,16 @@ def settled(pid: int) -> int:
 def measure(
     attack: str, pid: int, port: int, page: str, header: str, args: Any
 ) -> dict[str, float]:
-    for _ in range(20):  # warm: caches, workers, their arenas
-        fetch(port, "/metrics", header)
-        fetch(port, page, header)
+    def warm() -> None:
+        for _ in range(5):
+            fetch(port, "/metrics", header)
+            fetch(port, page, header)
+
+    warmers = [threading.Thread(target=warm) for _ in range(8)]  # every worker and its arena
+    for t in warmers:
+        t.start()
+    for t in warmers:
+        t.join()
     before = settled(pid)
     mpc = mp.get_context("fork")
     ready, stop, out = mpc.Event(), mpc.Event(), mpc.Queue()
