@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
+import hmac
 import os
 import threading
 from collections.abc import Mapping
@@ -77,9 +79,6 @@ class Credentials:
         if parts is None:
             return None
         user, password = parts
-        import hashlib  # here: it loads libcrypto, and only basic auth needs it
-        import hmac
-
         hashed = users.get(user, b"")
         return hmac.new(self._key, b"\0".join([user.encode(), password, hashed]),
                         hashlib.sha256).digest()  # fmt: skip

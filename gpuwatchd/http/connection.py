@@ -82,7 +82,7 @@ def drain(fd: int) -> None:
 def tls_want(exc: OSError) -> int:
     """What a non-blocking TLS call waits for (IN or OUT); 0 for a real error.
 
-    Call it for TLS connections only: it loads ssl, which plain HTTP never needs.
+    Call it for TLS connections only.
     """
     if isinstance(exc, ssl.SSLWantReadError):
         return IN

@@ -1,20 +1,22 @@
-"""The HTTP server: one event-loop thread for the sockets, a small pool for the app.
+"""The HTTP server: one event-loop thread for the sockets, bounded pools for the app.
 
-Plain sockets rather than `http.server`/`wsgiref` (several MiB of memory for a
-few GET routes). One thread sleeps in epoll(2) and does all socket work
-without blocking: accept, TLS handshake, request head, response, a short
-linger. An idle, trickling or half-handshaken client costs a socket, never a
-thread. Only a complete head reaches the app, on a few worker threads. Each
-connection has one deadline for its whole exchange, not per read; when the
-table is full the oldest connection without a complete head makes room; 503
-(Retry-After) is for a full app queue. A TLS port never answers in clear
-text. With nothing open the loop sleeps without a timeout; `shutdown()`
-wakes it through a pipe. Memory is bounded under any flood: a closed
-connection keeps nothing (its timer entry forgets it, its buffers go), TLS
-handshakes past the ClientHello are capped (MAX_HANDSHAKING), and so are
-the response bytes waiting for slow readers (MAX_HELD_BYTES). Scrapes, the
-other routes and password checks run on separate bounded pools
-(dispatch.py). Why: docs/architecture.md.
+Scope, frozen: HTTP/1.1 GET and HEAD, one request per connection (every
+response says `Connection: close`), no request bodies, the target in origin
+form; TLS and basic auth from the web config. Anything else is a 400, 405 or
+431; growing this is a decision for docs/architecture.md, not a patch. Why
+not `http.server` (prometheus_client loads it anyway): its thread per
+connection lost every scrape to 64 slow clients (docs/architecture.md).
+
+One thread sleeps in epoll(2) and does all socket work without blocking:
+accept, TLS handshake, request head, response, a short linger; an idle,
+trickling or half-handshaken client costs a socket, never a thread. Each
+connection has one deadline for its whole exchange (timers.py); a full
+table drops the oldest connection without a complete head; 503
+(Retry-After) is for a full queue. A TLS port never answers in clear text.
+Memory has a budget under any flood: a closed connection keeps nothing, at
+most MAX_HANDSHAKING TLS handshakes past the ClientHello, MAX_HELD_BYTES of
+responses for slow readers. Scrapes, other routes and password checks run
+on separate bounded pools (dispatch.py). Why: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -42,8 +42,7 @@ App = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 PUBLIC_PATHS = frozenset({"/healthz"})
 IO_TIMEOUT = 10.0
 
-# Names in ssl, oldest first, looked up only when TLS is on: plain HTTP never loads
-# ssl (libssl and libcrypto, about 5 MiB of the daemon's memory).
+# Names in ssl, oldest first, looked up only when TLS is on.
 TLS_VERSIONS = {
     "TLS10": "TLSv1",
     "TLS11": "TLSv1_1",
