@@ -94,7 +94,7 @@ def scrape(port: int, ctx: ssl.SSLContext, path: str = "/metrics") -> float | No
 
 
 @contextmanager
-def started(cmd: list[str], port: int, ctx: ssl.SSLContext) -> Iterator[None]:
+def started(cmd: list[str], port: int, ctx: ssl.SSLContext) -> Iterator[int]:
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
@@ -102,7 +102,7 @@ def started(cmd: list[str], port: int, ctx: ssl.SSLContext) -> Iterator[None]:
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise SystemExit(f"{cmd[0]} did not come up")
             time.sleep(0.2)
-        yield
+        yield proc.pid
     finally:
         proc.terminate()
         proc.wait(15)
@@ -179,8 +179,19 @@ def attacker(
         key.fileobj.close()  # type: ignore[union-attr]
 
 
-def measure(port: int, ca: Path, ctx: ssl.SSLContext, args: argparse.Namespace) -> dict[str, float]:
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def measure(
+    pid: int, port: int, ca: Path, ctx: ssl.SSLContext, args: argparse.Namespace
+) -> dict[str, float]:
     base = [scrape(port, ctx) for _ in range(args.baseline)]
+    rss_before = rss_mb(pid)
     mpc = mp.get_context("fork")
     ready, stop, out = mpc.Event(), mpc.Event(), mpc.Queue()
     proc = mpc.Process(
@@ -195,9 +206,11 @@ def measure(port: int, ca: Path, ctx: ssl.SSLContext, args: argparse.Namespace) 
     for _ in range(args.scrapes):
         lat.append(scrape(port, ctx))
         time.sleep(args.interval)
+    rss_during = rss_mb(pid)
     stop.set()
     reopened, failed, held = out.get(timeout=30)
     proc.join(30)
+    time.sleep(2.0)
     ok = sorted(x for x in lat if x is not None)
     okb = sorted(x for x in base if x is not None)
     return {
@@ -210,6 +223,9 @@ def measure(port: int, ca: Path, ctx: ssl.SSLContext, args: argparse.Namespace) 
         "attack_reopened": float(reopened),
         "attack_open_failed": float(failed),
         "attack_held_at_end": float(held),
+        "rss_before_mb": rss_before,
+        "rss_during_mb": rss_during,
+        "rss_after_mb": rss_mb(pid),
     }
 
 
@@ -242,33 +258,35 @@ def main() -> int:
            "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp / "state"),
            "--log-level", "warning"]  # fmt: skip
     if args.only != "node_exporter":
-        with started(cmd, port, ctx):
-            fig["gpuwatchd"] = measure(port, ca, ctx, args)
+        with started(cmd, port, ctx) as pid:
+            fig["gpuwatchd"] = measure(pid, port, ca, ctx, args)
     exe = next((shutil.which(n) for n in NODE_EXPORTER if shutil.which(n)), None)
     if exe and args.only != "gpuwatchd":
         port = free_port()
         light = ["--collector.disable-defaults", "--collector.loadavg", "--collector.meminfo"]
         cmd = [exe, f"--web.listen-address=127.0.0.1:{port}", f"--web.config.file={web}", *light]
-        with started(cmd, port, ctx):
-            fig["node_exporter"] = measure(port, ca, ctx, args)
+        with started(cmd, port, ctx) as pid:
+            fig["node_exporter"] = measure(pid, port, ca, ctx, args)
     shutil.rmtree(tmp, ignore_errors=True)
     rows = []
     for name in ("gpuwatchd", "node_exporter"):
         f = fig.get(name)
         if not isinstance(f, dict):
-            rows.append(f"| {name} | not installed: skipped | | | | |")
+            rows.append(f"| {name} | not installed: skipped | | | | | |")
             continue
         rows.append(
             f"| {name} | {f['baseline_p50_ms']:.1f} ms | {f['p50_ms']:.1f} ms | "
-            f"{f['p99_ms']:.1f} ms | {f['over_100ms']:.0f} | {f['failures']:.0f} |"
+            f"{f['p99_ms']:.1f} ms | {f['over_100ms']:.0f} | {f['failures']:.0f} | "
+            f"{f['rss_before_mb']:.0f} / {f['rss_during_mb']:.0f} / {f['rss_after_mb']:.0f} MB |"
         )
     title = (
         f"Scrapes under {args.clients} slow clients ({args.scrapes} authenticated TLS scrapes, "
         "each on a new connection)"
     )
     header = [
-        "| server | p50 alone | p50 under attack | p99 under attack | over 100 ms | failed |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| server | p50 alone | p50 under attack | p99 under attack | over 100 ms | failed "
+        "| RSS before / under attack / 2 s after |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     publish(fig, title, [], "", args.json or "")
     if args.section:

@@ -1,7 +1,7 @@
 """One client connection as the server's event loop sees it, and the descriptor budget.
 
 A connection is a socket, where its exchange stands (TLS handshake, request
-head, the app, the response, the linger) and one deadline. Holding it costs
+head, the app, the response, the linger) and one deadline (timers.py). Holding it costs
 a descriptor and this small object, never a thread; the open-files limit is
 what bounds how many the server can hold.
 """
@@ -13,6 +13,7 @@ import os
 import select
 import socket
 import ssl
+from typing import Any
 
 from gpuwatchd.http.webconfig import TlsSettings, WebConfig
 
@@ -49,7 +50,7 @@ FD_RESERVE = 128  # descriptors left to the rest of the daemon (store, sources, 
 class Connection:
     """A client connection and where its exchange stands."""
 
-    __slots__ = ("sock", "fd", "peer", "web", "state", "buf", "out", "deadline", "mask",
+    __slots__ = ("sock", "fd", "peer", "web", "state", "buf", "out", "timer", "held", "mask",
                  "drained", "closed", "refusal", "greeted")  # fmt: skip
 
     def __init__(self, sock: socket.socket, peer: str, web: WebConfig | None) -> None:
@@ -60,7 +61,8 @@ class Connection:
         self.state = HEAD
         self.buf = b""  # the request head so far
         self.out = memoryview(b"")  # the response still to send
-        self.deadline = 0.0  # 0: none (the app is running)
+        self.timer: list[Any] | None = None  # its entry in the server's Deadlines
+        self.held = 0  # bytes of `out` counted in the server's budget
         self.mask = 0  # the epoll events asked for
         self.drained = 0  # bytes read while lingering
         self.closed = False
@@ -80,7 +82,7 @@ def drain(fd: int) -> None:
 def tls_want(exc: OSError) -> int:
     """What a non-blocking TLS call waits for (IN or OUT); 0 for a real error.
 
-    Call it for TLS connections only: it loads ssl, which plain HTTP never needs.
+    Call it for TLS connections only.
     """
     if isinstance(exc, ssl.SSLWantReadError):
         return IN

@@ -92,8 +92,18 @@ def _epoch(text: str) -> float:
     return value
 
 
-def events_route(store: EventStore, max_limit: int = 1000) -> Route:
-    """GET /events?limit=N&kind=xid&code=79&gpu=<bus|uuid|index>&since=<epoch>; /events/ID."""
+# A page of events is built whole and held until the client has read it.
+MAX_PAGE_BYTES = 4 << 20
+
+
+def events_route(
+    store: EventStore, max_limit: int = 1000, max_bytes: int = MAX_PAGE_BYTES
+) -> Route:
+    """GET /events?limit=N&kind=xid&code=79&gpu=<bus|uuid|index>&since=<epoch>; /events/ID.
+
+    At most `max_limit` events and `max_bytes` of JSON (fewer events then, and
+    `"truncated": true`).
+    """
 
     def route(query: Mapping[str, list[str]]) -> tuple[int, str, bytes]:
         if _first(query, "id"):
@@ -111,10 +121,20 @@ def events_route(store: EventStore, max_limit: int = 1000) -> Route:
             gpu=_first(query, "gpu") or None,
             since=since,
         )
-        body = {"count": len(events), "events": events}
-        return 200, "application/json", json.dumps(body, indent=1).encode() + b"\n"
+        return 200, "application/json", _page(events, max_bytes)
 
     return route
+
+
+def _page(events: list[dict[str, Any]], max_bytes: int) -> bytes:
+    """The newest events that fit in `max_bytes` of JSON; `truncated` says if some did not."""
+    truncated = False
+    while True:
+        body = {"count": len(events), "events": events, "truncated": truncated}
+        data = json.dumps(body, indent=1).encode() + b"\n"
+        if len(data) <= max_bytes or len(events) <= 1:
+            return data
+        events, truncated = events[: len(events) // 2], True  # newest first: keep those
 
 
 _BAD_QUERY = b"limit and code must be integers (up to 18 digits), since a finite number\n"

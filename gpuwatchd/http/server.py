@@ -1,21 +1,27 @@
-"""The HTTP server: one event-loop thread for the sockets, a small pool for the app.
+"""The HTTP server: one event-loop thread for the sockets, bounded pools for the app.
 
-Plain sockets rather than `http.server`/`wsgiref` (several MiB of memory for a
-few GET routes). One thread sleeps in epoll(2) and does all socket work
-without blocking: accept, TLS handshake, request head, response, a short
-linger. An idle, trickling or half-handshaken client costs a socket, never a
-thread. Only a complete head reaches the app, on a few worker threads. Each
-connection has one deadline for its whole exchange, not per read; when the
-table is full the oldest connection without a complete head makes room; 503
-(Retry-After) is for a full app queue. A TLS port never answers in clear
-text. With nothing open the loop sleeps without a timeout; `shutdown()`
-wakes it through a pipe. Why: docs/architecture.md.
+Scope, frozen: HTTP/1.1 GET and HEAD, one request per connection (every
+response says `Connection: close`), no request bodies, the target in origin
+form; TLS and basic auth from the web config. Anything else is a 400, 405 or
+431; growing this is a decision for docs/architecture.md, not a patch. Why
+not `http.server` (prometheus_client loads it anyway): its thread per
+connection lost every scrape to 64 slow clients (docs/architecture.md).
+
+One thread sleeps in epoll(2) and does all socket work without blocking:
+accept, TLS handshake, request head, response, a short linger; an idle,
+trickling or half-handshaken client costs a socket, never a thread. Each
+connection has one deadline for its whole exchange (timers.py); a full
+table drops the oldest connection without a complete head; 503
+(Retry-After) is for a full queue. A TLS port never answers in clear text.
+Memory has a budget under any flood: a closed connection keeps nothing, at
+most MAX_HANDSHAKING TLS handshakes past the ClientHello, MAX_HELD_BYTES of
+responses for slow readers. Scrapes, other routes and password checks run
+on separate bounded pools (dispatch.py). Why: docs/architecture.md.
 """
 
 from __future__ import annotations
 
 import errno
-import heapq
 import itertools
 import logging
 import os
@@ -28,6 +34,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from gpuwatchd.http import dispatch
 from gpuwatchd.http.app import REASONS, App, LogLimiter
 from gpuwatchd.http.connection import (
     APP,
@@ -47,32 +54,22 @@ from gpuwatchd.http.connection import (
 )
 from gpuwatchd.http.counters import BAD_REQUESTS
 from gpuwatchd.http.request import MAX_HEAD_BYTES, BadRequest, head_length, parse_head, response
-from gpuwatchd.http.webconfig import (
-    IO_TIMEOUT,
-    BasicAuth,
-    WebConfig,
-    WebConfigWatcher,
-    with_headers,
-)
-from gpuwatchd.http.workers import WorkerPool
+from gpuwatchd.http.timers import Deadlines
+from gpuwatchd.http.webconfig import IO_TIMEOUT, WebConfig, WebConfigWatcher, with_headers
 
-__all__ = [
-    "FD_RESERVE",
-    "MAX_CONNECTIONS",
-    "MAX_HEAD_BYTES",
-    "MAX_QUEUED",
-    "WORKERS",
-    "WebServer",
-    "raise_fd_limit",
-    "serve",
-]
+__all__ = ["FD_RESERVE", "MAX_CONNECTIONS", "MAX_HANDSHAKING", "MAX_HEAD_BYTES", "MAX_HELD_BYTES",
+           "WebServer", "raise_fd_limit", "serve"]  # fmt: skip
 
 log = logging.getLogger("gpuwatchd.http")
 _limited = LogLimiter(log)
 
 MAX_CONNECTIONS = 4096  # held at once, also bounded by the open-files limit
-WORKERS = 4  # threads running the app
-MAX_QUEUED = 64  # complete requests waiting for a worker; more are answered 503
+# A TLS connection past its ClientHello holds about 42 KiB of OpenSSL state
+# until the handshake ends: past this many the oldest such one is closed.
+MAX_HANDSHAKING = 128
+# Response bytes waiting for slow readers; past this the connection that has
+# been writing the longest is closed.
+MAX_HELD_BYTES = 32 << 20
 _MAX_REFUSALS = 64  # 503s being written beyond the table; more are just closed
 _LINGER_SECONDS = 1.0
 _LINGER_BYTES = 65536
@@ -91,8 +88,7 @@ class WebServer:
         port: int,
         watcher: WebConfigWatcher,
         max_connections: int = MAX_CONNECTIONS,
-        workers: int = WORKERS,
-        max_queued: int = MAX_QUEUED,
+        **pools: int,  # the sizes of dispatch.Dispatcher's pools
     ) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.create_server((host, port), family=family, backlog=1024)
@@ -101,14 +97,17 @@ class WebServer:
         self.app = app
         self.watcher = watcher
         self.max_connections = max(1, connection_budget(max_connections))
-        self._pool = WorkerPool(workers, max_queued)
+        self._dispatcher = dispatch.Dispatcher(app, self._hand_back, **pools)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._ep = select.epoll()
         self._ep.register(self.socket.fileno(), IN)
         self._ep.register(self._wake_r, IN)
         self._conns: dict[int, Connection] = {}
         self._incoming: dict[int, Connection] = {}  # no complete head yet, oldest first
-        self._timers: list[tuple[float, int, Connection]] = []
+        self._handshaking: dict[int, Connection] = {}  # TLS past the ClientHello, oldest first
+        self._writing: dict[int, Connection] = {}  # sending a response, oldest first
+        self._held = 0  # bytes of responses not yet sent, over all connections
+        self._deadlines = Deadlines()
         self._seq = itertools.count()
         self._done: deque[tuple[Connection, bytes]] = deque()  # responses from the workers
         self._refusing = 0
@@ -131,7 +130,7 @@ class WebServer:
         finally:
             for conn in list(self._conns.values()):
                 self._close(conn)
-            self._pool.stop()
+            self._dispatcher.stop()
             self._stopped.set()
 
     def shutdown(self) -> None:
@@ -201,10 +200,8 @@ class WebServer:
 
     def _timeout(self) -> float:
         """Seconds to the next deadline; -1 (sleep until woken) with none."""
-        heap = self._timers
-        while heap and (heap[0][2].closed or heap[0][2].deadline != heap[0][0]):
-            heapq.heappop(heap)
-        due = [heap[0][0]] if heap else []
+        next_due = self._deadlines.next_due()
+        due = [] if next_due is None else [next_due]
         if self._accept_resume:
             due.append(self._accept_resume)
         if not due:
@@ -216,11 +213,7 @@ class WebServer:
         if self._accept_resume and now >= self._accept_resume:
             self._accept_resume = 0.0
             self._ep.modify(self.socket.fileno(), IN)
-        heap = self._timers
-        while heap and heap[0][0] <= now:
-            deadline, _, conn = heapq.heappop(heap)
-            if conn.closed or conn.deadline != deadline:
-                continue
+        while (conn := self._deadlines.pop_due(now)) is not None:
             if conn.state == HEAD:
                 self._answer(conn, BadRequest(408, "request head not received in time", "timeout"))
             else:  # a handshake, a response or a linger that ran out of time
@@ -282,13 +275,13 @@ class WebServer:
         if refusal:
             conn.refusal = True
             self._refusing += 1
-            self._send(conn, response("503 Service Unavailable", [("Retry-After", "1")], b"busy\n"))
+            self._send(conn, dispatch.BUSY)
             return
         self._incoming[conn.fd] = conn
         # Spread over the second half of IO_TIMEOUT (golden-ratio steps): clients that
         # connected together do not all time out, and come back, together.
         spread = 0.5 + 0.5 * ((next(self._seq) * 0.6180339887) % 1.0)
-        self._set_deadline(conn, time.monotonic() + IO_TIMEOUT * spread)
+        self._deadlines.set(conn, time.monotonic() + IO_TIMEOUT * spread)
         conn.state = HANDSHAKE if tls else HEAD
         self._want(conn, IN)
 
@@ -303,7 +296,11 @@ class WebServer:
 
     def _handshake(self, conn: Connection) -> None:
         assert isinstance(conn.sock, ssl.SSLSocket) and conn.web is not None
-        conn.greeted = True
+        if not conn.greeted:
+            conn.greeted = True
+            if len(self._handshaking) >= MAX_HANDSHAKING:
+                self._close(next(iter(self._handshaking.values())))
+            self._handshaking[conn.fd] = conn
         try:
             conn.sock.do_handshake()
         except OSError as exc:
@@ -314,6 +311,7 @@ class WebServer:
                 log.debug("TLS handshake with %s failed: %s", conn.peer, exc)
                 self._close(conn)
             return
+        self._handshaking.pop(conn.fd, None)
         tls = conn.web.tls
         if tls and tls.client_allowed_sans and not san_allowed(conn.sock, tls):
             _limited.log(
@@ -361,30 +359,17 @@ class WebServer:
 
     def _dispatch(self, conn: Connection, environ: dict[str, Any]) -> None:
         self._incoming.pop(conn.fd, None)
-        conn.state, conn.deadline, conn.buf = APP, 0.0, b""
+        conn.state, conn.buf = APP, b""
+        self._deadlines.cancel(conn)
         self._want(conn, 0)  # hang-ups and errors are still reported
         environ["wsgi.url_scheme"] = "https" if conn.web is not None else "http"
-        if not self._pool.submit(lambda: self._run_app(conn, environ)):
-            busy = response("503 Service Unavailable", [("Retry-After", "1")], b"busy\n")
-            self._send(conn, busy)
+        now = self._dispatcher.dispatch(conn, environ, self.watcher.current())
+        if now is not None:
+            self._send(conn, now)
 
-    def _run_app(self, conn: Connection, environ: dict[str, Any]) -> None:
-        """On a worker: the app's response, handed back to the loop."""
-        sent: list[tuple[str, list[tuple[str, str]]]] = []
-
-        def start_response(status: str, headers: list[tuple[str, str]], *_exc: Any) -> Any:
-            sent[:] = [(status, headers)]
-            return None
-
-        method, path = environ["REQUEST_METHOD"], environ["PATH_INFO"]
-        try:
-            body = b"".join(self.app(environ, start_response))
-        except Exception:
-            _limited.log(logging.ERROR, "app", "request %s %s", method, path, exc_info=True)
-            sent[:] = [("500 Internal Server Error", [("Content-Type", "text/plain")])]
-            body = b"internal error\n"
-        status, headers = sent[0] if sent else ("500 Internal Server Error", [])
-        self._done.append((conn, response(status, headers, body, method == "HEAD")))
+    def _hand_back(self, conn: Connection, data: bytes) -> None:
+        """From a worker or the credentials thread: a response for the loop to send."""
+        self._done.append((conn, data))
         with self._lock:
             if self._wake_w >= 0:
                 try:
@@ -407,9 +392,15 @@ class WebServer:
         self._send(conn, response(f"{exc.status} {REASONS[exc.status]}", [], body))
 
     def _send(self, conn: Connection, data: bytes) -> None:
-        conn.state, conn.out = WRITE, memoryview(data)
-        self._set_deadline(conn, time.monotonic() + IO_TIMEOUT)
+        conn.state, conn.out, conn.held = WRITE, memoryview(data), len(data)
+        self._held += len(data)
+        self._writing[conn.fd] = conn
+        self._deadlines.set(conn, time.monotonic() + IO_TIMEOUT)
         self._write(conn)
+        # Over budget: the slowest reader (writing the longest) goes, never this one.
+        while self._held > MAX_HELD_BYTES and len(self._writing) > 1:
+            oldest = next(iter(self._writing.values()))
+            self._close(oldest if oldest is not conn else list(self._writing.values())[1])
 
     def _io_failed(self, conn: Connection, exc: OSError) -> None:
         """A read or write that TLS wants retried when the socket is ready, else the end."""
@@ -430,6 +421,9 @@ class WebServer:
                 self._io_failed(conn, exc)
                 return
             conn.out = conn.out[sent:]
+            conn.held -= sent
+            self._held -= sent
+        self._written(conn)
         # Half-close, then read what the client still sends: closing with unread
         # data resets the connection, which can destroy the response in flight.
         try:
@@ -438,7 +432,7 @@ class WebServer:
             self._close(conn)
             return
         conn.state = LINGER
-        self._set_deadline(conn, time.monotonic() + _LINGER_SECONDS)
+        self._deadlines.set(conn, time.monotonic() + _LINGER_SECONDS)
         self._linger(conn)
 
     def _linger(self, conn: Connection) -> None:
@@ -458,9 +452,11 @@ class WebServer:
             self._ep.modify(conn.fd, mask)
             conn.mask = mask
 
-    def _set_deadline(self, conn: Connection, when: float) -> None:
-        conn.deadline = when
-        heapq.heappush(self._timers, (when, next(self._seq), conn))
+    def _written(self, conn: Connection) -> None:
+        """`conn` holds no response any more: out of the budget and the writers."""
+        self._held -= conn.held
+        conn.held, conn.out = 0, memoryview(b"")
+        self._writing.pop(conn.fd, None)
 
     def _close(self, conn: Connection) -> None:
         if conn.closed:
@@ -468,6 +464,10 @@ class WebServer:
         conn.closed = True
         self._conns.pop(conn.fd, None)
         self._incoming.pop(conn.fd, None)
+        self._handshaking.pop(conn.fd, None)
+        self._written(conn)
+        self._deadlines.cancel(conn)  # nothing keeps a closed connection alive
+        conn.buf = b""
         if conn.refusal:
             self._refusing -= 1
         try:
@@ -483,17 +483,16 @@ def serve(
     port: int,
     web: WebConfig | None = None,
     max_connections: int = MAX_CONNECTIONS,
-    workers: int = WORKERS,
-    max_queued: int = MAX_QUEUED,
+    **pools: int,
 ) -> tuple[WebServer, threading.Thread]:
     """Serve `app` with TLS/basic auth from `web` on a daemon thread.
 
+    `pools` sizes the worker pools (dispatch.Dispatcher's keyword arguments).
     Returns the server (call `shutdown()` then `server_close()`) and its thread.
     """
     raise_fd_limit()
     watcher = WebConfigWatcher(web or WebConfig())
-    wrapped: App = BasicAuth(with_headers(app, watcher), watcher)
-    httpd = WebServer(wrapped, host, port, watcher, max_connections, workers, max_queued)
+    httpd = WebServer(with_headers(app, watcher), host, port, watcher, max_connections, **pools)
     thread = threading.Thread(target=httpd.serve_forever, name="http", daemon=True)
     thread.start()
     return httpd, thread

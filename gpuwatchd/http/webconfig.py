@@ -4,16 +4,14 @@ The file format is the one node_exporter users already have
 (`tls_server_config`, `http_server_config`, `basic_auth_users` with bcrypt
 hashes); relative paths are relative to the file. `load()` validates
 everything at start, including that the certificate and key load, and
-raises ConfigError naming the file, the key and the problem. `serve()`
-runs a WSGI app with it. The file and the certificates it names are
+raises ConfigError naming the file, the key and the problem. The HTTP server
+checks credentials with it (http/auth.py). The file and the certificates it names are
 re-read when they change (certificate rotation), keeping the last good
 version if the new one is bad.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import logging
 import os
 import ssl
@@ -25,7 +23,6 @@ from typing import Any
 from gpuwatchd.errors import ConfigError
 
 __all__ = [
-    "BasicAuth",
     "IO_TIMEOUT",
     "PUBLIC_PATHS",
     "TlsSettings",
@@ -45,8 +42,7 @@ App = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 PUBLIC_PATHS = frozenset({"/healthz"})
 IO_TIMEOUT = 10.0
 
-# Names in ssl, oldest first, looked up only when TLS is on: plain HTTP never loads
-# ssl (libssl and libcrypto, about 5 MiB of the daemon's memory).
+# Names in ssl, oldest first, looked up only when TLS is on.
 TLS_VERSIONS = {
     "TLS10": "TLSv1",
     "TLS11": "TLSv1_1",
@@ -332,81 +328,6 @@ class WebConfigWatcher:
                 except ConfigError as exc:
                     log.error("keeping the previous web config: %s", exc)
             return self._web
-
-
-class BasicAuth:
-    """WSGI middleware: HTTP basic auth against bcrypt hashes, with a verdict cache.
-
-    bcrypt is slow on purpose (tens of ms); Prometheus sends the same
-    credentials every scrape, so verdicts are cached under a keyed hash,
-    never the password itself.
-    """
-
-    def __init__(self, app: App, watcher: WebConfigWatcher, realm: str = "gpuwatchd") -> None:
-        self.app = app
-        self.watcher = watcher
-        self.realm = realm
-        self._key = os.urandom(32)
-        self._cache: dict[bytes, bool] = {}
-        self._cache_lock = threading.Lock()
-        self._dummy: bytes | None = None
-
-    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
-        web = self.watcher.current()
-        if not web.users or environ.get("PATH_INFO") in PUBLIC_PATHS:
-            return self.app(environ, start_response)
-        if self.check(web.users, environ.get("HTTP_AUTHORIZATION", "")):
-            return self.app(environ, start_response)
-        start_response(
-            "401 Unauthorized",
-            [("WWW-Authenticate", f'Basic realm="{self.realm}", charset="UTF-8"'),
-             ("Content-Type", "text/plain"), ("Content-Length", "13")],
-        )  # fmt: skip
-        return [b"unauthorized\n"]
-
-    def check(self, users: Mapping[str, bytes], header: str) -> bool:
-        scheme, _, value = header.partition(" ")
-        if scheme.lower() != "basic":
-            return False
-        try:
-            user, sep, password = base64.b64decode(value, validate=True).decode().partition(":")
-        except (binascii.Error, UnicodeDecodeError):
-            return False
-        if not sep:
-            return False
-        hashed = users.get(user)
-        import hashlib  # here: it loads libcrypto, and only basic auth needs it
-        import hmac
-
-        digest = hmac.new(self._key, b"\0".join([user.encode(), password.encode(), hashed or b""]),
-                          hashlib.sha256).digest()  # fmt: skip
-        with self._cache_lock:
-            cached = self._cache.get(digest)
-        if cached is not None:
-            return cached
-        # An unknown user costs the same bcrypt round as a known one: no user enumeration.
-        ok = _bcrypt_check(password.encode(), hashed or self._dummy_hash()) and hashed is not None
-        with self._cache_lock:
-            if len(self._cache) >= 256:
-                self._cache.pop(next(iter(self._cache)))
-            self._cache[digest] = ok
-        return ok
-
-    def _dummy_hash(self) -> bytes:
-        if self._dummy is None:
-            import bcrypt
-
-            self._dummy = bcrypt.hashpw(os.urandom(16), bcrypt.gensalt(10))
-        return self._dummy
-
-
-def _bcrypt_check(password: bytes, hashed: bytes) -> bool:
-    import bcrypt
-
-    try:
-        return bool(bcrypt.checkpw(password, hashed))
-    except ValueError:  # over 72 bytes, or a malformed hash
-        return False
 
 
 def with_headers(app: App, watcher: WebConfigWatcher) -> App:

@@ -34,9 +34,9 @@ def _boom(query: Any) -> tuple[int, str, bytes]:
 def running() -> Iterator[Any]:
     started: list[WebServer] = []
 
-    def start(routes: dict[str, Any] | None = None, **kw: Any) -> WebServer:
+    def start(routes: dict[str, Any] | None = None, collector: Any = None, **kw: Any) -> WebServer:
         reg = Registry()
-        reg.register(_Gauge())
+        reg.register(collector or _Gauge())
         routes = {
             "/echo": lambda q: (200, "application/json", repr(sorted(q.items())).encode()),
             "/boom": _boom,
@@ -163,14 +163,41 @@ def test_a_full_table_drops_the_oldest_slow_client_not_a_complete_request(runnin
         held.close()
 
 
-def test_requests_beyond_the_app_queue_get_503(running: Any) -> None:
+def test_requests_beyond_a_route_queue_get_503_and_scrapes_go_on(running: Any) -> None:
     release = threading.Event()
-    httpd = running(workers=1, max_queued=1, routes={"/block": lambda q: _block(release)})
+    routes = {"/block": lambda q: _block(release)}
+    httpd = running(route_workers=1, route_queued=1, routes=routes)
     addr = httpd.server_address[:2]
     busy = [socket.create_connection(addr, timeout=10) for _ in range(2)]
     try:
-        for s in busy:  # one runs in the only worker, one waits in the queue
+        for s in busy:  # one runs in the only route worker, one waits in its queue
             s.sendall(b"GET /block HTTP/1.1\r\n\r\n")
+            time.sleep(0.1)
+        status, headers, _ = _split(_exchange(httpd, b"GET /block HTTP/1.1\r\n\r\n"))
+        assert status == "HTTP/1.1 503 Service Unavailable" and headers["retry-after"] == "1"
+        # /metrics has workers of its own: the routes' full queue does not reach it.
+        assert _split(_exchange(httpd, b"GET /metrics HTTP/1.1\r\n\r\n"))[0].endswith("200 OK")
+    finally:
+        release.set()
+    for s in busy:
+        with s:
+            assert _split(b"".join(iter(lambda s=s: s.recv(65536), b"")))[0].endswith("200 OK")
+
+
+def test_scrapes_beyond_the_scrape_queue_get_503(running: Any) -> None:
+    release = threading.Event()
+
+    class Blocking:  # a collector that holds the scrape workers until released
+        def collect(self) -> Any:
+            release.wait(10)
+            return iter(())
+
+    httpd = running(workers=1, max_queued=1, collector=Blocking())
+    addr = httpd.server_address[:2]
+    busy = [socket.create_connection(addr, timeout=10) for _ in range(2)]
+    try:
+        for s in busy:
+            s.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
             time.sleep(0.1)
         status, headers, _ = _split(_exchange(httpd, b"GET /metrics HTTP/1.1\r\n\r\n"))
         assert status == "HTTP/1.1 503 Service Unavailable" and headers["retry-after"] == "1"
@@ -179,7 +206,6 @@ def test_requests_beyond_the_app_queue_get_503(running: Any) -> None:
     for s in busy:
         with s:
             assert _split(b"".join(iter(lambda s=s: s.recv(65536), b"")))[0].endswith("200 OK")
-    assert _split(_exchange(httpd, b"GET /metrics HTTP/1.1\r\n\r\n"))[0].endswith("200 OK")
 
 
 def test_a_table_full_of_requests_in_the_app_answers_503(running: Any) -> None:

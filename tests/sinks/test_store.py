@@ -223,3 +223,15 @@ def test_events_route(store: EventStore) -> None:
     assert json.loads(route({"code": ["31"]})[2])["events"][0]["code"] == 31
     assert route({"limit": ["many"]})[0] == 400
     assert json.loads(route({"limit": ["100000"]})[2])["count"] == 2
+
+
+def test_an_events_page_stops_at_its_byte_bound_newest_first(store: EventStore) -> None:
+    store.write([Record(ev(31, T + i), f"b{i}") for i in range(40)])
+    whole = events_route(store)({"limit": ["40"]})[2]
+    route = events_route(store, max_bytes=len(whole) // 3)
+    status, _, body = route({"limit": ["40"]})
+    data = json.loads(body)
+    assert status == 200 and len(body) <= len(whole) // 3
+    assert data["truncated"] is True and 0 < data["count"] == len(data["events"]) < 40
+    assert data["events"][0]["time"] == json.loads(whole)["events"][0]["time"]  # the newest
+    assert json.loads(whole)["truncated"] is False

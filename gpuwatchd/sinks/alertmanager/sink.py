@@ -144,7 +144,7 @@ class AlertSink:
         poll = cfg.sources.nvml.interval
         self._ttl = 4 * max(poll, self._am.resend_interval)
         self._client: AlertmanagerClient | None = None
-        if self._am.urls:  # without one the daemon never loads urllib.request
+        if self._am.urls:
             from gpuwatchd.sinks.alertmanager.client import AlertmanagerClient
 
             self._client = AlertmanagerClient(self._am)
