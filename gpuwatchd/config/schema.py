@@ -200,9 +200,7 @@ class AerConfig:
         "faster than this, averaged over correctable_window_seconds",
         min=0,
     )
-    correctable_window_seconds: float = opt(
-        300.0, "the window of that average", min=30, max=86400
-    )
+    correctable_window_seconds: float = opt(300.0, "the window of that average", min=30, max=86400)
     hold_seconds: float = opt(
         600.0,
         "a fatal or non-fatal error keeps its alert firing this long after the last rise",

@@ -1,1 +1,1 @@
-"""PCIe AER counters from sysfs for the GPUs, the NICs near them and every bridge up to the root port."""
+"""PCIe AER counters from sysfs: the GPUs, nearby NICs and the bridges up to the root port."""

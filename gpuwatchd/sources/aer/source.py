@@ -258,8 +258,10 @@ class AerSource:
         if reason == (self._said or ""):
             return
         if reason:
-            log.info("PCIe AER counters unavailable: %s; exporting gpuwatchd_pcie_aer_available 0",
-                     reason)
+            log.info(
+                "PCIe AER counters unavailable: %s; exporting gpuwatchd_pcie_aer_available 0",
+                reason,
+            )
         elif self._said is not None:
             log.info("PCIe AER counters available again")
         self._said = reason
