@@ -153,6 +153,17 @@ def test_lines_that_are_no_report(line: str) -> None:
     assert parse_kill(line) is None
 
 
+def test_a_parser_bug_costs_the_line_not_the_reader(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = KillParser()
+
+    def broken(line: str, year: int | None = None) -> None:
+        raise ValueError("bug")
+
+    monkeypatch.setattr("gpuwatchd.sources.kmsg.process_kills.parse_kill", broken)
+    assert parser.feed("[ 1.0] INFO: task python:1 blocked for more than 120 seconds.") is None
+    assert parser.errors == 1
+
+
 def test_a_mib_line_is_cut_to_a_record_and_parsed_fast() -> None:
     line = "[ 1.0] " + "Killed process 1 (" * (MIB // 18)
     assert parse_kill(line) is None

@@ -26,6 +26,7 @@ prefix says user space wrote is marked so (origin "user").
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -36,6 +37,8 @@ from gpuwatchd.processkill import KILL_KINDS, ProcessKill
 from gpuwatchd.sources.kmsg.prefix import Prefix, kernel_shaped, parse_prefix
 
 __all__ = ["KillParser", "METRICS", "ParsedKill", "parse_kill", "parse_oom_context", "to_event"]
+
+log = logging.getLogger("gpuwatchd.sources.kmsg.process_kills")
 
 METRICS = (
     MetricSpec(
@@ -209,13 +212,22 @@ class KillParser:
     def __init__(self) -> None:
         self.year: int | None = None
         self.counts: dict[str, int] = dict.fromkeys(KILL_KINDS, 0)
+        self.errors = 0  # lines that raised (a parser bug), each logged
         self._context: OrderedDict[int, dict[str, str]] = OrderedDict()  # pid -> oom-kill fields
         self._old_memcg = False  # a pre-5.0 "Memory cgroup out of memory: Kill process" line
 
     def feed(self, line: str) -> ParsedKill | None:
-        """The report this line completes, if any."""
+        """The report this line completes, if any. Never raises: a bug costs the line."""
         if not any(n in line for n in _NEEDLES) and "Kill process" not in line:
             return None
+        try:
+            return self._feed(line)
+        except Exception:
+            self.errors += 1
+            log.exception("reading a process report from a kernel log line")
+            return None
+
+    def _feed(self, line: str) -> ParsedKill | None:
         if "oom-kill:" in line:
             ctx = parse_oom_context(line[:MAX_LINE])
             pid = _int(ctx.get("pid")) if ctx else None
