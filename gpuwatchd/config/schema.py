@@ -193,7 +193,7 @@ class InfinibandConfig:
 @dataclass(frozen=True)
 class AerConfig:
     enabled: bool = opt(True, "read PCIe AER counters of the GPUs, nearby NICs and their bridges")
-    interval: float = opt(30.0, "seconds between polls", min=1, max=3600)
+    interval: float = opt(30.0, "seconds between polls", min=0.1, max=3600)
     correctable_per_minute: float = opt(
         8.0,
         "PcieAerCorrectableErrorsRising fires when a function's correctable errors rise "
