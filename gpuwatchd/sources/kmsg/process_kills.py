@@ -91,7 +91,6 @@ _TRAP_SIGNALS = {
     "trap invalid TSS": "SIGSEGV",
     "trap overflow": "SIGSEGV",
 }
-_NEEDLES = ("Killed process", "segfault at", "traps: ", "blocked for more than", "oom-kill:")
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,9 +116,20 @@ def _hex(text: str | None) -> int | None:
         return None
 
 
+def _may_report(line: str) -> bool:
+    # "Kill" covers "Killed process" and the pre-5.0 "Kill process"
+    return (
+        "Kill" in line
+        or "segfault at" in line
+        or "traps: " in line
+        or "blocked for more than" in line
+        or "oom-kill:" in line
+    )
+
+
 def parse_kill(line: str, year: int | None = None) -> ParsedKill | None:
     """One line -> the report it holds, or None. The oom-kill context line is KillParser's."""
-    if not any(n in line for n in _NEEDLES):
+    if not _may_report(line):
         return None
     text = line[:MAX_LINE].rstrip("\r\n")
     if "Killed process" in text:
@@ -218,7 +228,7 @@ class KillParser:
 
     def feed(self, line: str) -> ParsedKill | None:
         """The report this line completes, if any. Never raises: a bug costs the line."""
-        if not any(n in line for n in _NEEDLES) and "Kill process" not in line:
+        if not _may_report(line):  # the common case: one pass per needle, no regex
             return None
         try:
             return self._feed(line)
