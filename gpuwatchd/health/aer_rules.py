@@ -137,7 +137,7 @@ class AerRules:
                 self._rise(key, now, grew, types)
         self._prev, self._prev_types, self._stamp = totals, types, now
         self._expire(now, set(totals))
-        self._findings = [] if first else self._judge(now)
+        self._findings = [] if first else self._judge()
         return list(self._findings)
 
     def _rise(
@@ -169,7 +169,7 @@ class AerRules:
         for bus in [b for b in self._places if b not in buses]:
             del self._places[bus]
 
-    def _judge(self, now: float) -> list[Finding]:
+    def _judge(self) -> list[Finding]:
         out = []
         for (bus, sev), rise in sorted(self._rises.items()):
             kinds = ", ".join(f"{e} +{n:.0f}" for e, n in sorted(rise.types.items()))
