@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from gpuwatchd.pci import normalize_bus_id
+from gpuwatchd.processkill import ProcessKill
 from gpuwatchd.xidfields import XidFields
 
 __all__ = [
@@ -158,6 +159,12 @@ class Event:
         if self.kind not in ("xid", "sxid"):
             return None
         return self.fields if self.fields is not None else XidFields.of(self)
+
+    @property
+    def kill(self) -> ProcessKill | None:
+        """The typed fields of a kernel report of a killed, crashed or hung process
+        (processkill.KILL_KINDS); None for other kinds."""
+        return ProcessKill.of(self)
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,6 +78,10 @@ FLEET: list[P] = [
     P("table", "InfiniBand ports, worst state first", [
         (f"sort(min by ({NODE_KEYS}, device, port) (gpuwatchd_infiniband_state_id{{{S}}}))", ""),
     ], instant=True),
+    P("table", "Most PCIe AER errors (time range)", [
+        (f"topk(10, sum by ({NODE_KEYS}, pci_bus_id, role, severity) (increase("
+         f"gpuwatchd_pcie_aer_errors_total{{{S}}}[$__range])))", ""),
+    ], instant=True),
     P("table", "Collectors, failing first", [
         (f"sort(min by ({NODE_KEYS}, collector) (gpuwatchd_collector_success{{{S}}}))", ""),
     ], instant=True),

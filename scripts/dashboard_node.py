@@ -374,6 +374,35 @@ NODE: list[P] = [
         ],
         unit="Bps",
     ),
+    row("PCIe AER"),
+    P(
+        "timeseries",
+        "PCIe AER errors per second",
+        [
+            (
+                "sum by (pci_bus_id, role, severity)"
+                f" (rate(gpuwatchd_pcie_aer_errors_total{{{S}}}[$__rate_interval]))",
+                "{{role}} {{pci_bus_id}} {{severity}}",
+            )
+        ],
+        description="AER error messages of the GPUs, the NICs near them and the bridges up to"
+        " the root port. Fatal: the link was reset; non-fatal: one transaction lost; correctable:"
+        " replays. gpuwatchd_pcie_aer_available 0 means this node exposes no AER counters.",
+    ),
+    P(
+        "table",
+        "PCIe functions watched",
+        [
+            (
+                "max by (pci_bus_id, role, root_port, gpus, nics)"
+                f" (gpuwatchd_pcie_aer_device_info{{{S}}})",
+                "",
+            ),
+        ],
+        description="Each function whose AER counters are read and the GPUs (index) and NICs at"
+        " or below it: the path an error on a bridge or root port affects.",
+        instant=True,
+    ),
     row("Daemon"),
     P(
         "table",

@@ -21,6 +21,7 @@ from gpuwatchd.config.remediation import (
 )
 
 __all__ = [
+    "AerConfig",
     "AlertmanagerConfig",
     "Config",
     "DEFAULT_PORT",
@@ -190,6 +191,25 @@ class InfinibandConfig:
 
 
 @dataclass(frozen=True)
+class AerConfig:
+    enabled: bool = opt(True, "read PCIe AER counters of the GPUs, nearby NICs and their bridges")
+    interval: float = opt(30.0, "seconds between polls", min=0.1, max=3600)
+    correctable_per_minute: float = opt(
+        8.0,
+        "PcieAerCorrectableErrorsRising fires when a function's correctable errors rise "
+        "faster than this, averaged over correctable_window_seconds",
+        min=0,
+    )
+    correctable_window_seconds: float = opt(300.0, "the window of that average", min=30, max=86400)
+    hold_seconds: float = opt(
+        600.0,
+        "a fatal or non-fatal error keeps its alert firing this long after the last rise",
+        min=0,
+        max=86400,
+    )
+
+
+@dataclass(frozen=True)
 class UdevConfig:
     enabled: bool = opt(True, "re-poll a source at once on udev add/remove/change events")
     fallback_interval: float = opt(
@@ -243,6 +263,7 @@ class SourcesConfig:
     kmsg: KmsgConfig = section(KmsgConfig, "kernel log (Xid, SXid)")
     shm: ShmConfig = section(ShmConfig, "/dev/shm")
     infiniband: InfinibandConfig = section(InfinibandConfig, "InfiniBand ports")
+    aer: AerConfig = section(AerConfig, "PCIe Advanced Error Reporting counters")
     udev: UdevConfig = section(UdevConfig, "hotplug events")
     workloads: WorkloadsConfig = section(WorkloadsConfig, "pods, Slurm jobs and ranks on each GPU")
 

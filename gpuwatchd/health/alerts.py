@@ -16,6 +16,7 @@ __all__ = [
     "ALERTS",
     "AlertInfo",
     "GPU_LABELS",
+    "PCIE_LABELS",
     "PORT_LABELS",
     "WORKLOAD_ANNOTATIONS",
     "WORKLOAD_ATTRS",
@@ -24,6 +25,7 @@ __all__ = [
 
 GPU_LABELS = ("gpu", "uuid", "pci_bus_id")
 PORT_LABELS = ("device", "port")
+PCIE_LABELS = ("pci_bus_id", "role")
 # Workload fields an Xid alert carries: the bounded ones as labels
 # (model.WORKLOAD_ALERT_LABELS), these as annotations (pid and process are
 # in the description already).
@@ -271,6 +273,31 @@ ALERTS: dict[str, AlertInfo] = {
         "",
         PORT_LABELS,
     ),
+    # Raised by health/aer_rules.py (their own text).
+    "PcieAerFatalErrors": AlertInfo(
+        _C,
+        "aer",
+        Action.DRAIN_AND_INSPECT,
+        "Fatal PCIe errors at {role} {pci_bus_id}",
+        "",
+        PCIE_LABELS,
+    ),
+    "PcieAerNonFatalErrors": AlertInfo(
+        _W,
+        "aer",
+        Action.NONE,
+        "Non-fatal PCIe errors at {role} {pci_bus_id}",
+        "",
+        PCIE_LABELS,
+    ),
+    "PcieAerCorrectableErrorsRising": AlertInfo(
+        _W,
+        "aer",
+        Action.NONE,
+        "Correctable PCIe errors rising at {role} {pci_bus_id}",
+        "",
+        PCIE_LABELS,
+    ),
 }
 
 
@@ -287,6 +314,7 @@ def summary(f: Finding) -> str:
         "collector": "?",
         "device": "?",
         "port": "?",
+        "role": "PCI function",
         **given,
     }
     values.setdefault("gpu", given.get("pci_bus_id", "?"))  # an Xid of a GPU NVML lacks

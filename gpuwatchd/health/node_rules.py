@@ -1,4 +1,4 @@
-"""Rules for the node around the GPUs: /dev/shm and InfiniBand ports. Pure functions.
+"""Rules for the node around the GPUs: /dev/shm, InfiniBand ports (and AER, in aer_rules).
 
 Each takes the samples of one source (and, where a rule needs a trend,
 those of the previous poll) and returns Findings. They read only what
@@ -12,6 +12,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from gpuwatchd.health.aer_rules import AerRules, AerThresholds
 from gpuwatchd.model import Action, Finding, Labels, Sample, Severity
 from gpuwatchd.ports import ERROR_COUNTERS, PHYS_LINK_UP, STATE_ACTIVE
 
@@ -325,14 +326,16 @@ class NodeRules:
         self._ib_stamp: float | None = None
         self._ib_prev: tuple[Sample, ...] | None = None
         self._ib_findings: list[Finding] = []
+        self._aer = AerRules(AerThresholds.from_config(cfg))
 
     def evaluate(self, snapshot: NodeSnapshot) -> list[Finding]:
-        """Findings of the shm and infiniband rules for this snapshot."""
+        """Findings of the shm, PCIe AER and infiniband rules for this snapshot."""
         ratio = self._cfg.sources.shm.full_warn_ratio if self._cfg is not None else 0.9
         out: list[Finding] = []
         shm = snapshot.sources.get("shm")
         if shm is not None and shm.ok:
             out.extend(shm_findings(shm.samples, ratio))
+        out.extend(self._aer.evaluate(snapshot))
         ib = snapshot.sources.get("infiniband")
         if ib is None or not ib.ok:
             return out

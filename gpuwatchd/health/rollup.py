@@ -27,7 +27,7 @@ __all__ = [
     "status_json",
 ]
 
-COMPONENTS = ("nvml", "kmsg", "shm", "infiniband", "daemon")
+COMPONENTS = ("nvml", "kmsg", "shm", "infiniband", "aer", "daemon")
 _HEALTH_LABELS = ("scope", "component", "gpu", "uuid", "pci_bus_id")
 
 METRICS: tuple[MetricSpec, ...] = (

@@ -89,6 +89,7 @@ def _registry() -> dict[str, SourceSpec]:
     # Imported here, not at module top, so importing one source never
     # imports the others (and none of them imports pynvml or pyudev eagerly).
     from gpuwatchd.sources import udev
+    from gpuwatchd.sources.aer import source as aer
     from gpuwatchd.sources.infiniband import source as infiniband
     from gpuwatchd.sources.kmsg import source as kmsg
     from gpuwatchd.sources.nvml import source as nvml
@@ -100,6 +101,7 @@ def _registry() -> dict[str, SourceSpec]:
         "kmsg": SourceSpec(kmsg.KmsgSource.from_config, True, kmsg.METRICS),
         "shm": SourceSpec(shm.ShmSource.from_config, True, shm.METRICS),
         "infiniband": SourceSpec(infiniband.InfinibandSource.from_config, True, infiniband.METRICS),
+        "aer": SourceSpec(aer.AerSource.from_config, True, aer.METRICS),
         "udev": SourceSpec(udev.UdevSource.from_config, True, udev.METRICS),
         "workloads": SourceSpec(workloads.WorkloadSource.from_config, True, workloads.METRICS),
     }

@@ -95,12 +95,13 @@ def targets_for(event: UdevEvent) -> tuple[str, ...]:
         props = event.properties
         vendor = props.get("PCI_ID", "").partition(":")[0].upper()
         driver = props.get("DRIVER", "")
+        # aer: a function that left or joined the bus changes the PCI paths it reads
         if vendor == PCI_NVIDIA or driver.startswith("nvidia"):
-            return ("nvml",)
+            return ("nvml", "aer")
         if vendor == PCI_MELLANOX or props.get("PCI_CLASS", "").upper().startswith(
             PCI_CLASS_INFINIBAND
         ):
-            return ("infiniband",)
+            return ("infiniband", "aer")
     return ()
 
 

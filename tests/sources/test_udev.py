@@ -35,13 +35,16 @@ GPU_REMOVE = UdevEvent(
 @pytest.mark.parametrize(
     ("event", "targets"),
     [
-        (GPU_REMOVE, ("nvml",)),
-        (UdevEvent("unbind", "pci", "/devices/x", {"PCI_ID": "10de:2330"}), ("nvml",)),
-        (UdevEvent("change", "pci", "/devices/x", {"DRIVER": "nvidia"}), ("nvml",)),
-        (UdevEvent("add", "pci", "/devices/x", {"PCI_ID": "15B3:1021"}), ("infiniband",)),
+        (GPU_REMOVE, ("nvml", "aer")),
+        (UdevEvent("unbind", "pci", "/devices/x", {"PCI_ID": "10de:2330"}), ("nvml", "aer")),
+        (UdevEvent("change", "pci", "/devices/x", {"DRIVER": "nvidia"}), ("nvml", "aer")),
+        (
+            UdevEvent("add", "pci", "/devices/x", {"PCI_ID": "15B3:1021"}),
+            ("infiniband", "aer"),
+        ),
         (
             UdevEvent("add", "pci", "/devices/x", {"PCI_ID": "1234:5678", "PCI_CLASS": "20700"}),
-            ("infiniband",),
+            ("infiniband", "aer"),
         ),
         (UdevEvent("add", "pci", "/devices/x", {"PCI_ID": "8086:1572", "PCI_CLASS": "20000"}), ()),
         (
@@ -68,10 +71,10 @@ def test_targets_for(event: UdevEvent, targets: tuple[str, ...]) -> None:
 def test_events_nudge_their_source_once_per_debounce_window() -> None:
     nudged: list[str] = []
     src = UdevSource(nudged.append, run_udev="/nonexistent", debounce_seconds=30)
-    assert src.handle(GPU_REMOVE) == ("nvml",)
+    assert src.handle(GPU_REMOVE) == ("nvml", "aer")
     src.handle(GPU_REMOVE)  # a burst: the second nudge waits for the window
     src.handle(UdevEvent("remove", "infiniband", "/devices/x/infiniband/mlx5_0"))
-    assert nudged == ["nvml", "infiniband"]
+    assert nudged == ["aer", "nvml", "infiniband"]
     items = {(s.name, s.labels): s.value for s in src.poll(0)}
     assert items[("gpuwatchd_udev_events_total", (("action", "remove"), ("subsystem", "pci")))] == 2
     assert items[("gpuwatchd_udev_nudges_total", (("source", "nvml"),))] == 1
@@ -82,7 +85,7 @@ def test_without_debounce_every_event_nudges() -> None:
     src = UdevSource(nudged.append, run_udev="/nonexistent", debounce_seconds=0)
     src.handle(GPU_REMOVE)
     src.handle(GPU_REMOVE)
-    assert nudged == ["nvml", "nvml"]
+    assert nudged == ["aer", "nvml", "aer", "nvml"]
 
 
 def test_without_udev_it_falls_back_to_polling_and_says_so_once(
@@ -130,4 +133,4 @@ def test_from_config() -> None:
     nudged: list[str] = []
     src = UdevSource.from_config(cfg, SourceContext(nudge=nudged.append))
     src.handle(GPU_REMOVE)
-    assert nudged == ["nvml"]
+    assert nudged == ["aer", "nvml"]

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from gpuwatchd.bootid import read_boot_id
 from gpuwatchd.clock import Clock
 from gpuwatchd.model import Event, GpuInventory, KmsgState, MetricSpec, Sample
+from gpuwatchd.sources.kmsg import process_kills
 from gpuwatchd.sources.kmsg.filereader import FileReader
 from gpuwatchd.sources.kmsg.journal import JournalReader
 from gpuwatchd.sources.kmsg.parse import (
@@ -97,6 +98,7 @@ METRICS = (
         "Xid/SXid lines written by user space, not the kernel; ignored unless"
         " sources.kmsg.accept_userspace",
     ),
+    *process_kills.METRICS,
 )
 
 WAIT = 0.5  # longest a poll waits for input: detection latency stays under a second
@@ -176,6 +178,7 @@ class KmsgSource:
         self._reader: LineReader | None = None
         self._cursor = ctx.load_cursor(self.name) or ""
         self._parser = KmsgParser()
+        self._kills = process_kills.KillParser()  # OOM kills, segfaults, traps, hung tasks
         self._held_until = 0.0  # monotonic time when held SXid reports are handed out
         self._error = ""
         self._failures = 0
@@ -211,11 +214,13 @@ class KmsgSource:
             log.exception("kernel log reader %s", reader.name)
             self._fail(ReaderError("bug", f"{type(exc).__name__}: {exc}"))
             return self._samples()
-        self._parser.year = time.localtime(now).tm_year
+        self._parser.year = self._kills.year = time.localtime(now).tm_year
         index = self._gpus()
         events: list[Sample | Event] = []
         sxids = self._parser.sxid_lines
         for line in lines:
+            if (kill := self._kills.feed(line.text)) is not None:
+                self._handle_kill(kill, now, events)
             for rec in self._parser.feed(line.text, line.cursor):
                 self._handle(rec, now, index, events)
         if self._parser.sxid_lines != sxids:
@@ -294,6 +299,12 @@ class KmsgSource:
             return
         self._reports[rec.kind] += 1
         out.append(self._event(rec, now, index))
+
+    def _handle_kill(
+        self, got: process_kills.ParsedKill, now: float, out: list[Sample | Event]
+    ) -> None:
+        if got.prefix.origin != "user" or self.cfg.sources.kmsg.accept_userspace:
+            out.append(process_kills.to_event(got, now, self._boot_wall, self.backend != "file"))
 
     def _event(self, rec: KmsgRecord, now: float, index: GpuInventory) -> Event:
         when = self._time_of(rec, now)
@@ -399,6 +410,7 @@ class KmsgSource:
             Sample.of("gpuwatchd_kmsg_unparsed_xid_lines_total", self._unparsed),
             Sample.of("gpuwatchd_kmsg_spoofed_xid_lines_total", self._spoofed),
             Sample.of("gpuwatchd_kmsg_truncated_lines_total", self._parser.truncated),
+            *self._kills.samples(),
         ]
 
     def status(self) -> Mapping[str, object]:
