@@ -23,12 +23,12 @@ health/xid/stage.py and read by the health engine through `active(now)`.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 from gpuwatchd.health.xid.bursts import Bursts
 from gpuwatchd.health.xid.catalog import KINDS, Catalog, XidInfo
+from gpuwatchd.health.xid.policy import Policy, TrackerSettings
 from gpuwatchd.model import (
     Action,
     Clear,
@@ -39,9 +39,6 @@ from gpuwatchd.model import (
     XidFields,
     labels_of,
 )
-
-if TYPE_CHECKING:
-    from gpuwatchd.config import Config
 
 __all__ = [
     "ActiveXid",
@@ -101,46 +98,6 @@ STICKY = frozenset(
 CLEARED_BY_RESET = frozenset({Action.RESET_GPU, Action.RESTART_APP, Action.NONE})
 ESCALATES = frozenset({Action.RESET_GPU, Action.REBOOT_NODE})
 RECOVERY_CODE = 154
-
-
-@dataclass(frozen=True)
-class Policy:
-    """Site policy for one code (defaults: raise on the first report)."""
-
-    ignore: bool = False
-    threshold: int = 1
-    window: float = 0.0  # 0 = the burst window
-    hold: float = -1.0  # -1 = warning_hold for warnings, 0 for info
-
-
-@dataclass(frozen=True)
-class TrackerSettings:
-    burst_window: float = 60.0
-    warning_hold: float = 600.0
-    escalate_after: int = 3
-    escalate_window: float = 30 * 86400.0
-    policies: Mapping[tuple[str, int], Policy] = field(default_factory=dict)
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> TrackerSettings:
-        x = cfg.xid
-        policies: dict[tuple[str, int], Policy] = {}
-        for kind, rules in (("xid", x.overrides), ("sxid", x.sxid_overrides)):
-            for code, rule in rules.items():
-                if code.isdigit():  # xid.from_config reports bad keys
-                    policies[(kind, int(code))] = Policy(
-                        rule.ignore, rule.threshold, rule.window, rule.hold
-                    )
-        return cls(
-            x.burst_window,
-            x.warning_hold,
-            x.escalate_after,
-            x.escalate_window_days * 86400.0,
-            policies,
-        )
-
-    def policy(self, kind: str, code: int) -> Policy:
-        return self.policies.get((kind, code), Policy())
 
 
 @dataclass(frozen=True)
