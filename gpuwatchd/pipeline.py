@@ -34,7 +34,7 @@ from gpuwatchd.health.xid.stage import XidStage
 from gpuwatchd.http.app import Route
 from gpuwatchd.http.endpoints import events_route
 from gpuwatchd.model import Clear, Event, Finding, GpuInventory, MetricSpec, Sample
-from gpuwatchd.sinks import store
+from gpuwatchd.sinks import evidence, store
 from gpuwatchd.sinks.alertmanager import sink as alertmanager
 from gpuwatchd.sinks.alertmanager.sink import AlertSink
 from gpuwatchd.sinks.evidence import EvidenceRecorder, evidence_route
@@ -89,6 +89,7 @@ CONSUMER_METRICS: tuple[MetricSpec, ...] = (
     *remediation.METRICS,
     *diag_scheduler.METRICS,
     *store.METRICS,
+    *evidence.METRICS,
 )
 
 
@@ -202,7 +203,7 @@ class Pipeline(Consumers):
         self.engine.add_listener(self.remediation.update)
         self.diag = DiagScheduler(cfg, state, clock, self.store, node)
         self.engine.add_listener(self.diag.update)
-        self.evidence = EvidenceRecorder(cfg, self.store, state)
+        self.evidence = EvidenceRecorder(cfg, self.store, state, clock)
         self.engine.add_listener(self.evidence.update)
         self.remediation.before_act = self._evidence_before_act
         # Job hangs: their own detector and forensics thread; their alerts go through a
@@ -257,6 +258,7 @@ class Pipeline(Consumers):
         self.diag.start()
         self.hang_sink.start()
         self.hang_monitor.start()
+        self.evidence.start()
         self._heartbeat = self._clock.monotonic()
         self._thread = threading.Thread(target=self._run, name="consumer", daemon=True)
         self._thread.start()
@@ -292,6 +294,7 @@ class Pipeline(Consumers):
         self._state.publish_extra("alertmanager", self.sink.samples())
         self._state.publish_extra("remediation", self.remediation.samples())
         self._state.publish_extra("diag", self.diag.samples())
+        self._state.publish_extra("evidence", self.evidence.samples())
 
     def stale(self, max_age: float) -> list[str]:
         """["consumer"] if the consumer thread made no progress for `max_age` + a tick."""
@@ -343,6 +346,7 @@ class Pipeline(Consumers):
         self.remediation.stop()
         self.diag.stop(timeout)
         self.hang_monitor.stop(timeout)
+        self.evidence.stop(timeout)
         self.hang_sink.stop(flush_timeout=timeout)
         self.sink.stop(flush_timeout=timeout)
         self.store.close()
