@@ -48,7 +48,16 @@ COUNT_NAME = "unclean-restarts"
 EVENT_KIND = "daemon_unclean_restart"
 FAULT_LOG_MAX = 256 * 1024  # what the daemon itself appends (tracebacks), at most
 STACK_LINES = 3  # of the previous fault log, in the one warning line
-PRIVATE_FILES = ("gpuwatchd.db", "hang-alerts.db", "gpuwatchd.lock", MARKER_NAME, COUNT_NAME)
+PRIVATE_FILES = (
+    "gpuwatchd.db",
+    "hang-alerts.db",
+    "gpuwatchd.lock",
+    MARKER_NAME,
+    COUNT_NAME,
+    FAULT_LOG_NAME,
+    FAULT_LOG_NAME + ".1",
+)
+PRIVATE_TREES = ("evidence",)  # the evidence bundles (sinks/evidence.py): dirs 0700, files 0600
 
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
@@ -218,7 +227,8 @@ def tighten_state_dir(path: str) -> None:
     """The event store holds command lines and stacks: nothing of it for other users.
 
     Files made group- or world-readable before (an older version, a hand start
-    without the unit's UMask=0077) become 0600. A dir open to all users (a
+    without the unit's UMask=0077) become 0600, the fault logs among them, and
+    the evidence tree's directories 0700. A dir open to all users (a
     kubelet hostPath is created 0755) loses the bits for others when it is
     ours; the group's stay (the unit makes it 0750).
     """
@@ -237,9 +247,24 @@ def tighten_state_dir(path: str) -> None:
             log.warning("state dir %s is open to all users (mode %o): %s", path, mode, exc)
     for name in PRIVATE_FILES:
         for suffix in ("", "-wal", "-shm"):
-            file = os.path.join(path, name + suffix)
-            try:
-                if os.stat(file).st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-                    os.chmod(file, 0o600)
-            except OSError:
-                continue
+            _private(os.path.join(path, name + suffix), 0o600)
+    for tree in PRIVATE_TREES:
+        root = os.path.join(path, tree)
+        if not os.path.isdir(root) or os.path.islink(root):
+            continue
+        _private(root, 0o700)
+        for where, dirs, files in os.walk(root):  # symlinks are not followed, nor changed
+            for name in dirs:
+                _private(os.path.join(where, name), 0o700)
+            for name in files:
+                _private(os.path.join(where, name), 0o600)
+
+
+def _private(path: str, mode: int) -> None:
+    """chmod `path` to `mode` when group or others have any access (a link: left alone)."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISLNK(st.st_mode) and st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            os.chmod(path, mode)
+    except OSError:
+        pass
