@@ -249,7 +249,16 @@ class Pipeline(Consumers):
             "alerts": self.sink.status(),
             "remediation": self.remediation.status(),
             "diag": self.diag.status(),
+            "event_store": self._store_status(),
         }
+
+    def _store_status(self) -> dict[str, Any]:
+        held = len(self.store.held)
+        out: dict[str, Any] = {"up": not self.store.problem, "problem": self.store.problem}
+        out["held_events"] = held
+        if held:  # /events reads the file: what waits in memory is not there yet
+            out["note"] = f"{held} event(s) held in memory are missing from /events until written"
+        return out
 
     # --- the consumer thread ----------------------------------------------------------
 

@@ -116,6 +116,8 @@ class RunRecord:
         self.marker = os.path.join(state_dir, MARKER_NAME)
         self.fault_path = os.path.join(state_dir, FAULT_LOG_NAME)
         self.unclean_restarts = 0
+        self.marker_problem = ""  # why the marker could not be written (a full disk); "" once it is
+        self._mark = ""
         self._fault: IO[str] | None = None  # open for the life of the process
         self._fault_written = 0
 
@@ -128,8 +130,25 @@ class RunRecord:
             _write_private(os.path.join(self.state_dir, COUNT_NAME), f"{self.unclean_restarts}\n")
         self._open_fault_log()
         mark = {"pid": os.getpid(), "boot_id": self.boot_id, "started": now}
-        _write_private(self.marker, json.dumps(mark) + "\n")
+        self._mark = json.dumps(mark) + "\n"
+        self.marker_problem = _write_private(self.marker, self._mark)
         return previous
+
+    def retry_marker(self) -> None:
+        """Write the marker the disk refused at start (the daemon's housekeeping calls this)."""
+        if self.marker_problem and self._mark:
+            self.marker_problem = _write_private(self.marker, self._mark, quiet=True)
+            if not self.marker_problem:
+                log.info("run marker %s written: an unclean end is counted again", self.marker)
+
+    def status(self) -> dict[str, str]:
+        """/status: whether this run's marker is on disk (else an unclean end goes unseen)."""
+        if not self.marker_problem:
+            return {"run_marker": "written"}
+        return {
+            "run_marker": f"not written ({self.marker_problem}): if this run ends uncleanly,"
+            " the next start will not know; retried"
+        }
 
     def _previous(self) -> PreviousRun | None:
         try:
@@ -209,8 +228,11 @@ def _read_int(path: str) -> int:
     return int(text) if text.isdigit() else 0
 
 
-def _write_private(path: str, text: str) -> None:
-    """Write a small file 0600, atomically; a full or read-only disk is only a warning."""
+def _write_private(path: str, text: str, quiet: bool = False) -> str:
+    """Write a small file 0600, atomically; a full or read-only disk is only a warning.
+
+    Returns "" when written, else why not.
+    """
     tmp = path + ".tmp"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
@@ -218,9 +240,12 @@ def _write_private(path: str, text: str) -> None:
             f.write(text)
         os.replace(tmp, path)
     except OSError as exc:
-        log.warning("cannot write %s: %s", path, exc.strerror or exc)
+        if not quiet:
+            log.warning("cannot write %s: %s", path, exc.strerror or exc)
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        return str(exc.strerror or exc)
+    return ""
 
 
 def tighten_state_dir(path: str) -> None:

@@ -271,9 +271,20 @@ def test_full_disk_at_start_monitors_and_persists_once_space_frees(
         drill.wait_for(
             lambda: len(drill.in_alertmanager(alertmanager)) == len(drill.fed), why="alerts"
         )
+        # /status says what a full disk costs: no run marker, held events not in /events
+        status = json.loads(drill.get("/status")[1])
+        assert status["run_marker"].startswith("not written"), status.get("run_marker")
+        store = status["event_store"]
+        assert store["up"] is False and store["held_events"] >= 1, store
+        assert "missing from /events" in store["note"]
         filler.unlink()
         drill.assert_nothing_lost(alertmanager, timeout=60)
         drill.wait_for(lambda: drill.metric("gpuwatchd_event_store_up") == 1, why="store up")
+        drill.wait_for(
+            lambda: json.loads(drill.get("/status")[1])["run_marker"] == "written",
+            why="the run marker written once space freed",
+        )
+        assert "note" not in json.loads(drill.get("/status")[1])["event_store"]
         assert drill.stop() == 0
         drill.start()  # what was held reached the file
         assert drill.stored() == drill.expected_store()
