@@ -300,7 +300,9 @@ class Daemon:
         next_status = 0.0
         while True:
             try:
-                signum = self._next_signal(self.signals.get(timeout=tick))
+                # a run marker the disk refused is retried every second until written
+                wait = 1.0 if self.record is not None and self.record.marker_problem else tick
+                signum = self._next_signal(self.signals.get(timeout=min(tick, wait)))
             except queue.Empty:
                 signum = 0
             if signum == THREAD_DIED:
