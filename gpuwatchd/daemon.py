@@ -124,6 +124,7 @@ class Wiring:
         self.started = clock.time()
         self.sources = SourceSet(cfg, state, clock, pipeline)
         self.runner = self.sources.runner
+        self.lifecycle: Callable[[], Mapping[str, Any]] = dict  # the daemon's run record
         self.routes: dict[str, Route] = {
             "/status": json_route(self.status),
             "/healthz": healthz_route(lambda: self.stale(self.cfg.http.healthz_stale_seconds)),
@@ -142,7 +143,7 @@ class Wiring:
         self.sources.stop()
 
     def status(self, _query: Mapping[str, list[str]]) -> dict[str, Any]:
-        extra = self.pipeline.status() if self.pipeline else {}
+        extra = {**(self.pipeline.status() if self.pipeline else {}), **self.lifecycle()}
         return status_document(
             self.state.snapshot(),
             node=node_name(self.cfg),
@@ -267,6 +268,8 @@ class Daemon:
 
     def _build(self, cfg: Config) -> Wiring:
         self.wiring = Wiring(cfg, self.state, self.clock, self.pipeline)
+        if self.record is not None:
+            self.wiring.lifecycle = self.record.status
         if self._collector is not None:
             self.registry.unregister(self._collector)
         specs = [*SourceSet.metric_specs(with_consumers=self.pipeline is not None), *RUN_METRICS]
@@ -297,7 +300,9 @@ class Daemon:
         next_status = 0.0
         while True:
             try:
-                signum = self._next_signal(self.signals.get(timeout=tick))
+                # a run marker the disk refused is retried every second until written
+                wait = 1.0 if self.record is not None and self.record.marker_problem else tick
+                signum = self._next_signal(self.signals.get(timeout=min(tick, wait)))
             except queue.Empty:
                 signum = 0
             if signum == THREAD_DIED:
@@ -346,6 +351,8 @@ class Daemon:
     def _housekeeping(self, watchdog: float | None) -> None:
         assert self.wiring is not None
         cfg = self.wiring.cfg
+        if self.record is not None:
+            self.record.retry_marker()  # a disk that was full at start
         if watchdog:
             # Both halves must move: a source loop that hangs, or a consumer stuck on disk.
             stale = self.wiring.stale(max(30.0, watchdog * 2))

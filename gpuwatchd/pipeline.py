@@ -34,9 +34,10 @@ from gpuwatchd.health.xid.stage import XidStage
 from gpuwatchd.http.app import Route
 from gpuwatchd.http.endpoints import events_route
 from gpuwatchd.model import Clear, Event, Finding, GpuInventory, MetricSpec, Sample
-from gpuwatchd.sinks import store
+from gpuwatchd.sinks import evidence, store
 from gpuwatchd.sinks.alertmanager import sink as alertmanager
 from gpuwatchd.sinks.alertmanager.sink import AlertSink
+from gpuwatchd.sinks.durability import close_within
 from gpuwatchd.sinks.evidence import EvidenceRecorder, evidence_route
 from gpuwatchd.sinks.remediation import sink as remediation
 from gpuwatchd.sinks.remediation.sink import RemediationSink
@@ -62,6 +63,7 @@ __all__ = [
 log = logging.getLogger("gpuwatchd")
 
 TICK_SECONDS = 1.0
+STOP_CLOSE_SECONDS = 8.0  # for closing the databases at stop (their checkpoints), together
 HANG_ALERTS_DB = "hang-alerts.db"
 
 PIPELINE_METRICS: tuple[MetricSpec, ...] = (
@@ -89,6 +91,7 @@ CONSUMER_METRICS: tuple[MetricSpec, ...] = (
     *remediation.METRICS,
     *diag_scheduler.METRICS,
     *store.METRICS,
+    *evidence.METRICS,
 )
 
 
@@ -202,7 +205,7 @@ class Pipeline(Consumers):
         self.engine.add_listener(self.remediation.update)
         self.diag = DiagScheduler(cfg, state, clock, self.store, node)
         self.engine.add_listener(self.diag.update)
-        self.evidence = EvidenceRecorder(cfg, self.store, state)
+        self.evidence = EvidenceRecorder(cfg, self.store, state, clock)
         self.engine.add_listener(self.evidence.update)
         self.remediation.before_act = self._evidence_before_act
         # Job hangs: their own detector and forensics thread; their alerts go through a
@@ -246,7 +249,16 @@ class Pipeline(Consumers):
             "alerts": self.sink.status(),
             "remediation": self.remediation.status(),
             "diag": self.diag.status(),
+            "event_store": self._store_status(),
         }
+
+    def _store_status(self) -> dict[str, Any]:
+        held = len(self.store.held)
+        out: dict[str, Any] = {"up": not self.store.problem, "problem": self.store.problem}
+        out["held_events"] = held
+        if held:  # /events reads the file: what waits in memory is not there yet
+            out["note"] = f"{held} event(s) held in memory are missing from /events until written"
+        return out
 
     # --- the consumer thread ----------------------------------------------------------
 
@@ -257,6 +269,7 @@ class Pipeline(Consumers):
         self.diag.start()
         self.hang_sink.start()
         self.hang_monitor.start()
+        self.evidence.start()
         self._heartbeat = self._clock.monotonic()
         self._thread = threading.Thread(target=self._run, name="consumer", daemon=True)
         self._thread.start()
@@ -292,6 +305,7 @@ class Pipeline(Consumers):
         self._state.publish_extra("alertmanager", self.sink.samples())
         self._state.publish_extra("remediation", self.remediation.samples())
         self._state.publish_extra("diag", self.diag.samples())
+        self._state.publish_extra("evidence", self.evidence.samples())
 
     def stale(self, max_age: float) -> list[str]:
         """["consumer"] if the consumer thread made no progress for `max_age` + a tick."""
@@ -343,9 +357,20 @@ class Pipeline(Consumers):
         self.remediation.stop()
         self.diag.stop(timeout)
         self.hang_monitor.stop(timeout)
-        self.hang_sink.stop(flush_timeout=timeout)
-        self.sink.stop(flush_timeout=timeout)
-        self.store.close()
+        self.evidence.stop(timeout)
+        self.hang_sink.stop(flush_timeout=timeout, close=False)
+        self.sink.stop(flush_timeout=timeout, close=False)
+        # One checkpoint per database (the last connection's close), in parallel and bounded:
+        # 5 s per sync made them 30 s in a row, past systemd's TimeoutStopSec.
+        files = [("alert outbox", self.sink.close), ("hang alert outbox", self.hang_sink.close)]
+        late = close_within([*files, ("event store", self.store.close)], STOP_CLOSE_SECONDS)
+        if late:
+            log.warning(
+                "stop: %s not closed in %.0fs (a slow disk): the next start recovers the"
+                " write-ahead log",
+                ", ".join(late),
+                STOP_CLOSE_SECONDS,
+            )
 
 
 class StoreReader:

@@ -48,7 +48,16 @@ COUNT_NAME = "unclean-restarts"
 EVENT_KIND = "daemon_unclean_restart"
 FAULT_LOG_MAX = 256 * 1024  # what the daemon itself appends (tracebacks), at most
 STACK_LINES = 3  # of the previous fault log, in the one warning line
-PRIVATE_FILES = ("gpuwatchd.db", "hang-alerts.db", "gpuwatchd.lock", MARKER_NAME, COUNT_NAME)
+PRIVATE_FILES = (
+    "gpuwatchd.db",
+    "hang-alerts.db",
+    "gpuwatchd.lock",
+    MARKER_NAME,
+    COUNT_NAME,
+    FAULT_LOG_NAME,
+    FAULT_LOG_NAME + ".1",
+)
+PRIVATE_TREES = ("evidence",)  # the evidence bundles (sinks/evidence.py): dirs 0700, files 0600
 
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
@@ -107,6 +116,8 @@ class RunRecord:
         self.marker = os.path.join(state_dir, MARKER_NAME)
         self.fault_path = os.path.join(state_dir, FAULT_LOG_NAME)
         self.unclean_restarts = 0
+        self.marker_problem = ""  # why the marker could not be written (a full disk); "" once it is
+        self._mark = ""
         self._fault: IO[str] | None = None  # open for the life of the process
         self._fault_written = 0
 
@@ -119,8 +130,25 @@ class RunRecord:
             _write_private(os.path.join(self.state_dir, COUNT_NAME), f"{self.unclean_restarts}\n")
         self._open_fault_log()
         mark = {"pid": os.getpid(), "boot_id": self.boot_id, "started": now}
-        _write_private(self.marker, json.dumps(mark) + "\n")
+        self._mark = json.dumps(mark) + "\n"
+        self.marker_problem = _write_private(self.marker, self._mark)
         return previous
+
+    def retry_marker(self) -> None:
+        """Write the marker the disk refused at start (the daemon's housekeeping calls this)."""
+        if self.marker_problem and self._mark:
+            self.marker_problem = _write_private(self.marker, self._mark, quiet=True)
+            if not self.marker_problem:
+                log.info("run marker %s written: an unclean end is counted again", self.marker)
+
+    def status(self) -> dict[str, str]:
+        """/status: whether this run's marker is on disk (else an unclean end goes unseen)."""
+        if not self.marker_problem:
+            return {"run_marker": "written"}
+        return {
+            "run_marker": f"not written ({self.marker_problem}): if this run ends uncleanly,"
+            " the next start will not know; retried"
+        }
 
     def _previous(self) -> PreviousRun | None:
         try:
@@ -200,8 +228,11 @@ def _read_int(path: str) -> int:
     return int(text) if text.isdigit() else 0
 
 
-def _write_private(path: str, text: str) -> None:
-    """Write a small file 0600, atomically; a full or read-only disk is only a warning."""
+def _write_private(path: str, text: str, quiet: bool = False) -> str:
+    """Write a small file 0600, atomically; a full or read-only disk is only a warning.
+
+    Returns "" when written, else why not.
+    """
     tmp = path + ".tmp"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
@@ -209,16 +240,20 @@ def _write_private(path: str, text: str) -> None:
             f.write(text)
         os.replace(tmp, path)
     except OSError as exc:
-        log.warning("cannot write %s: %s", path, exc.strerror or exc)
+        if not quiet:
+            log.warning("cannot write %s: %s", path, exc.strerror or exc)
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        return str(exc.strerror or exc)
+    return ""
 
 
 def tighten_state_dir(path: str) -> None:
     """The event store holds command lines and stacks: nothing of it for other users.
 
     Files made group- or world-readable before (an older version, a hand start
-    without the unit's UMask=0077) become 0600. A dir open to all users (a
+    without the unit's UMask=0077) become 0600, the fault logs among them, and
+    the evidence tree's directories 0700. A dir open to all users (a
     kubelet hostPath is created 0755) loses the bits for others when it is
     ours; the group's stay (the unit makes it 0750).
     """
@@ -237,9 +272,24 @@ def tighten_state_dir(path: str) -> None:
             log.warning("state dir %s is open to all users (mode %o): %s", path, mode, exc)
     for name in PRIVATE_FILES:
         for suffix in ("", "-wal", "-shm"):
-            file = os.path.join(path, name + suffix)
-            try:
-                if os.stat(file).st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-                    os.chmod(file, 0o600)
-            except OSError:
-                continue
+            _private(os.path.join(path, name + suffix), 0o600)
+    for tree in PRIVATE_TREES:
+        root = os.path.join(path, tree)
+        if not os.path.isdir(root) or os.path.islink(root):
+            continue
+        _private(root, 0o700)
+        for where, dirs, files in os.walk(root):  # symlinks are not followed, nor changed
+            for name in dirs:
+                _private(os.path.join(where, name), 0o700)
+            for name in files:
+                _private(os.path.join(where, name), 0o600)
+
+
+def _private(path: str, mode: int) -> None:
+    """chmod `path` to `mode` when group or others have any access (a link: left alone)."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISLNK(st.st_mode) and st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            os.chmod(path, mode)
+    except OSError:
+        pass

@@ -31,6 +31,7 @@ PRODUCERS: tuple[tuple[str, str, str], ...] = (
     ("gpuwatchd.health.xid.stage", "METRICS", "xid"),
     ("gpuwatchd.health.hangs.monitor", "METRICS", "hangs"),
     ("gpuwatchd.sinks.store", "METRICS", "store"),
+    ("gpuwatchd.sinks.evidence", "METRICS", "evidence"),
     ("gpuwatchd.sinks.alertmanager.sink", "METRICS", "alerts"),
     ("gpuwatchd.sinks.remediation.sink", "METRICS", "remediation"),
     ("gpuwatchd.diagnose.scheduler", "METRICS", "diag"),

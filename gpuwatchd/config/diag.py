@@ -44,7 +44,9 @@ class EvidenceConfig:
     enabled: bool = opt(
         True, "write a bundle when a critical condition is raised and before remediation acts"
     )
-    max_bundles: int = opt(20, "keep at most this many bundles (oldest removed)", min=1)
+    max_bundles: int = opt(
+        20, "keep at most this many bundles (oldest removed, an incident chain's first last)", min=1
+    )
     max_bundle_bytes: int = opt(
         8 << 20, "bytes per bundle at most (each part cut to fit)", min=4096
     )

@@ -21,7 +21,8 @@ from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import Config
 from gpuwatchd.health.engine import HealthEngine
 from gpuwatchd.health.stuck import ALERTNAME
-from gpuwatchd.model import Event, Sample
+from gpuwatchd.health.xid.stage import XidStage
+from gpuwatchd.model import Event, Sample, Severity
 from gpuwatchd.sinks.alertmanager.outbox import Outbox
 from gpuwatchd.sources.nvml.replay import ReplayClient
 from gpuwatchd.sources.nvml.source import NvmlSource
@@ -126,3 +127,39 @@ def test_a_wall_clock_stepped_back_does_not_hold_the_resend(tmp_path: Path) -> N
         assert outbox.next_due(url, stepped, 60.0) == 0.0
     finally:
         outbox.close()
+
+
+@pytest.mark.parametrize("step", [3600.0, -3600.0], ids=["forward", "back"])
+def test_a_wall_clock_step_moves_no_xid_warning_hold(step: float) -> None:
+    """A warning Xid stays active for xid.warning_hold seconds of monotonic time.
+
+    With wall times, an hour forward resolved the warning at once (and an
+    hour back raised it again); an hour back kept it an hour too long.
+    """
+    clock = FakeClock()
+    state = State()
+    cfg = Config()
+    stage = XidStage.from_config(cfg, state.publish_extra, None, clock)
+    report = Event(
+        "xid",
+        "kmsg",
+        clock.time(),
+        13,
+        "0000:18:00.0",
+        attrs=(("gpu", "0"), ("raw", "NVRM: Xid (PCI:0000:18:00): 13, pid=650, name=python3")),
+    )
+    stage.on_publish(state.snapshot(), None, (report,))
+    hold = cfg.xid.warning_hold
+    assert [a.info.severity for a in stage.active()] == [Severity.WARNING]
+    seen: list[tuple[float, bool]] = []
+    for elapsed in range(10, int(hold) + 60, 10):
+        clock.advance(10)
+        if elapsed == 60:
+            clock.step_wall(step)
+        if elapsed == hold + 30:
+            clock.step_wall(-step)  # and back, after the hold
+        stage.tick()
+        seen.append((elapsed, bool(stage.active())))
+    ended = [t for t, active in seen if not active]
+    assert ended and ended[0] == hold + 10, f"warning resolved at {ended[:1]}s, {hold + 10}s due"
+    assert all(not active for t, active in seen if t > hold), "the warning came back"

@@ -52,7 +52,7 @@ def run_drill(tmp_path: Path, rotate: str) -> tuple[int, list[int], int]:
     log = tmp_path / "kern.log"
     stop = tmp_path / "stop"
     log.touch()
-    reader = FileReader(str(log), step=0.01, grace=0.5)
+    reader = FileReader(str(log), step=0.01)
     writer = subprocess.Popen(
         [sys.executable, "-c", WRITER, str(log), str(stop)], stdout=subprocess.PIPE, text=True
     )
@@ -121,7 +121,7 @@ def test_copytruncate_window_loss_is_counted(tmp_path: Path) -> None:
 def test_a_file_renamed_away_and_back_is_not_read_again(tmp_path: Path) -> None:
     log = tmp_path / "kern.log"
     log.write_text("one\ntwo\n")
-    reader = FileReader(str(log), step=0.01, grace=0.0)
+    reader = FileReader(str(log), step=0.01)
     assert [line.text for line in reader.read(0)] == ["one", "two"]
     log.rename(tmp_path / "kern.log.tmp")
     log.write_text("other\n")
@@ -132,3 +132,105 @@ def test_a_file_renamed_away_and_back_is_not_read_again(tmp_path: Path) -> None:
         f.write("three\n")
     assert [line.text for line in reader.read(0.2)] == ["three"]
     reader.close()
+
+
+# --- around a restart: the daemon stopped while the file was rotated -------------------
+
+
+def _numbered(path: Path, first: int, count: int) -> None:
+    with path.open("a") as f:
+        f.write("".join(f"[ 1.0] line {n}\n" for n in range(first, first + count)))
+
+
+def _stopped(tmp_path: Path, lines: int = 100) -> tuple[Path, str]:
+    """A reader that read `lines` lines and stopped: the log and the cursor it stored."""
+    log = tmp_path / "kern.log"
+    _numbered(log, 0, lines)
+    reader = FileReader(str(log), sleep=lambda s: None)
+    assert len(reader.read(0)) == lines
+    cursor = reader.cursor()
+    reader.close()
+    return log, cursor
+
+
+def _restart(log: Path, cursor: str) -> tuple[list[int], int]:
+    reader = FileReader(str(log), cursor, sleep=lambda s: None)
+    try:
+        seen = [int(line.text.rsplit(" ", 1)[1]) for line in reader.read(0)]
+        return seen, reader.take_lost()
+    finally:
+        reader.close()
+
+
+def test_rename_rotation_while_stopped_is_read_on_at_start(tmp_path: Path) -> None:
+    log, cursor = _stopped(tmp_path)
+    _numbered(log, 100, 20)  # written after the stop, before the rotation
+    log.rename(tmp_path / "kern.log.1")
+    _numbered(log, 120, 30)
+    seen, lost = _restart(log, cursor)
+    assert sorted(seen) == list(range(100, 150)) and lost == 0
+
+
+def test_copytruncate_while_stopped_reads_the_copy(tmp_path: Path) -> None:
+    log, cursor = _stopped(tmp_path)
+    _numbered(log, 100, 20)
+    shutil.copyfile(log, tmp_path / "kern.log.1")
+    os.truncate(log, 0)
+    _numbered(log, 120, 30)
+    seen, lost = _restart(log, cursor)
+    assert sorted(seen) == list(range(100, 150))
+    assert lost == 1  # the copy-to-truncate window, as while running
+
+
+def test_truncated_and_grown_past_the_offset_while_stopped(tmp_path: Path) -> None:
+    """The cursor's offset lies inside the new content: its fingerprint tells."""
+    log, cursor = _stopped(tmp_path, 50)
+    os.truncate(log, 0)
+    _numbered(log, 1000, 169)  # longer than what was read before
+    seen, lost = _restart(log, cursor)
+    assert seen == list(range(1000, 1169)) and lost == 1
+
+
+def test_a_rotated_file_gone_at_start_is_counted(tmp_path: Path) -> None:
+    log, cursor = _stopped(tmp_path)
+    _numbered(log, 100, 20)
+    log.rename(tmp_path / "kern.log.1")
+    (tmp_path / "kern.log.1").unlink()  # compressed or deleted before the start
+    _numbered(log, 120, 30)
+    seen, lost = _restart(log, cursor)
+    assert sorted(seen) == list(range(120, 150)) and lost == 1
+
+
+def test_a_renamed_file_written_after_a_quiet_spell_is_still_read(tmp_path: Path) -> None:
+    """The writer reopens late (logrotate's HUP delayed): it was let go after 5 s quiet."""
+    log = tmp_path / "kern.log"
+    _numbered(log, 0, 10)
+    reader = FileReader(str(log), step=0.01)
+    seen = [int(line.text.rsplit(" ", 1)[1]) for line in reader.read(0)]
+    log.rename(tmp_path / "kern.log.1")
+    _numbered(log, 100, 5)
+    follow(reader, seen, 5.3)  # quiet longer than the old grace
+    _numbered(tmp_path / "kern.log.1", 10, 40)  # the writer, still on the renamed file
+    follow(reader, seen, 0.2)
+    reader.close()
+    assert sorted(seen) == [*range(50), *range(100, 105)]
+
+
+def test_two_rotations_a_second_apart_lose_nothing(tmp_path: Path) -> None:
+    log = tmp_path / "kern.log"
+    _numbered(log, 0, 10)
+    reader = FileReader(str(log), step=0.01)
+    seen: list[int] = []
+    follow(reader, seen, 0.1)
+    log.rename(tmp_path / "kern.log.1")
+    log.touch()
+    follow(reader, seen, 0.1)
+    (tmp_path / "kern.log.1").rename(tmp_path / "kern.log.2")
+    log.rename(tmp_path / "kern.log.1")
+    log.touch()
+    follow(reader, seen, 0.1)
+    _numbered(tmp_path / "kern.log.2", 10, 38)  # the writer has not reopened yet
+    _numbered(log, 100, 2)
+    follow(reader, seen, 0.2)
+    reader.close()
+    assert sorted(seen) == [*range(48), 100, 101]

@@ -16,6 +16,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from gpuwatchd.clock import FakeClock
+from gpuwatchd.config import Config, KmsgConfig, PathsConfig, SourcesConfig
+from gpuwatchd.health.xid.workload import match_workload
+from gpuwatchd.model import Event, Workload, WorkloadProcess
+from gpuwatchd.sources import SourceContext
+from gpuwatchd.sources.kmsg.source import KmsgSource
 from tests.conftest import FIXTURES, DaemonProcess
 from tests.e2e.faults import wait_until
 
@@ -97,3 +103,80 @@ def test_a_reused_pid_is_blamed_on_the_right_job(
     assert old["attrs"]["attribution"] == "pid reused"
     assert old["attrs"].get("workload_id") == "111", old["attrs"]
     assert old["attrs"].get("rank") == "3" and old["attrs"].get("slurm_job") == "111"
+
+
+# --- a report without a time of its own (bare line, `dmesg -w > file`) ------------------
+
+
+def _file_source(tmp_path: Path, kern: Path) -> tuple[KmsgSource, FakeClock]:
+    procfs = tmp_path / "proc"
+    procfs.mkdir(exist_ok=True)
+    (tmp_path / "boot_id").write_text("6b1c1a36-8d7a-4b1e-9a55-0c2f7a1d0001\n")
+    cfg = Config(
+        paths=PathsConfig(kmsg=str(kern), boot_id=str(tmp_path / "boot_id"), procfs=str(procfs)),
+        sources=SourcesConfig(kmsg=KmsgConfig(backend="file", file=str(kern))),
+    )
+    clock = FakeClock()
+    src = KmsgSource(cfg, SourceContext(clock=clock), wait=0.0, sleep=lambda s: None)
+    return src, clock
+
+
+BARE = f"NVRM: Xid (PCI:0000:00:06): 31, pid={PID}, name=python3, channel 0x0000000a\n"
+
+
+def test_a_timeless_xid_is_not_blamed_on_a_process_that_took_the_pid(tmp_path: Path) -> None:
+    """Job 111's process logs an Xid and exits; job 222's takes the pid before the line is
+    read. With no time on the line, the pid's start cannot tell them apart: the report
+    names no job (it named 222)."""
+    kern = tmp_path / "kern.log"
+    kern.write_text("")
+    src, clock = _file_source(tmp_path, kern)
+    fake_process(tmp_path / "proc", "111", "3", clock.monotonic() - 600)
+    src.poll(clock.time())  # reads to the end of the log
+    clock.advance(10)
+    for line in (BARE, f"[ {clock.monotonic() - 1:.6f}] {BARE}"):  # bare, and dmesg -w
+        with kern.open("a") as f:
+            f.write(line)
+        clock.advance(2)
+        fake_process(tmp_path / "proc", "222", "7", clock.monotonic() - 1)  # the newcomer
+        clock.advance(2)
+        [ev] = [e for e in src.poll(clock.time()) if isinstance(e, Event)]
+        assert ev.attr("slurm_job") == "", f"blamed on job {ev.attr('slurm_job')}: {line!r}"
+        assert ev.attr("attribution") in ("pid unverified", "pid reused")
+        assert ev.attr("reused_pid_start") and ev.attr("rank") == ""
+        src.poll(clock.time())  # the log's end again
+        clock.advance(10)
+
+
+def test_a_timeless_xid_of_a_process_older_than_the_last_read_is_attributed(
+    tmp_path: Path,
+) -> None:
+    kern = tmp_path / "kern.log"
+    kern.write_text("")
+    src, clock = _file_source(tmp_path, kern)
+    fake_process(tmp_path / "proc", "111", "3", clock.monotonic() - 600)
+    src.poll(clock.time())
+    clock.advance(5)
+    with kern.open("a") as f:
+        f.write(BARE)
+    [ev] = [e for e in src.poll(clock.time()) if isinstance(e, Event)]
+    assert ev.attr("slurm_job") == "111" and ev.attr("pid_start")
+
+
+def test_an_unverified_pid_names_neither_the_old_nor_the_new_job() -> None:
+    """The Xid stage's match: the exited job 111 and the running job 222 both had the pid."""
+    old = Workload(
+        "slurm", "111", slurm_job="111", processes=(WorkloadProcess(PID, "0", start_ticks=100),)
+    )
+    new = Workload(
+        "slurm", "222", slurm_job="222", processes=(WorkloadProcess(PID, "0", start_ticks=900),)
+    )
+    ev = Event(
+        "xid",
+        "kmsg",
+        1.0,
+        31,
+        "0000:00:06.0",
+        attrs=(("attribution", "pid unverified"), ("pid", str(PID)), ("reused_pid_start", "900")),
+    )
+    assert match_workload(ev, [new, old]) is None

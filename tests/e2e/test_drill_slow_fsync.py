@@ -111,3 +111,47 @@ def test_alerts_go_out_while_every_fsync_takes_three_seconds(
     finally:
         flag.unlink(missing_ok=True)
         drill.stop()
+
+
+STOP_BUDGET = 15.0  # seconds from SIGTERM to exit; systemd's TimeoutStopSec is 30
+
+
+def test_sigterm_on_a_slow_disk_exits_well_within_the_units_stop_timeout(
+    tmp_path: Path, alertmanager: AlertmanagerServer, slow_fsync: Path
+) -> None:
+    """Every fsync takes 5 s at stop: exit 0 in well under TimeoutStopSec=30 (30.6 s before:
+    systemd SIGKILLed it and the next start counted an unclean restart)."""
+    drill = Drill(tmp_path, alertmanager.url, node="drill-slow-stop")
+    flag = tmp_path / "disk-is-slow"
+    d = DaemonProcess(
+        tmp_path,
+        drill.config_text,
+        ["--nvml-replay", str(drill.capture), "--state-dir", str(drill.state_dir)],
+        {
+            "LD_PRELOAD": str(slow_fsync),
+            "SLOW_FSYNC_FLAG": str(flag),
+            "SLOW_FSYNC_SECONDS": "5",
+        },
+    )
+    drill.daemon = d
+    try:
+        d.notify.wait_for("READY=1", timeout=60)
+        for code, gpu in ((79, 0), (48, 1)):
+            drill.feed(code, gpu)
+        drill.assert_nothing_lost(alertmanager)
+        flag.touch()
+        began = time.monotonic()
+        d.proc.terminate()
+        rc = d.proc.wait(60)
+        took = time.monotonic() - began
+        print(f"SIGTERM to exit with 5 s fsyncs: {took:.1f} s")
+        assert rc == 0 and took < STOP_BUDGET, f"exit {rc} after {took:.1f} s"
+    finally:
+        flag.unlink(missing_ok=True)
+        drill.stop()
+    try:
+        again = drill.start()  # the run marker says the stop was clean
+        assert drill.metric("gpuwatchd_unclean_restarts_total") == 0, again.output()[-2000:]
+        assert drill.stored() == drill.expected_store()  # the stop's log recovered
+    finally:
+        drill.stop()

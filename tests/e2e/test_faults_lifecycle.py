@@ -271,9 +271,20 @@ def test_full_disk_at_start_monitors_and_persists_once_space_frees(
         drill.wait_for(
             lambda: len(drill.in_alertmanager(alertmanager)) == len(drill.fed), why="alerts"
         )
+        # /status says what a full disk costs: no run marker, held events not in /events
+        status = json.loads(drill.get("/status")[1])
+        assert status["run_marker"].startswith("not written"), status.get("run_marker")
+        store = status["event_store"]
+        assert store["up"] is False and store["held_events"] >= 1, store
+        assert "missing from /events" in store["note"]
         filler.unlink()
         drill.assert_nothing_lost(alertmanager, timeout=60)
         drill.wait_for(lambda: drill.metric("gpuwatchd_event_store_up") == 1, why="store up")
+        drill.wait_for(
+            lambda: json.loads(drill.get("/status")[1])["run_marker"] == "written",
+            why="the run marker written once space freed",
+        )
+        assert "note" not in json.loads(drill.get("/status")[1])["event_store"]
         assert drill.stop() == 0
         drill.start()  # what was held reached the file
         assert drill.stored() == drill.expected_store()
@@ -308,10 +319,46 @@ def test_state_files_are_private_without_the_units_umask(
     # A store an earlier version (or a hand start) left world-readable is tightened.
     os.chmod(state / "gpuwatchd.db", 0o644)
     os.chmod(state, 0o755)
+    os.chmod(state / FAULT_LOG, 0o644)
+    bundles = [p for p in (state / "evidence").iterdir()]
+    assert bundles, "the critical Xid wrote no evidence bundle"
+    for p in [state / "evidence", *bundles]:
+        os.chmod(p, 0o755)
+    os.chmod(bundles[0] / "meta.json", 0o644)
     d = drill.start()
     try:
         assert stat.S_IMODE((state / "gpuwatchd.db").stat().st_mode) == 0o600
+        assert stat.S_IMODE((state / FAULT_LOG).stat().st_mode) == 0o600
+        modes = {p: stat.S_IMODE(p.stat().st_mode) for p in [state / "evidence", *bundles]}
+        assert set(modes.values()) == {0o700}, modes
+        assert stat.S_IMODE((bundles[0] / "meta.json").stat().st_mode) == 0o600
         assert stat.S_IMODE(state.stat().st_mode) == 0o750  # the group's bits are the site's
         assert "was open to all users: mode 750 now" in d.output()
     finally:
         drill.stop()
+
+
+def test_files_left_open_by_an_older_version_are_tightened_at_start(tmp_path: Path) -> None:
+    """The fault logs and the evidence tree, made before the modes changed (0644/0755)."""
+    from gpuwatchd.runmarker import tighten_state_dir
+
+    state = tmp_path / "state"
+    bundle = state / "evidence" / "20261128T000000Z-0123456789"
+    bundle.mkdir(parents=True)
+    for p in (state / FAULT_LOG, state / (FAULT_LOG + ".1"), bundle / "kmsg.txt"):
+        p.write_text("x\n")
+        p.chmod(0o644)
+    for p in (state / "evidence", bundle):
+        p.chmod(0o755)
+    outside = tmp_path / "elsewhere"
+    outside.write_text("not ours\n")
+    outside.chmod(0o644)
+    (bundle / "link").symlink_to(outside)
+    tighten_state_dir(str(state))
+    modes = {
+        p.name: stat.S_IMODE(p.stat().st_mode) for p in (state / FAULT_LOG, bundle / "kmsg.txt")
+    }
+    assert modes == {FAULT_LOG: 0o600, "kmsg.txt": 0o600}
+    assert stat.S_IMODE((state / (FAULT_LOG + ".1")).stat().st_mode) == 0o600
+    assert {stat.S_IMODE(p.stat().st_mode) for p in (state / "evidence", bundle)} == {0o700}
+    assert stat.S_IMODE(outside.stat().st_mode) == 0o644  # a link is not followed

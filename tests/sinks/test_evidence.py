@@ -5,15 +5,24 @@ from __future__ import annotations
 import json
 import os
 import stat
+import time
 from pathlib import Path
 
 import pytest
 
 from gpuwatchd import config
 from gpuwatchd.cli import main
+from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import Config
 from gpuwatchd.model import Action, Event, Finding, Sample, Severity, SourceSnapshot, labels_of
-from gpuwatchd.sinks.evidence import EvidenceRecorder, evidence_route, list_bundles
+from gpuwatchd.sinks.evidence import (
+    CHAIN_GAP,
+    EvidenceRecorder,
+    evidence_route,
+    incident_key,
+    list_bundles,
+    read_kmsg,
+)
 from gpuwatchd.sinks.store import EventStore
 from gpuwatchd.state import State
 
@@ -90,7 +99,7 @@ def test_bounded_in_count_and_size(tmp_path: Path) -> None:
     rec = EvidenceRecorder(cfg, None)
     ids = [rec.ensure(xid79(str(g)), "raised") for g in range(3)]
     kept = [m["id"] for m in list_bundles(cfg)]
-    assert sorted(kept) == sorted(ids[1:])  # the oldest went
+    assert sorted(kept) == sorted([ids[0], ids[2]])  # the oldest after the chain's first went
     for bid in kept:
         d = Path(cfg.daemon.state_dir) / "evidence" / bid
         total = sum(f.stat().st_size for f in d.iterdir())
@@ -131,3 +140,114 @@ def test_cli_and_route(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert status == 200 and "kmsg.txt" in json.loads(body)
     assert route({"id": ["../../etc"]})[0] == 404
     assert json.loads(route({})[2])["count"] == 1
+
+
+# --- drills: evidence off the consumer thread, damaged bundles, pruning a cascade -------
+
+
+def _cascade(n: int) -> list[Finding]:
+    """n critical incidents at once, as a GPU falling off the bus raises them."""
+    return [xid79(str(g)) for g in range(n)]
+
+
+def test_a_cascade_on_a_large_kernel_log_never_holds_the_consumer(tmp_path: Path) -> None:
+    """60 incidents and a 64 MiB kern.log: the listener returns at once (it read the
+    whole file per bundle on the consumer thread: 51.6 s for 314 MB and 60 incidents)."""
+    kern = tmp_path / "kern.log"
+    line = b"Nov 29 00:00:00 node kernel: " + b"x" * 98 + b"\n"
+    with kern.open("wb") as f:
+        f.write(line * (64 * 1024 * 1024 // len(line)) + b"6,1,0,-;the newest line\n")
+    cfg = _cfg(tmp_path, "{kmsg_records: 50, max_bundles: 60}")
+    rec = EvidenceRecorder(cfg, None, _state())
+    rec.start()
+    try:
+        began = time.monotonic()
+        rec.update(_cascade(60))
+        took = time.monotonic() - began
+    finally:
+        rec.stop(timeout=30)
+    assert took < 2.0, f"the listener held the consumer thread {took:.1f}s"
+    bundles = {m["incident"]: m for m in list_bundles(cfg)}
+    assert len(bundles) == 60
+    first = bundles[incident_key(xid79("0"))]
+    assert first["chain_first"] is True
+    kmsg = Path(cfg.daemon.state_dir) / "evidence" / first["id"] / "kmsg.txt"
+    lines = kmsg.read_text().splitlines()
+    assert len(lines) == 50 and lines[-1] == "6,1,0,-;the newest line"
+
+
+def test_a_full_queue_drops_and_counts_but_never_a_chains_first(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "{kmsg_records: 10, max_bundles: 200}")
+    clock = FakeClock()
+    rec = EvidenceRecorder(cfg, None, clock=clock)
+    rec.start()
+    try:
+        with rec._write_lock:  # the writer busy on a slow disk
+            rec.update(_cascade(100))
+            clock.advance(CHAIN_GAP + 1)
+            rec.update([xid79("200")])  # a new chain's first, with the queue full
+    finally:
+        rec.stop(timeout=30)
+    kept = {m["incident"]: m for m in list_bundles(cfg)}
+    assert incident_key(xid79("0")) in kept and kept[incident_key(xid79("200"))]["chain_first"]
+    samples = {(s.name, s.label("reason")): s.value for s in rec.samples()}
+    dropped = samples[("gpuwatchd_evidence_bundles_dropped_total", "queue_full")]
+    written = samples[("gpuwatchd_evidence_bundles_written_total", "")]
+    assert dropped >= 36 and written + dropped == 101 and written == len(kept)
+
+
+def test_read_kmsg_reads_a_file_from_its_end(tmp_path: Path) -> None:
+    kern = tmp_path / "kern.log"
+    kern.write_bytes(b"".join(b"line %d\n" % i for i in range(200_000)) + b"partial")
+    assert read_kmsg(str(kern), 3) == ["line 199998", "line 199999", "partial"]
+    kern.write_bytes(b"a\r\nb\n")
+    assert read_kmsg(str(kern), 10) == ["a", "b"]
+    assert read_kmsg(str(kern), 0) == []
+
+
+def test_a_damaged_bundle_is_moved_aside_not_fatal(tmp_path: Path) -> None:
+    """`"time": null` in one meta.json raised in list_bundles at every start (exit 70)."""
+    cfg = _cfg(tmp_path)
+    good = EvidenceRecorder(cfg, None).ensure(xid79("0"), "raised")
+    root = Path(cfg.daemon.state_dir) / "evidence"
+    bad = root / "20261128T000000Z-0000000000"
+    bad.mkdir()
+    (bad / "meta.json").write_text('{"id": "20261128T000000Z-0000000000", "time": null}')
+    (root / "20261128T000001Z-1111111111").mkdir()  # no meta.json at all
+    (root / "20261128T000002Z-2222222222").mkdir()
+    (root / "20261128T000002Z-2222222222" / "meta.json").write_text("{not json")
+    assert [m["id"] for m in list_bundles(cfg)] == [good]  # readers skip them
+    rec = EvidenceRecorder(cfg, None)
+    assert len(rec.quarantined) == 3
+    names = sorted(p.name for p in root.iterdir())
+    assert sum(".corrupt-" in n for n in names) == 3 and good in names
+    assert [s.value for s in rec.samples() if "quarantined" in s.name] == [3.0]
+    assert rec.ensure(xid79("0"), "before remediation") == good
+    assert len(EvidenceRecorder(cfg, None).quarantined) == 0  # moved once
+
+
+def test_pruning_keeps_the_first_bundle_of_an_incident_chain(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "{max_bundles: 3, kmsg_records: 10}")
+    clock = FakeClock()
+    rec = EvidenceRecorder(cfg, None, clock=clock)
+    root_cause = rec.ensure(xid79("0"), "raised")
+    for g in range(1, 6):  # the cascade: each within CHAIN_GAP of the one before
+        clock.advance(30)
+        rec.ensure(xid79(str(g)), "raised")
+    kept = [m["id"] for m in list_bundles(cfg)]
+    assert root_cause in kept and len(kept) == 3
+    clock.advance(CHAIN_GAP + 1)  # a new chain, much later
+    second_root = rec.ensure(xid79("7"), "raised")
+    assert {root_cause, second_root} <= {m["id"] for m in list_bundles(cfg)}
+
+
+def test_ensure_never_names_a_pruned_bundle(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "{max_bundles: 1, kmsg_records: 10}")
+    clock = FakeClock()
+    rec = EvidenceRecorder(cfg, None, clock=clock)
+    rec.ensure(xid79("0"), "raised")
+    clock.advance(1)
+    rec.ensure(xid79("1"), "raised")  # the only bundle kept now
+    clock.advance(1)
+    again = rec.ensure(xid79("0"), "before remediation")
+    assert (Path(cfg.daemon.state_dir) / "evidence" / again / "meta.json").exists()

@@ -72,5 +72,5 @@ def test_file_reader_keeps_one_record_of_an_endless_line(tmp_path: Path) -> None
     assert [len(line.text) for line in lines][0] == MAX_RECORD + 1
     assert lines[1].text == GOOD
     # The cursor still counts every byte, so a restart resumes after the good line.
-    assert lines[1].cursor.endswith(f":{os.path.getsize(log)}")
+    assert lines[1].cursor.split(":")[3] == str(os.path.getsize(log))
     reader.close()

@@ -163,9 +163,9 @@ class XidStage:
         clears = [r for r in rows if r.boot_id in (boot, "")]
         self._last_clear_id = max((r.id for r in rows), default=0)
         with self._lock:
-            self.tracker.restore(events, clears)
+            self.tracker.restore(events, clears, self.clock.time(), self.clock.monotonic())
             self._publish(self.clock.time())
-        active = self.tracker.active(self.clock.time())
+        active = self.tracker.active(self.clock.time(), self.clock.monotonic())
         if active:
             log.info("restored %d active Xid condition(s) from the store", len(active))
 
@@ -206,7 +206,8 @@ class XidStage:
             passed += self.merger.due(mono)
             records = []
             for ev in passed:
-                obs = self.tracker.observe(ev)
+                # its hold counts in monotonic time from when it was logged (its age at arrival)
+                obs = self.tracker.observe(ev, seen=mono - max(0.0, now - ev.time))
                 records.append((obs.event, obs.burst_id, obs.count))
                 self._log_once(obs, mono)
             for bid, (due, ev) in list(self._unlogged.items()):
@@ -259,7 +260,7 @@ class XidStage:
         )
 
     def _publish(self, now: float) -> None:
-        samples = self.tracker.samples(now)
+        samples = self.tracker.samples(now, self.clock.monotonic())
         samples.append(Sample.of("gpuwatchd_xid_nvml_merged_total", self.merger.merged))
         store_samples = getattr(self.store, "samples", None)  # the store's own metrics
         if store_samples is not None:
@@ -337,7 +338,8 @@ class XidStage:
     def active(self, now: float | None = None) -> list[ActiveXid]:
         """Active Xid/SXid conditions, as the tracker keeps them."""
         with self._lock:
-            return self.tracker.active(self.clock.time() if now is None else now)
+            wall = self.clock.time() if now is None else now
+            return self.tracker.active(wall, self.clock.monotonic())
 
     def conditions(self, now: float | None = None) -> list[XidCondition]:
         """Active Xid/SXid conditions as the Xid rule reads them (the health engine's input)."""

@@ -23,12 +23,12 @@ health/xid/stage.py and read by the health engine through `active(now)`.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 from gpuwatchd.health.xid.bursts import Bursts
 from gpuwatchd.health.xid.catalog import KINDS, Catalog, XidInfo
+from gpuwatchd.health.xid.policy import Policy, TrackerSettings
 from gpuwatchd.model import (
     Action,
     Clear,
@@ -39,9 +39,6 @@ from gpuwatchd.model import (
     XidFields,
     labels_of,
 )
-
-if TYPE_CHECKING:
-    from gpuwatchd.config import Config
 
 __all__ = [
     "ActiveXid",
@@ -104,46 +101,6 @@ RECOVERY_CODE = 154
 
 
 @dataclass(frozen=True)
-class Policy:
-    """Site policy for one code (defaults: raise on the first report)."""
-
-    ignore: bool = False
-    threshold: int = 1
-    window: float = 0.0  # 0 = the burst window
-    hold: float = -1.0  # -1 = warning_hold for warnings, 0 for info
-
-
-@dataclass(frozen=True)
-class TrackerSettings:
-    burst_window: float = 60.0
-    warning_hold: float = 600.0
-    escalate_after: int = 3
-    escalate_window: float = 30 * 86400.0
-    policies: Mapping[tuple[str, int], Policy] = field(default_factory=dict)
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> TrackerSettings:
-        x = cfg.xid
-        policies: dict[tuple[str, int], Policy] = {}
-        for kind, rules in (("xid", x.overrides), ("sxid", x.sxid_overrides)):
-            for code, rule in rules.items():
-                if code.isdigit():  # xid.from_config reports bad keys
-                    policies[(kind, int(code))] = Policy(
-                        rule.ignore, rule.threshold, rule.window, rule.hold
-                    )
-        return cls(
-            x.burst_window,
-            x.warning_hold,
-            x.escalate_after,
-            x.escalate_window_days * 86400.0,
-            policies,
-        )
-
-    def policy(self, kind: str, code: int) -> Policy:
-        return self.policies.get((kind, code), Policy())
-
-
-@dataclass(frozen=True)
 class Observation:
     """What one report did: started a burst ("new"), repeated one ("repeat"), or
     completed the report before it ("line": a continuation line, not another fault)."""
@@ -189,6 +146,7 @@ class _State:
     last: float = 0.0
     raised: bool = False
     cleared_at: float = float("-inf")
+    held_from: float | None = None  # monotonic time the hold counts from (None: wall `last`)
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=10000))
     event: Event | None = None
     escalated: bool = False
@@ -223,8 +181,14 @@ class XidTracker:
             recovery_action=xid.recovery_action,
         )
 
-    def observe(self, event: Event, restoring: bool = False) -> Observation:
-        """Account one Xid/SXid report (any other kind is a caller's bug: ValueError)."""
+    def observe(
+        self, event: Event, restoring: bool = False, seen: float | None = None
+    ) -> Observation:
+        """Account one Xid/SXid report (any other kind is a caller's bug: ValueError).
+
+        `seen`: the monotonic time the report was made (arrival less its age):
+        hold times count from it, so a step of the wall clock moves no expiry.
+        """
         if event.kind not in KINDS:
             raise ValueError(f"not an Xid or SXid event: {event.kind}")
         code = event.code or 0
@@ -260,7 +224,7 @@ class XidTracker:
         st.burst_id, st.count = burst.id, burst.count
         st.burst_last = max(st.burst_last, event.time)
 
-        was_active = self._is_active(st, event.time)
+        was_active = self._is_active(st, event.time, seen)
         if raised:
             if not was_active:
                 st.since = event.time
@@ -271,6 +235,8 @@ class XidTracker:
         elif st.info is None or not was_active:
             st.info = info
         st.last = max(st.last, event.time)
+        if seen is not None:
+            st.held_from = seen if st.held_from is None else max(st.held_from, seen)
         st.escalated = st.escalated or escalated
         classified = self._classified(event, info, st, epoch, escalated, policy)
         st.event = classified
@@ -364,8 +330,17 @@ class XidTracker:
             st.recent.clear()
         return n
 
-    def restore(self, events: Iterable[Event], clears: Iterable[Clear] = ()) -> None:
+    def restore(
+        self,
+        events: Iterable[Event],
+        clears: Iterable[Clear] = (),
+        now: float | None = None,
+        mono: float | None = None,
+    ) -> None:
         """Rebuild from stored events (oldest first) and clears after a daemon restart.
+
+        With `now` and `mono` (wall and monotonic time of the restore), the
+        hold of a restored report counts from its age at restore, in monotonic time.
 
         Events of earlier boots count for escalation only; events of this
         boot also restore what is active. The store holds every kind (job
@@ -384,7 +359,8 @@ class XidTracker:
                 self.clear(item)
             elif isinstance(item, Event):
                 if item.attr("boot_id", self.boot_id) == self.boot_id:
-                    self.observe(item, restoring=True)
+                    seen = None if now is None or mono is None else mono - max(0.0, now - item.time)
+                    self.observe(item, restoring=True, seen=seen)
                 elif item.attr("epoch"):
                     key = (item.kind, item.pci_bus_id, item.code or 0)
                     self._epochs.setdefault(key, {})[item.attr("epoch")] = item.time
@@ -405,10 +381,14 @@ class XidTracker:
             and st.info.action in STICKY
         )
 
-    def _is_active(self, st: _State, now: float) -> bool:
+    def _is_active(self, st: _State, now: float, mono: float | None = None) -> bool:
         if not st.raised or st.info is None or st.last <= st.cleared_at:
             return False
-        return self._sticky(st) or now - st.last <= self._hold(st)
+        if self._sticky(st):
+            return True
+        if mono is not None and st.held_from is not None:
+            return mono - st.held_from <= self._hold(st)
+        return now - st.last <= self._hold(st)
 
     def _until(self, st: _State) -> str:
         if not self._sticky(st):
@@ -418,8 +398,8 @@ class XidTracker:
             return "GPU reset, reboot or operator clear"
         return "reboot or operator clear"
 
-    def active(self, now: float) -> list[ActiveXid]:
-        """Conditions active at `now`, worst first."""
+    def active(self, now: float, mono: float | None = None) -> list[ActiveXid]:
+        """Conditions active at `now` (hold times by `mono`, the monotonic time), worst first."""
         out = [
             ActiveXid(
                 st.kind,
@@ -436,7 +416,7 @@ class XidTracker:
                 st.event,
             )
             for st in self._states.values()
-            if self._is_active(st, now) and st.info is not None and st.event is not None
+            if self._is_active(st, now, mono) and st.info is not None and st.event is not None
         ]
         return sorted(out, key=lambda a: (-a.info.severity, a.pci_bus_id, a.code))
 
@@ -454,7 +434,7 @@ class XidTracker:
             str(info.action),
         )
 
-    def samples(self, now: float) -> list[Sample]:
+    def samples(self, now: float, mono: float | None = None) -> list[Sample]:
         """The xid/sxid metric families (see METRICS)."""
         out: list[Sample] = []
         for values, total in sorted(self._totals.items()):
@@ -468,7 +448,7 @@ class XidTracker:
             names = _SXID_LABELS if st.kind == "sxid" else _XID_LABELS
             labels = dict(zip(names, self._labels(st, st.info)[1:], strict=True))
             # a label is called "name", so not Sample.of(name, ...)
-            value = 1.0 if self._is_active(st, now) else 0.0
+            value = 1.0 if self._is_active(st, now, mono) else 0.0
             out.append(Sample(f"gpuwatchd_{st.kind}_active", value, labels_of(labels)))
             if st.kind == "sxid":
                 out.append(

@@ -3,7 +3,9 @@
 Pure matching over the workloads source's last poll (and the processes
 that exited shortly before). The report's own cgroup attribution, read
 when the line arrived, breaks ties when the pid is gone; its start time
-tells the reporting process from a later one on the same pid. With MIG on, the
+tells the reporting process from a later one on the same pid. A report
+without a time of its own whose pid may have changed hands ("pid
+unverified") names no process. With MIG on, the
 driver may log an Xid without `GPU-I:`/`GPU-CI:` (seen on an H100 for an
 MMU fault, Xid 31); the pid then places it on the MIG device NVML lists
 that process under.
@@ -27,6 +29,8 @@ def _pid(ev: Event) -> int | None:
 
 def _same_process(ev: Event, proc: WorkloadProcess) -> bool:
     """Whether `proc` is the process the report named, not another one on its pid later."""
+    if ev.attr("attribution") == "pid unverified":
+        return False  # the process at the pid, or one before it: naming either may be wrong
     start, newcomer = ev.attr("pid_start"), ev.attr("reused_pid_start")
     if proc.start_ticks is None:
         return not newcomer  # cannot tell the two apart: no attribution rather than a wrong one

@@ -235,10 +235,12 @@ class AlertSink:
             )
             r.thread.start()
 
-    def stop(self, flush_timeout: float = 5.0) -> None:
+    def stop(self, flush_timeout: float = 5.0, close: bool = True) -> None:
         """Stop the senders after one last delivery attempt, all within `flush_timeout`.
 
         For SIGTERM: what is not delivered stays in the outbox for the next start.
+        `close` False: the outbox stays open for the caller's `close()`, whose
+        checkpoint is its one sync (the daemon bounds it at stop).
         """
         end = time.monotonic() + flush_timeout
         self._deadline = end
@@ -250,7 +252,12 @@ class AlertSink:
             if r.thread is not None:
                 r.thread.join(max(0.0, end - time.monotonic()))
         self.flush(max(0.1, end - time.monotonic()))
-        self._writer.stop(max(0.1, end - time.monotonic()))
+        self._writer.stop(max(0.1, end - time.monotonic()), final_sync=close)
+        if close:
+            self._outbox.close()
+
+    def close(self) -> None:
+        """Close the outbox (after `stop(close=False)`); its last connection checkpoints."""
         self._outbox.close()
 
     def flush(self, timeout: float = 5.0) -> bool:

@@ -100,8 +100,12 @@ class OutboxWriter:
             log.exception("alert outbox %s", step.__name__)
             self._stop.wait(1.0)  # never a hot loop
 
-    def stop(self, timeout: float) -> None:
-        """Apply and sync what is left, then end the threads (within about `timeout`)."""
+    def stop(self, timeout: float, final_sync: bool = True) -> None:
+        """Apply and sync what is left, then end the threads (within about `timeout`).
+
+        `final_sync` False: the caller closes the database next, and that close's
+        checkpoint syncs the log (one sync at stop, not two).
+        """
         end = time.monotonic() + timeout
         self._stop.set()
         self._submitted.set()
@@ -110,4 +114,5 @@ class OutboxWriter:
             t.join(max(0.0, end - time.monotonic()))
         self._threads = []
         self.drain()
-        self.sync()
+        if final_sync:
+            self.sync()

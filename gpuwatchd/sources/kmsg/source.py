@@ -34,7 +34,7 @@ from gpuwatchd.sources.kmsg.readers import (
     LineReader,
     ReaderError,
 )
-from gpuwatchd.sources.workloads.cgroup import attribute
+from gpuwatchd.sources.workloads.cgroup import REUSED, UNVERIFIED, attribute
 from gpuwatchd.sources.workloads.environ import read_torch_env
 from gpuwatchd.xidfields import XidFields
 
@@ -67,7 +67,8 @@ METRICS = (
         "counter",
         "kernel log records lost before they were read: /dev/kmsg sequence gaps, or journal"
         " entries rotated away unread (all transports: an upper bound), or one per copytruncate"
-        " of a log file (its copy-to-truncate window is unreadable)",
+        " of a log file (its copy-to-truncate window is unreadable) and one per rotated file"
+        " not found at start (possible losses)",
         ("backend",),
     ),
     MetricSpec(
@@ -189,6 +190,10 @@ class KmsgSource:
         self._uuids: dict[str, str] = {}
         # kernel timestamps are CLOCK_MONOTONIC; this turns them into wall time
         self._boot_wall = self.clock.time() - self.clock.monotonic()
+        # seconds after boot when a read last found the log's end: what is read later was
+        # logged after it (0: not yet, lines read at start may be of any age)
+        self._caught_up = 0.0
+        self._read_from = 0.0  # _caught_up as it was before this poll's read
 
     @classmethod
     def from_config(cls, cfg: Config, ctx: SourceContext) -> KmsgSource:
@@ -206,7 +211,10 @@ class KmsgSource:
             wait = self._blocking_wait if blocking else self._wait
             if self._parser.holding():
                 wait = min(wait, max(0.0, self._held_until - self.clock.monotonic()))
+            self._read_from = self._caught_up
             lines = reader.read(wait)
+            if not lines:
+                self._caught_up = self.clock.time() - self._boot_wall
         except ReaderError as exc:
             self._fail(exc)
             return self._samples()
@@ -388,9 +396,20 @@ class KmsgSource:
         if now - when > ATTRIBUTE_MAX_AGE:
             out["attribution"] = "report too old to attribute (the pid may be reused)"
             return out
-        who = attribute(self.cfg.paths.procfs, rec.pid, rec.process, self._since_boot(rec))
+        logged = self._since_boot(rec)
+        if logged is None:
+            # No time of its own (a bare line, or `dmesg -w > file`): it was logged after
+            # the last read that found the log's end and before it arrived.
+            window = (self._read_from, self.clock.time() - self._boot_wall)
+            who = attribute(self.cfg.paths.procfs, rec.pid, rec.process, window[1], window[0])
+        else:
+            who = attribute(self.cfg.paths.procfs, rec.pid, rec.process, logged)
         out.update(who.attrs())
-        if self.cfg.sources.workloads.rank_env and who.status not in ("process gone", "pid reused"):
+        if self.cfg.sources.workloads.rank_env and who.status not in (
+            "process gone",
+            REUSED,
+            UNVERIFIED,
+        ):
             out.update(read_torch_env(self.cfg.paths.procfs, rec.pid))  # only the rank names
         return out
 

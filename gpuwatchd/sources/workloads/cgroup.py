@@ -10,9 +10,22 @@ import os
 import re
 from typing import NamedTuple
 
-__all__ = ["Attribution", "CLOCK_TICKS", "attribute", "parse_cgroup", "start_ticks"]
+__all__ = [
+    "Attribution",
+    "CLOCK_TICKS",
+    "REUSED",
+    "UNVERIFIED",
+    "attribute",
+    "parse_cgroup",
+    "start_ticks",
+]
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # the unit of /proc/PID/stat's start time
+REUSED = "pid reused"
+# A report without a time of its own, and a process at its pid that started
+# between the last read that found the log's end and this one: the reporter,
+# or another process that took the pid after it exited. Named as neither.
+UNVERIFIED = "pid unverified"
 
 _POD = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
 _CONTAINER = re.compile(
@@ -40,7 +53,7 @@ class Attribution(NamedTuple):
         """Non-empty fields as event attributes."""
         pairs = [("attribution", self.status)]
         pairs += [(k, v) for k, v in self._asdict().items() if k != "status" and v]
-        if self.status == "pid reused":  # the start is the newcomer's, not the reporter's
+        if self.status in (REUSED, UNVERIFIED):  # the start is (maybe) a newcomer's
             pairs = [("reused_pid_start", v) if k == "pid_start" else (k, v) for k, v in pairs]
         return tuple(pairs)
 
@@ -108,13 +121,20 @@ def start_ticks(procfs: str, pid: int) -> int | None:
 
 
 def attribute(
-    procfs: str, pid: int, expect_comm: str = "", started_by: float | None = None
+    procfs: str,
+    pid: int,
+    expect_comm: str = "",
+    started_by: float | None = None,
+    logged_after: float | None = None,
 ) -> Attribution:
-    """Attribute a live pid; says "process gone" or "pid reused" when it cannot.
+    """Attribute a live pid; says "process gone", "pid reused" or "pid unverified" when it
+    cannot.
 
     `started_by`: seconds after boot at which the reporting process was
-    alive (the kernel record's time); a process at `pid` that started later
-    is another one that reuses the pid.
+    alive (the kernel record's time, else its arrival); a process at `pid`
+    that started later is another one that reuses the pid. `logged_after`:
+    for a report without a time of its own, seconds after boot after which
+    it was logged; a process that started after that may be a newcomer.
     """
     base = os.path.join(procfs, str(pid))
     try:
@@ -126,9 +146,11 @@ def attribute(
         return Attribution(f"unreadable: {exc.strerror or exc}")
     start = start_ticks(procfs, pid)
     # a tick of slack: the record's time and the start time are rounded differently
-    newcomer = Attribution("pid reused", pid_start=str(start) if start is not None else "")
+    newcomer = Attribution(REUSED, pid_start=str(start) if start is not None else "")
     if start is not None and started_by is not None and start > (started_by + 1) * CLOCK_TICKS:
         return newcomer
+    if logged_after is not None and (start is None or start > (logged_after + 1) * CLOCK_TICKS):
+        return newcomer._replace(status=UNVERIFIED)
     if expect_comm:
         try:
             with open(os.path.join(base, "comm"), encoding="utf-8", errors="replace") as f:
