@@ -403,13 +403,13 @@ def open_store_reader(cfg: Config, notes: list[str]) -> StoreReader | None:
 
 
 def _saver(cfg: Config, store: EventStore | StoreReader) -> Callable[[int], None] | None:
+    # A replay's GPUs are the capture's, not the node's: it never teaches the store a
+    # count (a later real run on a GPU-less node would page NvmlUnresponsive).
     return None if cfg.sources.nvml.replay else store.save_gpu_baseline
 
 
 def _baseline(cfg: Config, store: EventStore | StoreReader | None) -> int:
-    # A replay's GPUs are the capture's, not the node's: it neither reads nor teaches the
-    # store's count (a later real run on a GPU-less node would page NvmlUnresponsive).
-    if store is None or cfg.health.expected_gpus or cfg.sources.nvml.replay:
+    if store is None or cfg.health.expected_gpus:
         return 0
     try:
         return store.load_gpu_baseline()
