@@ -115,8 +115,10 @@ class _Refusing:
 
 def test_control_characters_never_reach_alert_text(tmp_path: Path) -> None:
     sink = AlertSink(config([], max_alerts=10), str(tmp_path / "db"), SystemClock(), "n")
+    evil = "pid 7 evil\nlevel=error msg=forged\x1b[2J"
+    xid13 = xid_finding(code=13)  # the process name reaches the Xid alert's description
     forged = dataclasses.replace(
-        xid_finding(code=13), reason="Xid 13: pid 7 evil\nlevel=error msg=forged\x1b[2J"
+        xid13, reason=f"Xid 13: {evil}", labels=(*xid13.labels, ("process", evil))
     )
     sink.update([forged])
     _code, _ctype, body = sink.route_alerts({})

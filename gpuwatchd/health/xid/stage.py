@@ -362,6 +362,7 @@ def xid_condition(a: ActiveXid) -> XidCondition:
         count=a.count,
         detail="; ".join(parts),
         workload=tuple((k, v) for k, v in a.event.attrs if k in WORKLOAD_ATTRS),
+        process=who,
     )
 
 
