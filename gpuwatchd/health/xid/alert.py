@@ -20,7 +20,7 @@ from gpuwatchd.logs import escape_control
 from gpuwatchd.model import Finding, MetricSpec, Sample, Severity
 from gpuwatchd.pci import UNKNOWN_BUS
 
-__all__ = ["ALERTNAMES", "INFO", "METRICS", "own_labels", "samples", "texts"]
+__all__ = ["ALERTNAMES", "INFO", "METRICS", "TEXTS", "own_labels", "samples", "texts"]
 
 ALERTNAMES = ("GpuXidCritical", "GpuXidWarning")
 INFO = "gpuwatchd_xid_alert_info"
@@ -92,8 +92,13 @@ def texts(f: Finding) -> dict[str, str]:
         "remediation": f.remediation or "Run `gpuwatchd xid explain CODE` on the node.",
         "action": str(f.action),
     }
-    # Control characters would differ once escaped by one sender and not the other.
-    return {k: escape_control(v, _TEXT_LIMIT) for k, v in out.items()}
+    # What the sink would change (undecodable bytes, control characters) is changed here,
+    # so the label Prometheus reads and the annotation the daemon sends stay equal.
+    return {k: escape_control(_utf8(v), _TEXT_LIMIT) for k, v in out.items()}
+
+
+def _utf8(text: str) -> str:
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def samples(findings: Iterable[Finding]) -> list[Sample]:
