@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Mapping
@@ -11,6 +12,7 @@ from typing import Any
 
 from gpuwatchd.cli import add_state_dir
 from gpuwatchd.config.overrides import Overrides, load_with
+from gpuwatchd.logs import escape_control
 
 __all__ = ["register", "render_bundle"]
 
@@ -65,7 +67,7 @@ def _run_list(args: argparse.Namespace) -> int:
 
 
 def _run_show(args: argparse.Namespace) -> int:
-    from gpuwatchd.sinks.evidence import read_bundle
+    from gpuwatchd.sinks.evidence import EVIDENCE_DIR, read_bundle
 
     cfg = load_with(args.config, Overrides.of(args))
     doc = read_bundle(cfg, args.id)
@@ -77,20 +79,23 @@ def _run_show(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc, indent=1))
     else:
-        sys.stdout.write(render_bundle(doc))
+        sys.stdout.write(render_bundle(doc, os.path.join(cfg.daemon.state_dir, EVIDENCE_DIR)))
     return 0
 
 
-def render_bundle(doc: Mapping[str, Any]) -> str:
-    """A bundle for a terminal: its metadata, then each file as the text it holds."""
+def render_bundle(doc: Mapping[str, Any], root: str) -> str:
+    """A bundle for a terminal: its metadata, then each file as the text it holds (a
+    binary one by its path under `root`)."""
     meta = doc.get("meta") or {}
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(meta.get("time", 0))))
     out = [
         f"bundle {meta.get('id', '')}  {when}  {meta.get('why', '')}: {meta.get('incident', '')}"
     ]
     for name, size in (meta.get("files") or {}).items():
-        out.append(f"  {name}  {size} bytes" + ("" if name in doc else " (binary: not shown)"))
+        where = os.path.join(root, str(meta.get("id", "")), name)
+        out.append(f"  {name}  {size} bytes" + ("" if name in doc else f" (not text: {where})"))
     for name, text in doc.items():
         if name != "meta" and isinstance(text, str):
-            out += ["", f"--- {name} ---", text.rstrip("\n")]
+            # kernel log text can hold escape sequences: never hand them to the terminal
+            out += ["", f"--- {name} ---", *(escape_control(ln) for ln in text.splitlines())]
     return "\n".join(out) + "\n"
