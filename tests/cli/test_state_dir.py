@@ -20,7 +20,7 @@ from gpuwatchd.sinks.store import DB_NAME, EventStore
 from tests.check_config import BOOT_ID
 
 # Commands that never open the state dir: a new command must be added here or to PROBES.
-STATELESS = {"config", "diag", "record", "xid"}
+STATELESS = {"diag", "record", "xid"}
 HANG_JOB = "torch:10.0.0.7:29500"
 
 
@@ -115,6 +115,14 @@ def _clear(node: Node, state: Path, capsys: pytest.CaptureFixture[str], extra: l
         store.close()
 
 
+def _config(node: Node, state: Path, capsys: pytest.CaptureFixture[str], extra: list[str]) -> None:
+    # `config check FILE` answers whether `run` would start: the same state dir
+    config_file = extra[extra.index("--config") + 1]
+    rest = [a for a in extra if a not in ("--config", config_file)]
+    assert cli_main(["config", "check", config_file, *rest]) == 78
+    assert f"cannot create {state}:" in capsys.readouterr().err
+
+
 def _run(node: Node, state: Path, capsys: pytest.CaptureFixture[str], extra: list[str]) -> None:
     # `run` would start the daemon: every dir it is offered lies below a file, so it
     # stops at the check and names the one it chose.
@@ -125,6 +133,7 @@ def _run(node: Node, state: Path, capsys: pytest.CaptureFixture[str], extra: lis
 PROBES: dict[str, Probe] = {
     "check": _check,
     "clear": _clear,
+    "config": _config,
     "evidence": _evidence,
     "hang": _hang,
     "run": _run,
@@ -169,7 +178,7 @@ def test_every_subcommand_finds_the_state_dir_the_same_way(
     each comparison names the decoy, so a command that skips a step reads the wrong one."""
     node = Node(tmp_path)
     state, decoy = node.state, node.decoy
-    if command == "run":
+    if command in ("run", "config"):
         state, decoy = tmp_path / "blocker" / "state", tmp_path / "blocker" / "decoy"
     if way == "flag":
         monkeypatch.setenv("GPUWATCHD_STATE_DIR", str(decoy))
