@@ -39,6 +39,7 @@ from gpuwatchd.sinks.alertmanager import sink as alertmanager
 from gpuwatchd.sinks.alertmanager.sink import AlertSink
 from gpuwatchd.sinks.durability import close_within
 from gpuwatchd.sinks.evidence import EvidenceRecorder, evidence_route
+from gpuwatchd.sinks.hang_ids import HangIds
 from gpuwatchd.sinks.remediation import sink as remediation
 from gpuwatchd.sinks.remediation.sink import RemediationSink
 from gpuwatchd.sinks.store import EventStore
@@ -135,7 +136,7 @@ class Consumers:
             expected_sources=list(source_names),
             clears=engine_mod.store_clears(store) if store is not None else None,
             baseline_gpus=_baseline(cfg, store),
-            on_baseline=None if one_shot or store is None else store.save_gpu_baseline,
+            on_baseline=None if one_shot or store is None else _saver(cfg, store),
             log_transitions=not one_shot,  # `check` reports what it found itself
         )
         self.xids.log_reports = not one_shot
@@ -210,7 +211,8 @@ class Pipeline(Consumers):
         self.remediation.before_act = self._evidence_before_act
         # Job hangs: their own detector and forensics thread; their alerts go through a
         # sink of their own (its own outbox), beside the engine's.
-        self.hang_monitor = HangMonitor(cfg, clock, self.store, io=NodeForensics())
+        ids = HangIds(self.store)  # unique for the store's life, not the run's
+        self.hang_monitor = HangMonitor(cfg, clock, self.store, io=NodeForensics(), ids=ids)
         self.hangs = self.hang_monitor
         self.hang_sink = AlertSink(
             cfg,
@@ -423,6 +425,12 @@ def open_store_reader(cfg: Config, notes: list[str]) -> StoreReader | None:
     except GpuwatchdError as exc:
         notes.append(f"event store: {exc} (operator clears not applied)")
         return None
+
+
+def _saver(cfg: Config, store: EventStore | StoreReader) -> Callable[[int], None] | None:
+    # A replay's GPUs are the capture's, not the node's: it never teaches the store a
+    # count (a later real run on a GPU-less node would page NvmlUnresponsive).
+    return None if cfg.sources.nvml.replay else store.save_gpu_baseline
 
 
 def _baseline(cfg: Config, store: EventStore | StoreReader | None) -> int:

@@ -213,3 +213,32 @@ def test_the_state_skips_an_unchanged_publish_in_one_place() -> None:
     assert state.snapshot().generation == generation
     assert state.publish_extra("health", [Sample.of("gpuwatchd_x", 2)])
     assert state.snapshot().generation == generation + 1
+
+
+def test_a_replay_does_not_teach_the_node_store_its_gpu_count(tmp_path: Path) -> None:
+    """The README's replay demo and then a plain run on a GPU-less node share ./.state:
+    the capture's 2 GPUs must not become the node's expected count (the plain run would
+    page NvmlUnresponsive, reboot_node)."""
+    from gpuwatchd.pipeline import SourceSet
+
+    capture = Path(__file__).parent / "fixtures" / "nvml" / "h200x2-record.json"
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        f"daemon:\n  state_dir: {tmp_path}\nsources:\n  nvml:\n    replay: {capture}\n"
+        "  kmsg:\n    enabled: false\n  udev:\n    enabled: false\n"
+    )
+    state = State()
+    sources = SourceSet(load(str(path)), state, FakeClock())
+    pipeline = Pipeline(load(str(path)), state, FakeClock(), "n", 0, ["nvml"])
+    try:
+        sources.runner.poll_once("nvml")
+        pipeline.engine.evaluate(state.snapshot())
+        assert pipeline.engine.gpu_count() == 2
+    finally:
+        sources.stop()
+        pipeline.stop()
+    store = EventStore(str(tmp_path / "gpuwatchd.db"))
+    try:
+        assert store.load_gpu_baseline() == 0
+    finally:
+        store.close()

@@ -63,12 +63,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-def add_state_dir(parser: argparse.ArgumentParser, help: str) -> None:
-    """Add `--state-dir`: default $GPUWATCHD_STATE_DIR, else the config's daemon.state_dir."""
+def add_state_dir(parser: argparse.ArgumentParser, help: str, after: bool = False) -> None:
+    """Add `--state-dir`: default $GPUWATCHD_STATE_DIR, else the config's daemon.state_dir.
+
+    The one place the flag and the variable meet; `config.overrides.apply_overrides`
+    puts the answer over daemon.state_dir. `after`: the parser is an action under a
+    command that has the flag already (the command's value stays unless given again).
+    """
     parser.add_argument(
         "--state-dir",
         metavar="DIR",
-        default=os.environ.get(STATE_DIR_ENV) or None,
+        default=argparse.SUPPRESS if after else os.environ.get(STATE_DIR_ENV) or None,
         help=f"{help} (default: ${STATE_DIR_ENV}, else daemon.state_dir)",
     )
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from gpuwatchd.health import alerts
 from gpuwatchd.health.history import View, gpu_key
+from gpuwatchd.health.xid import alert as xid_alert
 from gpuwatchd.model import Finding, Gpu, Health, Labels, MetricSpec, Sample, Severity
 
 __all__ = [
@@ -57,6 +58,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "Rule evaluations that raised (a bug; the log has the traceback).",
         ("rule",),
     ),
+    *xid_alert.METRICS,
 )
 
 
@@ -115,6 +117,7 @@ def health_samples(
     expected_gpus: int,
 ) -> list[Sample]:
     """gpuwatchd_health and friends (see METRICS)."""
+    findings = list(findings)
     out = [_health("node", "", None, roll.node)]
     for comp, h in roll.components.items():
         out.append(_health("component", comp, None, h))
@@ -128,6 +131,7 @@ def health_samples(
         if f.severity >= Severity.WARNING:
             counts[str(f.severity)] += 1
     out.extend(Sample.of("gpuwatchd_health_conditions", n, severity=s) for s, n in counts.items())
+    out.extend(xid_alert.samples(findings))  # what the Prometheus Xid rules send
     out.extend(
         Sample.of("gpuwatchd_health_rule_errors_total", n, rule=r) for r, n in rule_errors.items()
     )

@@ -57,6 +57,11 @@ class XidCondition:
     count: int = 1
     detail: str = ""
     workload: Labels = ()  # the report's workload attributes (pod, Slurm job, rank...)
+    process: str = ""  # "pid N name" of the report, as the alert's description names it
+
+    def text_labels(self) -> Labels:
+        """What the alert's description names besides its labels (health/xid/alert.py)."""
+        return tuple((k, v) for k, v in (("name", self.name), ("process", self.process)) if v)
 
 
 @dataclass(frozen=True)
@@ -141,13 +146,13 @@ def xid(inp: Inputs) -> list[Finding]:
         elif not x.pci_bus_id:  # the line named no GPU (a fall-off cut short): the node's
             name = "GpuXidCritical" if critical else "GpuXidWarning"
             subject = labels_of({"pci_bus_id": UNKNOWN_BUS})
-            scope, labels = "node", (("xid", str(x.code)), *x.workload)
+            scope, labels = "node", (("xid", str(x.code)), *x.text_labels(), *x.workload)
         else:
             name = "GpuXidCritical" if critical else "GpuXidWarning"
             gpu = inp.view.gpu_by_bus(x.pci_bus_id)
             subject = gpu.subject if gpu else labels_of({"pci_bus_id": x.pci_bus_id})
             incident = ("incident", xid_incident(x.pci_bus_id, x.code))
-            scope, labels = "gpu", (("xid", str(x.code)), incident, *x.workload)
+            scope, labels = "gpu", (("xid", str(x.code)), *x.text_labels(), incident, *x.workload)
         times = f" ({x.count} times)" if x.count > 1 else ""
         detail = f": {x.detail}" if x.detail else ""
         reason = f"{x.kind.capitalize()} {x.code} ({x.name}){times}{detail}"

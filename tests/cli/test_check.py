@@ -105,6 +105,8 @@ def test_xid31_configured_critical_is_critical(write_config, capsys) -> None:
     [cond] = data["conditions"]
     assert cond["alertname"] == "GpuXidCritical" and cond["labels"] == {
         "xid": "31",
+        "name": "GPU memory page fault",
+        "process": "pid 650 python3",
         "incident": "xid-0000:00:06.0-31",
     }
     assert cond["subject"]["uuid"] == "GPU-544a204b-219a-29ac-8147-ab3c8c9d52c6"

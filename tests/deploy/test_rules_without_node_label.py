@@ -77,7 +77,7 @@ def test_xid_alert_fires_once_per_node(prometheus: PrometheusServer) -> None:
     rows = result(prometheus, dict(rule_entries())["GpuXidWarning"]["expr"])
     assert nodes(rows) == sorted(TARGETS), rows
     for row in rows:  # the daemon's label set: no instance, no helper label
-        assert set(row["metric"]) == {"node", "gpu", "uuid", "pci_bus_id", "xid"}
+        assert set(row["metric"]) == {"node", "gpu", "uuid", "pci_bus_id", "xid", "incident"}
 
 
 def test_node_label_when_present_wins(prometheus: PrometheusServer) -> None:

@@ -36,7 +36,8 @@ def test_check_and_scan_report_it_critical_at_node_level(tmp_path: Path, capsys)
         "critical",
         "node",
     )
-    assert cond["labels"] == {"xid": "79"} and cond["subject"] == {"pci_bus_id": "unknown"}
+    assert cond["labels"] == {"xid": "79", "name": "GPU has fallen off the bus"}
+    assert cond["subject"] == {"pci_bus_id": "unknown"}
     assert cond["action"] == "reboot_node"
 
     assert main(["xid", "scan", str(log), "--fail-on", "critical"]) == 1

@@ -90,3 +90,35 @@ def test_events_id_and_hangs_id_over_http(tmp_path: Path) -> None:
         httpd.shutdown()
         httpd.server_close()
         store.close()
+
+
+def test_hang_ids_stay_unique_across_daemon_restarts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two daemon runs over one state dir, a hang in each: `hang 1` and `hang 2`; after
+    the restart /hangs/1 never names the second run's hang."""
+    from gpuwatchd.pipeline import Pipeline
+    from gpuwatchd.state import State
+
+    cfg = dataclasses.replace(
+        Config(),
+        daemon=DaemonConfig(state_dir=str(tmp_path)),
+        hangs=HangsConfig(stacks=False, ras=False),
+    )
+    for run in range(2):
+        pipeline = Pipeline(cfg, State(), FakeClock(), "n", 0, [])
+        try:
+            start = 1_800_000_000.0 + run * 10_000
+            for t, jobs, gpus in polls("peerdeath-polls.jsonl"):
+                pipeline.hang_monitor.observe(jobs, gpus, start + t)
+                pipeline.hang_monitor.run_pending()
+            pipeline.hang_monitor.observe([], [], start + 200)  # the job ends
+            if run == 1:
+                assert pipeline.hang_monitor.route({"id": ["1"]})[0] == 404  # not in memory
+                status, _, body = pipeline.hang_monitor.route({"id": ["2"]})
+                assert status == 200 and json.loads(body)["since"] >= start
+        finally:
+            pipeline.stop()
+    assert main(["hang", "show", "--state-dir", str(tmp_path)]) == 0
+    heads = [line.split(" (event")[0] for line in capsys.readouterr().out.splitlines()]
+    assert [h for h in heads if h.startswith("hang ")] == ["hang 2", "hang 1"]

@@ -293,6 +293,7 @@ def test_findings_carry_catalog_and_alert_facts() -> None:
     assert f.remediation == "do the thing" and f.since == T0 - 5
     assert dict(f.subject) == GPU0 and dict(f.labels) == {
         "xid": "79",
+        "name": "code 79",  # for the alert's description, not a label
         "incident": "xid-0000:00:06.0-79",  # shared with a hang it caused
     }
     assert rules.summary(f) == "Critical Xid 79 on GPU 0"

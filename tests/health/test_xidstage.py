@@ -5,7 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from gpuwatchd.clock import FakeClock
-from gpuwatchd.config import Config, DaemonConfig, KmsgConfig, PathsConfig, SourcesConfig
+from gpuwatchd.config import (
+    Config,
+    DaemonConfig,
+    KmsgConfig,
+    NvmlConfig,
+    PathsConfig,
+    SourcesConfig,
+)
 from gpuwatchd.health.xid.stage import METRICS, XidStage
 from gpuwatchd.model import Event, SourceSnapshot
 from gpuwatchd.sinks.store import EventStore
@@ -28,7 +35,7 @@ def xid(code: int, bus: str = "0000:00:06", pid: int = 650) -> str:
 class Node:
     """One daemon's worth of pipeline: state, store, source, runner."""
 
-    def __init__(self, tmp: Path, clock: FakeClock) -> None:
+    def __init__(self, tmp: Path, clock: FakeClock, replay: str = "") -> None:
         (tmp / "proc").mkdir(exist_ok=True)
         (tmp / "boot_id").write_text(BOOT + "\n")
         self.cfg = Config(
@@ -36,7 +43,7 @@ class Node:
                 kmsg=str(tmp / "kmsg"), boot_id=str(tmp / "boot_id"), procfs=str(tmp / "proc")
             ),
             daemon=DaemonConfig(state_dir=str(tmp / "state")),
-            sources=SourcesConfig(kmsg=KmsgConfig(backend="kmsg")),
+            sources=SourcesConfig(kmsg=KmsgConfig(backend="kmsg"), nvml=NvmlConfig(replay=replay)),
         )
         self.clock = clock
         self.state = State()
@@ -130,6 +137,32 @@ def test_nvml_only_xid_is_stored_after_the_hold(tmp_path: Path) -> None:
     assert (row["code"], row["source"], row["severity"]) == (79, "nvml", "critical")
     assert row["pci_bus_id"] == "0000:00:06.0"
     node.stop()
+
+
+def test_a_replays_nvml_xids_never_come_back_in_a_real_run(tmp_path: Path) -> None:
+    """The README's replay demo shares ./.state with the node's real runs: an Xid the
+    replayed capture reported (NVML's event API) is stored, but the next real run of the
+    same boot must not restore it as active (a critical Xid on a GPU the node may not
+    have, with reboot_node); a real run's own NVML Xid of this boot does come back."""
+    clock = FakeClock()
+    (tmp_path / "kmsg").write_text("")
+    nvml = Event("xid", "nvml", clock.time(), 79, "00000000:00:06.0", attrs=(("gpu", "0"),))
+    demo = Node(tmp_path, clock, replay=str(tmp_path / "capture.json"))
+    demo.state.publish(SourceSnapshot("nvml", (), True), [nvml])
+    clock.advance(3)
+    demo.stage.tick()
+    assert demo.active() == {("79", "0000:00:06.0"): 1.0}
+    demo.stop()
+
+    real = Node(tmp_path, clock)
+    assert real.active() == {}  # nothing restored from the replay
+    real.state.publish(SourceSnapshot("nvml", (), True), [nvml])
+    clock.advance(3)
+    real.stage.tick()
+    real.stop()
+    again = Node(tmp_path, clock)
+    assert again.active() == {("79", "0000:00:06.0"): 1.0}  # its own, after a restart
+    again.stop()
 
 
 def test_clear_written_by_another_process_is_applied(tmp_path: Path) -> None:

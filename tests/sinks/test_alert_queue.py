@@ -115,8 +115,10 @@ class _Refusing:
 
 def test_control_characters_never_reach_alert_text(tmp_path: Path) -> None:
     sink = AlertSink(config([], max_alerts=10), str(tmp_path / "db"), SystemClock(), "n")
+    evil = "pid 7 evil\nlevel=error msg=forged\x1b[2J"
+    xid13 = xid_finding(code=13)  # the process name reaches the Xid alert's description
     forged = dataclasses.replace(
-        xid_finding(code=13), reason="Xid 13: pid 7 evil\nlevel=error msg=forged\x1b[2J"
+        xid13, reason=f"Xid 13: {evil}", labels=(*xid13.labels, ("process", evil))
     )
     sink.update([forged])
     _code, _ctype, body = sink.route_alerts({})
@@ -124,4 +126,21 @@ def test_control_characters_never_reach_alert_text(tmp_path: Path) -> None:
     text = json.dumps(alert["annotations"])
     assert "\\n" in alert["annotations"]["description"]
     assert "\n" not in alert["annotations"]["description"] and "\x1b" not in text
+    sink.stop()
+
+
+def test_xid_alert_texts_are_what_prometheus_reads(tmp_path: Path) -> None:
+    """The Xid alert's annotations equal the texts of gpuwatchd_xid_alert_info, even for a
+    process name with control characters and undecodable bytes."""
+    from gpuwatchd.health.xid import alert as xid_alert
+
+    sink = AlertSink(config([], max_alerts=10), str(tmp_path / "db"), SystemClock(), "n")
+    f = xid_finding(code=13)
+    f = dataclasses.replace(f, labels=(*f.labels, ("process", "pid 7 b\udcffad\x1b[2J\nx")))
+    sink.update([f])
+    _code, _ctype, body = sink.route_alerts({})
+    (alert,) = json.loads(body)["alerts"]
+    (info,) = xid_alert.samples([f])
+    assert {k: info.label(k) for k in xid_alert.TEXTS} == alert["annotations"]
+    assert "pid 7 b?ad\\x1b[2J\\nx" in alert["annotations"]["description"]
     sink.stop()

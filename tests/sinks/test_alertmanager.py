@@ -47,7 +47,7 @@ def xid_finding(code: int = 79, gpu: dict[str, str] = GPU0, since: float = 0.0) 
         reason=f"Xid {code} (GPU has fallen off the bus)",
         action=Action.REBOOT_NODE,
         remediation="Drain the node and reboot it; reseat the GPU if it repeats.",
-        labels=(("xid", str(code)),),
+        labels=(("xid", str(code)), ("name", "GPU has fallen off the bus")),
         since=since or time.time(),
     )
 
@@ -108,7 +108,11 @@ def test_fire_shows_in_alertmanager_then_resolves(am: AlertmanagerServer, tmp_pa
     assert ann["remediation"] == f.remediation
     assert ann["action"] == "reboot_node"
     assert ann["summary"] == "Critical Xid 79 on GPU 0"
-    assert ann["description"] == f.reason
+    # the texts the Prometheus rule sends too (gpuwatchd_xid_alert_info)
+    assert (
+        ann["description"]
+        == f"Xid 79 (GPU has fallen off the bus) on GPU 0 ({GPU0['pci_bus_id']})."
+    )
     assert ann["runbook_url"] == "https://runbooks.example/gpuwatchd/GpuXidCritical.md"
     assert alert["generatorURL"] == f"http://{node}:10370/alerts"
     assert abs(parse_ts(alert["startsAt"]) - f.since) < 0.01
@@ -426,7 +430,7 @@ def test_real_xid_line_to_alertmanager_and_operator_clear(
         ann = alert["annotations"]
         assert ann["remediation"].startswith("A process accessed a GPU virtual address")
         assert ann["action"] == "reset_gpu"
-        assert "pid 650 python3" in ann["description"]
+        assert "Reported by pid 650 python3." in ann["description"]
 
         pipeline.clear("alice", pci_bus_id=GPU0["pci_bus_id"], reason="job fixed")
         engine.apply_clear(

@@ -133,7 +133,7 @@ def test_cli_and_route(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     args = ["--config", str(tmp_path / "config.yaml")]
     assert main(["evidence", "list", *args]) == 0
     assert f"{bid}  " in capsys.readouterr().out
-    assert main(["evidence", "show", bid, *args]) == 0
+    assert main(["evidence", "show", bid, "--json", *args]) == 0
     assert json.loads(capsys.readouterr().out)["meta"]["id"] == bid
     route = evidence_route(cfg)
     status, _, body = route({"id": [bid]})

@@ -12,11 +12,12 @@ or ends resolves its alert.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -119,6 +120,7 @@ class HangMonitor:
         io: NodeIO | None = None,
         max_queue: int = 16,
         ras_workers: int = 2,
+        ids: Iterator[int] | None = None,  # the daemon's outlive it (sinks/hang_ids.py)
     ) -> None:
         self._clock = clock
         self._io = io
@@ -129,7 +131,7 @@ class HangMonitor:
         self._lock = threading.Lock()
         self._records: dict[int, HangRecord] = {}
         self._open: dict[str, int] = {}  # job -> record id
-        self._next_id = 1
+        self._ids = ids if ids is not None else itertools.count(1)
         self._listeners: list[Listener] = []
         self._seen_stamp: float | None = None
         self._thread: threading.Thread | None = None
@@ -306,8 +308,7 @@ class HangMonitor:
         return f"hang:{rec.job.job}:{rec.verdict.since}"
 
     def _new_record(self, job: JobView, v: JobVerdict, now: float) -> int:
-        rid = self._next_id
-        self._next_id += 1
+        rid = next(self._ids)
         self._records[rid] = HangRecord(rid, job, v, ras_at=now)
         self._open[job.job] = rid
         for old in sorted(self._records)[:-200]:  # keep the newest 200

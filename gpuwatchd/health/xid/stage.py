@@ -120,6 +120,9 @@ class XidStage:
         self._store_errors = 0
         self._last_clear_id = 0
         self.log_reports = True  # off for a one-shot `check`: it reports what it found itself
+        # NVML reports carry no boot id: the stage stamps this boot's, or a replay's own, so a
+        # real run never restores what a replayed capture reported (nor an earlier boot's).
+        self.nvml_boot = tracker.boot_id
         self._unlogged: dict[str, tuple[float, Event]] = {}
 
     @classmethod
@@ -136,6 +139,8 @@ class XidStage:
         )
         merger = XidMerger(cfg.xid.nvml_merge_window, cfg.xid.nvml_hold)
         pipeline = cls(tracker, merger, store, publish, clock)
+        if cfg.sources.nvml.replay:
+            pipeline.nvml_boot = f"{tracker.boot_id}+replay"
         pipeline.restore()
         return pipeline
 
@@ -206,6 +211,8 @@ class XidStage:
             passed += self.merger.due(mono)
             records = []
             for ev in passed:
+                if ev.source == "nvml" and not ev.attr("boot_id"):
+                    ev = replace(ev, attrs=tuple(sorted((*ev.attrs, ("boot_id", self.nvml_boot)))))
                 # its hold counts in monotonic time from when it was logged (its age at arrival)
                 obs = self.tracker.observe(ev, seen=mono - max(0.0, now - ev.time))
                 records.append((obs.event, obs.burst_id, obs.count))
@@ -364,6 +371,7 @@ def xid_condition(a: ActiveXid) -> XidCondition:
         count=a.count,
         detail="; ".join(parts),
         workload=tuple((k, v) for k, v in a.event.attrs if k in WORKLOAD_ATTRS),
+        process=who,
     )
 
 

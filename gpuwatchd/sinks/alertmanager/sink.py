@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config
-from gpuwatchd.health.alerts import WORKLOAD_ANNOTATIONS, summary
+from gpuwatchd.health.alerts import summary
+from gpuwatchd.health.xid import alert as xid_alert
 from gpuwatchd.logs import escape_control
 from gpuwatchd.model import Finding, MetricSpec, Sample, Severity
 from gpuwatchd.sinks.alertmanager.labels import alert_labels, printable, valid, validate_config
@@ -210,14 +211,15 @@ class AlertSink:
         self._changed()
 
     def _annotations(self, f: Finding) -> dict[str, str]:
-        ann = {
-            "summary": summary(f),
-            "description": f.reason,
-            "remediation": f.remediation,
-            "action": str(f.action),
-        }
-        keep = WORKLOAD_ANNOTATIONS if f.alertname.startswith("GpuXid") else ()
-        ann.update((k, v) for k, v in f.labels if k in keep and v)
+        if f.alertname in xid_alert.ALERTNAMES:  # the Prometheus rule sends the same texts
+            ann = xid_alert.texts(f)
+        else:
+            ann = {
+                "summary": summary(f),
+                "description": f.reason,
+                "remediation": f.remediation,
+                "action": str(f.action),
+            }
         if self._am.runbook_base_url:
             ann["runbook_url"] = f"{self._am.runbook_base_url.rstrip('/')}/{f.alertname}.md"
         # Text from kernel log lines and process names can carry undecodable bytes and
