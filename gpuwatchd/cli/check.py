@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwatchd import config
-from gpuwatchd.cli import add_state_dir
+from gpuwatchd.cli import PLUGIN_USAGE, add_state_dir, plugin_command, seconds
 from gpuwatchd.clock import Clock, SystemClock
 from gpuwatchd.config import Config
 from gpuwatchd.config.overrides import Overrides, load_with, node_name
@@ -70,9 +70,10 @@ def register(subparsers: Any) -> None:
         help="text (default), json, or npd: node-problem-detector custom plugin"
         " (exit 0 OK, 1 problem, 2 unknown; one line)",
     )
+    plugin_command(p)
     p.add_argument(
         "--timeout",
-        type=float,
+        type=seconds,
         default=30.0,
         metavar="S",
         help="overall deadline in seconds (default 30)",
@@ -403,7 +404,7 @@ def _run_check(args: argparse.Namespace) -> int:
             f" it cannot go with --format {args.format}",
             file=sys.stderr,
         )
-        return 2
+        return PLUGIN_USAGE
     fmt = args.format or ("json" if args.json else "text")
     cfg = load_with(args.config, Overrides.of(args))
     config.check_paths(cfg, args.config or "<defaults>")

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from gpuwatchd.bootid import read_boot_id
-from gpuwatchd.cli import add_state_dir
+from gpuwatchd.cli import EX_USAGE, add_state_dir
 from gpuwatchd.cli.check import collect
 from gpuwatchd.clock import SystemClock
 from gpuwatchd.config import Config
@@ -91,7 +91,7 @@ def _run_clear(args: argparse.Namespace) -> int:
     cfg = load_with(args.config, Overrides.of(args))
     if not (args.gpu or args.all or args.resume):
         print("gpuwatchd clear: one of --gpu, --all or --resume is required", file=sys.stderr)
-        return 2
+        return EX_USAGE
     if args.gpu or args.all:
         if not (args.new_store or os.path.exists(os.path.join(cfg.daemon.state_dir, DB_NAME))):
             # a clear in a store nobody reads (a mistyped --state-dir) would be lost unseen

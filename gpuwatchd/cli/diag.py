@@ -4,17 +4,24 @@ The CUDA work runs in a worker process (`python -m gpuwatchd.diag.worker`,
 from the `gpuwatchd[diag]` extra or any interpreter with CuPy or PyTorch:
 `--python`); this process reads NVML and compares each figure with its
 floor. Exit 0 OK, 2 CRITICAL (a check failed), 3 UNKNOWN (a check could
-not run, the node was busy, or the run was cancelled).
+not run or reported nothing, a GPU named with --gpu does not exist, the
+node was busy, the run was cancelled or interrupted, or a usage error),
+78 a bad config, floors file or capture.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import math
 import sys
 from typing import Any
 
+from gpuwatchd.cli import plugin_command, seconds
+from gpuwatchd.config import Config
 from gpuwatchd.diagnose.run import DiagOptions, DiagReport, open_nvml, options_for, run_diag
+from gpuwatchd.errors import ConfigError
 
 __all__ = ["register", "render_text"]
 
@@ -29,16 +36,17 @@ def register(subparsers: Any) -> None:
         description="Run GEMM, copy, NCCL and memory checks against per-model floors "
         "(docs/diag.md). Refuses to run while a process uses a GPU.",
     )
+    plugin_command(p)  # a usage error is UNKNOWN (3), never CRITICAL (2)
     p.add_argument("--tier", choices=("quick", "standard", "dcgm"), default="quick")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument(
-        "--gpu", type=int, action="append", default=[], metavar="N", help="only GPU N (repeat)"
+        "--gpu", type=_index, action="append", default=[], metavar="N", help="only GPU N (repeat)"
     )
     p.add_argument("--config", metavar="FILE", help="YAML config (its diag section)")
     p.add_argument("--python", metavar="EXE", help="interpreter with CuPy or PyTorch")
     p.add_argument("--backend", choices=("auto", "cupy", "torch"), help="GPU library")
     p.add_argument("--floors", metavar="FILE", help="site floors, matched before the shipped ones")
-    p.add_argument("--timeout", type=float, metavar="S", help="give up after S seconds")
+    p.add_argument("--timeout", type=seconds, metavar="S", help="give up after S seconds (> 0)")
     p.add_argument("--dcgm-level", type=int, choices=(1, 2, 3, 4), help="dcgmi diag -r N")
     p.add_argument("--nvml-replay", metavar="FILE", help="replay a recorded NVML capture")
     p.add_argument("--fake-worker", metavar="FILE", help=argparse_suppress())
@@ -47,16 +55,24 @@ def register(subparsers: Any) -> None:
 
 def argparse_suppress() -> str:
     """Hidden options (test-only worker mode) carry no help."""
-    import argparse
-
     return argparse.SUPPRESS
 
 
-def options_from(args: Any) -> DiagOptions:
-    """DiagOptions from the config's diag section, then the command line."""
-    from gpuwatchd import config
+def _index(text: str) -> int:
+    """argparse type: a GPU index, a whole number >= 0."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"not a GPU index (0, 1, ...): {text!r}")
+    return int(text)
 
-    base = options_for(config.load(args.config), args.tier, args.gpu)
+
+def options_from(args: Any, cfg: Config | None = None) -> DiagOptions:
+    """DiagOptions from the config's diag section, then the command line (floors checked)."""
+    from gpuwatchd import config
+    from gpuwatchd.config.floors import load_floors
+
+    base = options_for(cfg or config.load(args.config), args.tier, args.gpu)
+    if args.floors:
+        load_floors(args.floors)  # a bad file: exit 78 now, not after the GPU work
     return dataclasses.replace(
         base,
         python=args.python or base.python,
@@ -72,9 +88,11 @@ def _run_diag(args: Any) -> int:
     from gpuwatchd import config
 
     cfg = config.load(args.config)
-    opts = options_from(args)
+    opts = options_from(args, cfg)
     try:
         client = open_nvml(cfg, args.nvml_replay or "")
+    except ConfigError:
+        raise  # a capture that is not one: exit 78 naming it
     except Exception as exc:
         print(f"UNKNOWN: NVML: {exc}")
         return EXIT["UNKNOWN"]
@@ -93,8 +111,8 @@ def _run_diag(args: Any) -> int:
 
 
 def _num(value: float | None) -> str:
-    if value is None:
-        return "-"
+    if value is None or not math.isfinite(value):
+        return "-" if value is None else str(value)
     return f"{value:.0f}" if abs(value) >= 100 or value == int(value) else f"{value:.2f}"
 
 
@@ -109,7 +127,7 @@ def render_text(report: DiagReport) -> str:
     head += f" in {report.seconds:.1f}s" + (f" [{report.backend}]" if report.backend else "")
     lines = [head]
     if report.error:
-        lines.append(f"  worker: {report.error}")
+        lines.append(f"  error: {report.error}")
     sources: list[str] = []
     for r in report.results:
         mark = ""
