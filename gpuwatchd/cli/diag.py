@@ -12,20 +12,61 @@ node was busy, the run was cancelled or interrupted, or a usage error),
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
+import signal
 import sys
+from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any
 
 from gpuwatchd.cli import plugin_command, seconds
 from gpuwatchd.config import Config
 from gpuwatchd.diagnose.run import DiagOptions, DiagReport, open_nvml, options_for, run_diag
-from gpuwatchd.errors import ConfigError
+from gpuwatchd.errors import ConfigError, GpuwatchdError
+from gpuwatchd.sources.diag.runner import WorkerRun
 
-__all__ = ["register", "render_text"]
+__all__ = ["Interrupted", "register", "render_text", "stop_worker_on_signals"]
 
 EXIT = {"OK": 0, "WARNING": 1, "CRITICAL": 2, "UNKNOWN": 3}
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Interrupted(GpuwatchdError):
+    """A stop signal arrived while no worker was running (reading NVML, running dcgmi)."""
+
+
+@contextlib.contextmanager
+def stop_worker_on_signals() -> Iterator[Callable[[WorkerRun], None]]:
+    """While a run lasts, SIGINT, SIGTERM and SIGHUP kill the worker's whole group.
+
+    Yields the `on_start` hook for run_diag. A signal during the worker
+    cancels the run (reported UNKNOWN, "interrupted by SIGTERM"); one outside
+    it raises Interrupted. The worker runs in its own session, so a Slurm
+    prolog timeout, a `timeout` wrapper or Ctrl-C reach it only through here.
+    """
+    worker: list[WorkerRun] = []
+    why: list[str] = []
+
+    def started(run: WorkerRun) -> None:
+        worker.append(run)
+        if why:
+            run.cancel(why[0])
+
+    def stop(signum: int, _frame: FrameType | None) -> None:
+        why.append(f"interrupted by {signal.Signals(signum).name}")
+        if not worker:
+            raise Interrupted(why[0])
+        worker[-1].cancel(why[0])  # kills the group now; run_diag reports the cancel
+
+    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
+    try:
+        yield started
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def register(subparsers: Any) -> None:
@@ -97,7 +138,11 @@ def _run_diag(args: Any) -> int:
         print(f"UNKNOWN: NVML: {exc}")
         return EXIT["UNKNOWN"]
     try:
-        report = run_diag(opts, client)
+        with stop_worker_on_signals() as on_start:
+            report = run_diag(opts, client, on_start=on_start)
+    except Interrupted as exc:
+        print(f"UNKNOWN: diag {opts.tier} {exc}")
+        return EXIT["UNKNOWN"]
     finally:
         try:
             client.shutdown()
