@@ -76,7 +76,7 @@ def register(subparsers: Any) -> None:
     )
     _common(sc)
     sc.set_defaults(func=_quiet_pipe(scan))
-    parser.set_defaults(func=lambda _a: (parser.print_help(sys.stderr), 2)[1])
+    parser.set_defaults(func=lambda _a: (parser.print_help(sys.stderr), os.EX_USAGE)[1])
 
 
 def _quiet_pipe(
