@@ -27,6 +27,7 @@ WORKER_MODULE = "gpuwatchd.diag.worker"
 PARENT_ENV = "GPUWATCHD_DIAG_PARENT"  # our pid: the worker checks it outlived no parent
 MAX_LINE = 1 << 20  # one measurement is a few hundred bytes
 REAP_SECONDS = 5.0
+DRAIN_SECONDS = 1.0  # reading on after the worker exited, for what it wrote before
 
 
 def worker_command(
@@ -152,6 +153,7 @@ class WorkerRun:
     ) -> bool:
         """Read until the final line, the worker's exit, the deadline or a cancel; True if done."""
         next_check = time.monotonic()
+        exited_at: float | None = None
         while True:
             if self._cancel.is_set():
                 out.cancelled = self._reason or "cancelled"
@@ -166,14 +168,17 @@ class WorkerRun:
                 if reason:
                     out.cancelled = reason
                     return False
-            exited = proc.poll() is not None
-            wait = 0.0 if exited else min(self.check_every, max(0.01, deadline - now))
+            if exited_at is None and proc.poll() is not None:
+                exited_at = now
+            wait = 0.0 if exited_at else min(self.check_every, max(0.01, deadline - now))
             for line in pipes.read(wait):
                 if self._take(line, out):
                     return True
-            # Gone, and nothing left to read now: its output ended with it, whoever
-            # still holds the pipes (a child that called setsid keeps them open).
-            if exited and not pipes.pending(0.05):
+            # Gone, and what it wrote is read: its output ended with it, whoever still
+            # holds the pipes (a child that called setsid keeps them open, and may write).
+            if exited_at is not None and (
+                not pipes.pending(0.05) or time.monotonic() - exited_at > DRAIN_SECONDS
+            ):
                 return False
             if pipes.eof:  # both ends closed, the worker not gone yet: wait for it, briefly
                 try:
