@@ -3,7 +3,8 @@ one module each.
 
 Exit status 2 means CRITICAL to every monitoring-plugin caller, so no usage
 error exits 2: a usage error is 3 (UNKNOWN) for the plugin-style commands
-(`check`, `diag`) and 64 (EX_USAGE) for the rest; a bad config is 78.
+(`check`, `diag`) and 64 (EX_USAGE) for the rest; a bad config is 78; an
+unexpected error is 3 from a plugin command (1 would read as WARNING), else 1.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # found after the subcommand parsed: exit with the subcommand's usage status
         print(f"gpuwatchd: error: unrecognized arguments: {' '.join(extra)}", file=sys.stderr)
-        return int(getattr(args, "usage_exit", EX_USAGE))
+        return PLUGIN_USAGE if getattr(args, "plugin", False) else EX_USAGE
     if not hasattr(args, "func"):
         parser.print_help(sys.stderr)
         return EX_USAGE
@@ -82,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("gpuwatchd").error(
             "%s: %s (use --debug for a traceback)", type(exc).__name__, exc
         )
-        return 1
+        return PLUGIN_USAGE if getattr(args, "plugin", False) else 1  # never WARNING from a bug
 
 
 class Parser(argparse.ArgumentParser):
@@ -97,9 +98,9 @@ class Parser(argparse.ArgumentParser):
 
 
 def plugin_command(parser: argparse.ArgumentParser) -> None:
-    """Mark a subcommand as a monitoring plugin: its usage errors exit 3 (UNKNOWN)."""
+    """Mark a subcommand as a monitoring plugin: usage and unexpected errors exit 3 (UNKNOWN)."""
     parser.usage_exit = PLUGIN_USAGE  # type: ignore[attr-defined]
-    parser.set_defaults(usage_exit=PLUGIN_USAGE)  # for arguments no parser claimed
+    parser.set_defaults(plugin=True)  # for main: arguments no parser claimed, unexpected errors
 
 
 def seconds(text: str) -> float:

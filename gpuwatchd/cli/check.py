@@ -60,6 +60,7 @@ def register(subparsers: Any) -> None:
         description="Poll every source once, evaluate the health rules, print what is wrong "
         "and what to do first. For Slurm prolog/epilog, node health checks, probes, humans.",
     )
+    plugin_command(p)  # a usage error is UNKNOWN (3), never CRITICAL (2)
     p.add_argument("--config", metavar="FILE", help="YAML config (default: built-in defaults)")
     p.add_argument("--nvml-replay", metavar="FILE", help="replay a recorded NVML capture")
     add_state_dir(p, "the daemon's store, read for clears, baseline and Xids")
@@ -70,7 +71,6 @@ def register(subparsers: Any) -> None:
         help="text (default), json, or npd: node-problem-detector custom plugin"
         " (exit 0 OK, 1 problem, 2 unknown; one line)",
     )
-    plugin_command(p)
     p.add_argument(
         "--timeout",
         type=seconds,

@@ -18,7 +18,7 @@ from gpuwatchd.errors import ConfigError
 from gpuwatchd.health.diag import load_floors
 from gpuwatchd.sources.nvml.replay import ReplayClient
 from tests.conftest import FIXTURES, ROOT
-from tests.diag.fakes import H100_IDLE, HEALTHY_H100, canned, result
+from tests.diag.fakes import H100_IDLE, HEALTHY_H100, canned, capture_with_script, result
 
 H200X2 = FIXTURES / "nvml" / "h200x2-record.json"
 HELLO_ONLY = [{"hello": {"backend": "fake", "devices": 2}}]
@@ -192,3 +192,11 @@ def test_diag_usage_errors_are_unknown_never_critical(args: list[str]) -> None:
     got = _cli("--nvml-replay", str(H100_IDLE), *args)
     assert got.returncode == 3, (args, got.stderr)
     assert got.stdout == ""
+
+
+def test_nvml_failing_mid_run_is_unknown_not_warning(tmp_path: Path) -> None:
+    """An error nobody expected is UNKNOWN from a plugin command: exit 1 reads as WARNING."""
+    capture = capture_with_script(tmp_path, [{"call": "device_count", "error": "UNKNOWN"}])
+    got = _cli("--nvml-replay", capture, "--fake-worker", canned(tmp_path, HEALTHY_H100))
+    assert got.returncode == 3, (got.stdout, got.stderr)
+    assert "Traceback" not in got.stderr
