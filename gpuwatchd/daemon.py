@@ -40,6 +40,7 @@ from gpuwatchd.http.app import Route, json_route, make_app
 from gpuwatchd.http.endpoints import healthz_route, status_document, summary_line
 from gpuwatchd.http.server import WebServer, serve
 from gpuwatchd.pipeline import Pipeline, SourceSet, source_names
+from gpuwatchd.preflight import check_parsed_files
 from gpuwatchd.runmarker import METRICS as RUN_METRICS
 from gpuwatchd.runmarker import RunRecord, tighten_state_dir
 from gpuwatchd.sinks.durability import StateDirLock
@@ -79,10 +80,11 @@ def load_checked(
     """Every check `run` makes before it starts, all problems at once (`config check` too)."""
     errors: list[ConfigError] = []
     cfg = apply_overrides(config.read(path, errors), overrides)
-    try:
-        config.validate(cfg, path or "<defaults>")
-    except ConfigError as exc:
-        errors.append(flag_error(exc, overrides))
+    for check in (config.validate, check_parsed_files):
+        try:
+            check(cfg, path or "<defaults>")
+        except ConfigError as exc:
+            errors.append(flag_error(exc, overrides))
     web = None
     if cfg.http.web_config_file and not errors:
         try:
@@ -193,6 +195,12 @@ class Daemon:
         hook = threading.excepthook
         try:
             return self._run()
+        except ConfigError as exc:  # a part refused a setting while starting: one line, 78
+            for line in str(flag_error(exc, self.overrides)).splitlines():
+                log.error("%s", line)
+            if self.record is not None:
+                self.record.end_clean()  # said why; nothing for the next start to report
+            return EX_CONFIG
         except Exception:
             self._died("main", traceback.format_exc())
             return EX_SOFTWARE

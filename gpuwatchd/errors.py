@@ -9,6 +9,7 @@ GpuwatchdError
 │   └── ReaderError       no kernel log reader could be opened (sources/kmsg/readers.py)
 ├── CallTimeout           a deadline-bounded call did not return in time (deadline.py)
 ├── StuckError            an earlier call for the same key is still hung (deadline.py)
+├── Interrupted           a stop signal ended `diag` or `clear --resume` (cli/diag.py)
 ├── RasError              a job's NCCL RAS service could not be asked
 ├── FlightError           a PyTorch flight recorder dump could not be read
 ├── StoreError            the SQLite event store is unusable
@@ -16,7 +17,7 @@ GpuwatchdError
 └── KubernetesError       the API server refused or failed (sinks/remediation/kubernetes.py)
 
 Defined beside the code that raises them: ConfigErrors, ReaderError,
-SlurmError, KubernetesError. Two exceptions stay outside the tree on
+SlurmError, KubernetesError, Interrupted. Two exceptions stay outside the tree on
 purpose: http.request.BadRequest (the HTTP server answers it itself, it
 never leaves the server) and sinks.prometheus.DroppedSampleError (strict
 mode of the exposition, a programming error, hence RuntimeError).

@@ -29,6 +29,7 @@ LAYER_OF_TOP = {
     "http": "http",
     "pipeline": "daemon",
     "forensics": "daemon",
+    "preflight": "daemon",
     "diagnose": "daemon",
     "daemon": "daemon",
     "cli": "cli",

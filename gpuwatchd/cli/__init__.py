@@ -1,19 +1,39 @@
 """Command line: `gpuwatchd run | record | config | xid | check | clear | hang | diag | evidence`,
-one module each."""
+one module each.
+
+Exit status 2 means CRITICAL to every monitoring-plugin caller, so no usage
+error exits 2: a usage error is 3 (UNKNOWN) for the plugin-style commands
+(`check`, `diag`) and 64 (EX_USAGE) for the rest; a bad config is 78; an
+unexpected error is 3 from a plugin command (1 would read as WARNING), else 1.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import logging
+import math
 import os
 import sys
+import typing
 from collections.abc import Sequence
 
 from gpuwatchd import __version__, logs
 from gpuwatchd.errors import ConfigError
 
-__all__ = ["STATE_DIR_ENV", "add_state_dir", "main"]
+__all__ = [
+    "EX_USAGE",
+    "PLUGIN_USAGE",
+    "Parser",
+    "STATE_DIR_ENV",
+    "add_state_dir",
+    "main",
+    "plugin_command",
+    "seconds",
+]
+
+EX_USAGE = 64  # sysexits.h: the command was used incorrectly
+PLUGIN_USAGE = 3  # UNKNOWN: what a monitoring-plugin command exits on a usage error
 
 # Every subcommand that reads or writes the store takes its directory from --state-dir,
 # else from this variable, else from daemon.state_dir (scripts/run exports it).
@@ -38,10 +58,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse the command line, run the subcommand, map errors to exit codes."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(_wanted(argv))
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # found after the subcommand parsed: exit with the subcommand's usage status
+        print(f"gpuwatchd: error: unrecognized arguments: {' '.join(extra)}", file=sys.stderr)
+        return PLUGIN_USAGE if getattr(args, "plugin", False) else EX_USAGE
     if not hasattr(args, "func"):
         parser.print_help(sys.stderr)
-        return 2
+        return EX_USAGE
     logs.setup(getattr(args, "log_level", None) or "info")
     try:
         rc: int = args.func(args)
@@ -60,7 +83,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("gpuwatchd").error(
             "%s: %s (use --debug for a traceback)", type(exc).__name__, exc
         )
-        return 1
+        return PLUGIN_USAGE if getattr(args, "plugin", False) else 1  # never WARNING from a bug
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose usage errors exit `usage_exit` (64, or 3 for a plugin command), never 2."""
+
+    usage_exit = EX_USAGE
+
+    def error(self, message: str) -> typing.NoReturn:
+        """Print the usage and the problem, exit with this command's usage status."""
+        self.print_usage(sys.stderr)
+        self.exit(self.usage_exit, f"{self.prog}: error: {message}\n")
+
+
+def plugin_command(parser: argparse.ArgumentParser) -> None:
+    """Mark a subcommand as a monitoring plugin: usage and unexpected errors exit 3 (UNKNOWN)."""
+    parser.usage_exit = PLUGIN_USAGE  # type: ignore[attr-defined]
+    parser.set_defaults(plugin=True)  # for main: arguments no parser claimed, unexpected errors
+
+
+def seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0 (a negative timeout is a usage error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
 
 
 def add_state_dir(parser: argparse.ArgumentParser, help: str, after: bool = False) -> None:
@@ -87,7 +138,7 @@ def _wanted(argv: Sequence[str]) -> str | None:
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The full parser, or one with only the subcommand `only` (so `run` loads no other)."""
-    parser = argparse.ArgumentParser(prog="gpuwatchd", description="Node-level GPU health daemon.")
+    parser = Parser(prog="gpuwatchd", description="Node-level GPU health daemon.")
     parser.add_argument("--version", action="version", version=f"gpuwatchd {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(metavar="COMMAND")

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwatchd import config
-from gpuwatchd.cli import add_state_dir
+from gpuwatchd.cli import PLUGIN_USAGE, add_state_dir, plugin_command, seconds
 from gpuwatchd.clock import Clock, SystemClock
 from gpuwatchd.config import Config
 from gpuwatchd.config.overrides import Overrides, load_with, node_name
@@ -60,6 +60,7 @@ def register(subparsers: Any) -> None:
         description="Poll every source once, evaluate the health rules, print what is wrong "
         "and what to do first. For Slurm prolog/epilog, node health checks, probes, humans.",
     )
+    plugin_command(p)  # a usage error is UNKNOWN (3), never CRITICAL (2)
     p.add_argument("--config", metavar="FILE", help="YAML config (default: built-in defaults)")
     p.add_argument("--nvml-replay", metavar="FILE", help="replay a recorded NVML capture")
     add_state_dir(p, "the daemon's store, read for clears, baseline and Xids")
@@ -72,7 +73,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--timeout",
-        type=float,
+        type=seconds,
         default=30.0,
         metavar="S",
         help="overall deadline in seconds (default 30)",
@@ -403,7 +404,7 @@ def _run_check(args: argparse.Namespace) -> int:
             f" it cannot go with --format {args.format}",
             file=sys.stderr,
         )
-        return 2
+        return PLUGIN_USAGE
     fmt = args.format or ("json" if args.json else "text")
     cfg = load_with(args.config, Overrides.of(args))
     config.check_paths(cfg, args.config or "<defaults>")

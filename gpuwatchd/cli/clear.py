@@ -10,16 +10,20 @@ import time
 from typing import Any
 
 from gpuwatchd.bootid import read_boot_id
-from gpuwatchd.cli import add_state_dir
+from gpuwatchd.cli import EX_USAGE, add_state_dir
 from gpuwatchd.cli.check import collect
 from gpuwatchd.clock import SystemClock
 from gpuwatchd.config import Config
 from gpuwatchd.config.overrides import Overrides, load_with, node_name
 from gpuwatchd.errors import GpuwatchdError
+from gpuwatchd.model import Severity
 from gpuwatchd.pci import normalize_bus_id
 from gpuwatchd.sinks.store import DB_NAME, EventStore
 
 __all__ = ["operator", "register", "resolve_gpu"]
+
+OPEN_CHECK_SECONDS = 30.0  # the one-shot check before a resume, as `gpuwatchd check`
+CRITICAL_EXIT = 2  # refused: a critical condition is open (the check convention)
 
 
 def register(subparsers: Any) -> None:
@@ -44,7 +48,8 @@ def register(subparsers: Any) -> None:
     c.add_argument(
         "--force",
         action="store_true",
-        help="with --resume: skip the diag standard run that must pass first (recorded)",
+        help="with --resume: resume although a critical condition is still open, and skip"
+        " the diag standard run that must pass first (recorded)",
     )
     c.add_argument("--config", metavar="FILE", help="YAML config (default: built-in defaults)")
     add_state_dir(c, "the daemon's event store")
@@ -91,7 +96,7 @@ def _run_clear(args: argparse.Namespace) -> int:
     cfg = load_with(args.config, Overrides.of(args))
     if not (args.gpu or args.all or args.resume):
         print("gpuwatchd clear: one of --gpu, --all or --resume is required", file=sys.stderr)
-        return 2
+        return EX_USAGE
     if args.gpu or args.all:
         if not (args.new_store or os.path.exists(os.path.join(cfg.daemon.state_dir, DB_NAME))):
             # a clear in a store nobody reads (a mistyped --state-dir) would be lost unseen
@@ -125,9 +130,47 @@ def _resume(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def _still_critical(cfg: Config, store: EventStore, args: argparse.Namespace) -> int | None:
+    """Refuse a resume while a critical condition is open (the daemon would drain again)."""
+    from gpuwatchd.cli.check import check
+    from gpuwatchd.health import alerts
+    from gpuwatchd.sinks.remediation.sink import record
+
+    verdict = check(cfg, timeout=OPEN_CHECK_SECONDS)
+    open_now = [
+        f"{f.alertname}: {alerts.summary(f)}"
+        for f in verdict.findings
+        if f.severity >= Severity.CRITICAL
+    ]
+    if not open_now:
+        return None
+    what = "; ".join(open_now[:3]) + (f"; +{len(open_now) - 3} more" if len(open_now) > 3 else "")
+    if args.force:
+        print(f"still open, resuming anyway (--force): {what}")
+        return None
+    who = operator()
+    why = f"a critical condition is still open: {what}"
+    record(
+        store,
+        "all",
+        "resume_refused",
+        f"not resumed: {why}",
+        time.time(),
+        who=who,
+        reason=args.reason,
+    )
+    print(
+        f"not resumed: {why}. The daemon would take the node out of service again after"
+        f" remediation.hold_seconds ({cfg.remediation.hold_seconds:g} s). Fix it and clear it"
+        " (gpuwatchd clear --gpu N or --all), or resume anyway with --force.",
+        file=sys.stderr,
+    )
+    return CRITICAL_EXIT
+
+
 def _verify(cfg: Config, store: EventStore, args: argparse.Namespace) -> int | None:
     """Run diag standard before a resume; None to go ahead, else the exit code."""
-    from gpuwatchd.cli.diag import EXIT, render_text
+    from gpuwatchd.cli.diag import EXIT, Interrupted, render_text, stop_worker_on_signals
     from gpuwatchd.diagnose.run import run_recorded
     from gpuwatchd.sinks.remediation.sink import engaged_actions, record
 
@@ -137,6 +180,9 @@ def _verify(cfg: Config, store: EventStore, args: argparse.Namespace) -> int | N
         engaged or rem.slurm.drain_on or rem.kubernetes.condition_on or rem.kubernetes.taint_on
     ):
         return None  # nothing to resume
+    refused = _still_critical(cfg, store, args)
+    if refused is not None:
+        return refused
     who = operator()
     if args.force:
         record(
@@ -152,7 +198,12 @@ def _verify(cfg: Config, store: EventStore, args: argparse.Namespace) -> int | N
         return None
     if not cfg.diag.verify_before_resume:
         return None
-    report, offenders = run_recorded(cfg, store, "standard", "resume")
+    try:
+        with stop_worker_on_signals() as on_start:  # the worker never outlives this command
+            report, offenders = run_recorded(cfg, store, "standard", "resume", on_start=on_start)
+    except Interrupted as exc:
+        print(f"not resumed: diag standard {exc}", file=sys.stderr)
+        return EXIT["UNKNOWN"]
     sys.stdout.write(render_text(report))
     for check, gpu in offenders:
         print(

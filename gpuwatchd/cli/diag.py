@@ -4,21 +4,69 @@ The CUDA work runs in a worker process (`python -m gpuwatchd.diag.worker`,
 from the `gpuwatchd[diag]` extra or any interpreter with CuPy or PyTorch:
 `--python`); this process reads NVML and compares each figure with its
 floor. Exit 0 OK, 2 CRITICAL (a check failed), 3 UNKNOWN (a check could
-not run, the node was busy, or the run was cancelled).
+not run or reported nothing, a GPU named with --gpu does not exist, the
+node was busy, the run was cancelled or interrupted, or a usage error),
+78 a bad config, floors file or capture.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import dataclasses
 import json
+import math
+import signal
 import sys
+from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any
 
+from gpuwatchd.cli import plugin_command, seconds
+from gpuwatchd.config import Config
 from gpuwatchd.diagnose.run import DiagOptions, DiagReport, open_nvml, options_for, run_diag
+from gpuwatchd.errors import ConfigError, GpuwatchdError
+from gpuwatchd.sources.diag.runner import WorkerRun
 
-__all__ = ["register", "render_text"]
+__all__ = ["Interrupted", "register", "render_text", "stop_worker_on_signals"]
 
 EXIT = {"OK": 0, "WARNING": 1, "CRITICAL": 2, "UNKNOWN": 3}
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Interrupted(GpuwatchdError):
+    """A stop signal arrived while no worker was running (reading NVML, running dcgmi)."""
+
+
+@contextlib.contextmanager
+def stop_worker_on_signals() -> Iterator[Callable[[WorkerRun], None]]:
+    """While a run lasts, SIGINT, SIGTERM and SIGHUP kill the worker's whole group.
+
+    Yields the `on_start` hook for run_diag. A signal during the worker
+    cancels the run (reported UNKNOWN, "interrupted by SIGTERM"); one outside
+    it raises Interrupted. The worker runs in its own session, so a Slurm
+    prolog timeout, a `timeout` wrapper or Ctrl-C reach it only through here.
+    """
+    worker: list[WorkerRun] = []
+    why: list[str] = []
+
+    def started(run: WorkerRun) -> None:
+        worker.append(run)
+        if why:
+            run.cancel(why[0])
+
+    def stop(signum: int, _frame: FrameType | None) -> None:
+        why.append(f"interrupted by {signal.Signals(signum).name}")
+        if not worker:
+            raise Interrupted(why[0])
+        worker[-1].cancel(why[0])  # kills the group now; run_diag reports the cancel
+
+    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
+    try:
+        yield started
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def register(subparsers: Any) -> None:
@@ -29,16 +77,17 @@ def register(subparsers: Any) -> None:
         description="Run GEMM, copy, NCCL and memory checks against per-model floors "
         "(docs/diag.md). Refuses to run while a process uses a GPU.",
     )
+    plugin_command(p)  # a usage error is UNKNOWN (3), never CRITICAL (2)
     p.add_argument("--tier", choices=("quick", "standard", "dcgm"), default="quick")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument(
-        "--gpu", type=int, action="append", default=[], metavar="N", help="only GPU N (repeat)"
+        "--gpu", type=_index, action="append", default=[], metavar="N", help="only GPU N (repeat)"
     )
     p.add_argument("--config", metavar="FILE", help="YAML config (its diag section)")
     p.add_argument("--python", metavar="EXE", help="interpreter with CuPy or PyTorch")
     p.add_argument("--backend", choices=("auto", "cupy", "torch"), help="GPU library")
     p.add_argument("--floors", metavar="FILE", help="site floors, matched before the shipped ones")
-    p.add_argument("--timeout", type=float, metavar="S", help="give up after S seconds")
+    p.add_argument("--timeout", type=seconds, metavar="S", help="give up after S seconds (> 0)")
     p.add_argument("--dcgm-level", type=int, choices=(1, 2, 3, 4), help="dcgmi diag -r N")
     p.add_argument("--nvml-replay", metavar="FILE", help="replay a recorded NVML capture")
     p.add_argument("--fake-worker", metavar="FILE", help=argparse_suppress())
@@ -47,16 +96,24 @@ def register(subparsers: Any) -> None:
 
 def argparse_suppress() -> str:
     """Hidden options (test-only worker mode) carry no help."""
-    import argparse
-
     return argparse.SUPPRESS
 
 
-def options_from(args: Any) -> DiagOptions:
-    """DiagOptions from the config's diag section, then the command line."""
-    from gpuwatchd import config
+def _index(text: str) -> int:
+    """argparse type: a GPU index, a whole number >= 0."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"not a GPU index (0, 1, ...): {text!r}")
+    return int(text)
 
-    base = options_for(config.load(args.config), args.tier, args.gpu)
+
+def options_from(args: Any, cfg: Config | None = None) -> DiagOptions:
+    """DiagOptions from the config's diag section, then the command line (floors checked)."""
+    from gpuwatchd import config
+    from gpuwatchd.config.floors import load_floors
+
+    base = options_for(cfg or config.load(args.config), args.tier, args.gpu)
+    if args.floors:
+        load_floors(args.floors)  # a bad file: exit 78 now, not after the GPU work
     return dataclasses.replace(
         base,
         python=args.python or base.python,
@@ -72,14 +129,20 @@ def _run_diag(args: Any) -> int:
     from gpuwatchd import config
 
     cfg = config.load(args.config)
-    opts = options_from(args)
+    opts = options_from(args, cfg)
     try:
         client = open_nvml(cfg, args.nvml_replay or "")
+    except ConfigError:
+        raise  # a capture that is not one: exit 78 naming it
     except Exception as exc:
         print(f"UNKNOWN: NVML: {exc}")
         return EXIT["UNKNOWN"]
     try:
-        report = run_diag(opts, client)
+        with stop_worker_on_signals() as on_start:
+            report = run_diag(opts, client, on_start=on_start)
+    except Interrupted as exc:
+        print(f"UNKNOWN: diag {opts.tier} {exc}")
+        return EXIT["UNKNOWN"]
     finally:
         try:
             client.shutdown()
@@ -93,8 +156,8 @@ def _run_diag(args: Any) -> int:
 
 
 def _num(value: float | None) -> str:
-    if value is None:
-        return "-"
+    if value is None or not math.isfinite(value):
+        return "-" if value is None else str(value)
     return f"{value:.0f}" if abs(value) >= 100 or value == int(value) else f"{value:.2f}"
 
 
@@ -109,7 +172,7 @@ def render_text(report: DiagReport) -> str:
     head += f" in {report.seconds:.1f}s" + (f" [{report.backend}]" if report.backend else "")
     lines = [head]
     if report.error:
-        lines.append(f"  worker: {report.error}")
+        lines.append(f"  error: {report.error}")
     sources: list[str] = []
     for r in report.results:
         mark = ""

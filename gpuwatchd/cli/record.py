@@ -9,6 +9,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from gpuwatchd.cli import EX_USAGE, Parser
 from gpuwatchd.errors import NvmlError
 from gpuwatchd.sources.nvml.client import NvmlClient, Pynvml
 from gpuwatchd.sources.nvml.record import record
@@ -75,7 +76,7 @@ def _handle(args: argparse.Namespace) -> int:
     problem = _flag_problem(args)
     if problem:
         print(f"gpuwatchd record: {problem}", file=sys.stderr)
-        return 2
+        return EX_USAGE
     client: NvmlClient = Pynvml()
     if args.nvml_replay:
         try:
@@ -124,7 +125,7 @@ def register(subparsers: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`gpuwatchd record` on its own (tests and scripts)."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="gpuwatchd record", description="Record NVML answers for the replay backend."
     )
     _add_arguments(parser)

@@ -76,7 +76,7 @@ def register(subparsers: Any) -> None:
     )
     _common(sc)
     sc.set_defaults(func=_quiet_pipe(scan))
-    parser.set_defaults(func=lambda _a: (parser.print_help(sys.stderr), 2)[1])
+    parser.set_defaults(func=lambda _a: (parser.print_help(sys.stderr), os.EX_USAGE)[1])
 
 
 def _quiet_pipe(
@@ -303,7 +303,7 @@ def scan(args: argparse.Namespace) -> int:
         stream = _open(args.file)
     except OSError as exc:
         print(f"gpuwatchd xid scan: {args.file}: {exc.strerror or exc}", file=sys.stderr)
-        return 2
+        return os.EX_NOINPUT  # sysexits: an input file that cannot be read
     result = ScanResult()
     uuids: dict[str, str] = {}
     groups: dict[tuple[str, int, str], _Group] = {}

@@ -12,6 +12,7 @@ from typing import Any, TypeVar, Union
 
 from gpuwatchd.config.schema import Config
 from gpuwatchd.config.validate import check_paths, raise_all, validate, validate_listen
+from gpuwatchd.config.yamlfile import load_yaml
 from gpuwatchd.errors import ConfigError
 from gpuwatchd.logs import escape_control
 
@@ -83,16 +84,7 @@ def load_text(text: str, name: str = "<config>") -> Config:
 def _parse(text: str, name: str, errors: list[ConfigError] | None) -> Config:
     if "\x00" in text:
         raise ConfigError(name, "", "contains a NUL byte")
-    import yaml  # here: the defaults (no file) need no YAML parser
-
-    try:
-        # libyaml's loader when PyYAML was built with it: same results, several times faster
-        data = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    except (yaml.YAMLError, ValueError, OverflowError, RecursionError) as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or "invalid YAML"
-        raise ConfigError(name, where, f"invalid YAML: {problem}") from None
+    data = load_yaml(text, name)  # a repeated key is refused, not silently dropped
     if data is None:
         data = {}
     found: list[ConfigError] = []

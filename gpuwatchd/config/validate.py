@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import urllib.parse
 from collections.abc import Callable
 
@@ -18,6 +19,7 @@ __all__ = [
     "ConfigErrors",
     "RESERVED_LABELS",
     "check_alertmanager",
+    "check_named_files",
     "check_paths",
     "check_state_dir",
     "check_xid_codes",
@@ -68,6 +70,7 @@ def validate(cfg: Config, file: str) -> None:
         check_alertmanager,
         check_xid_codes,
         check_state_dir,
+        check_named_files,
     )
     for check in checks:
         try:
@@ -79,10 +82,15 @@ def validate(cfg: Config, file: str) -> None:
 
 def check_paths(cfg: Config, file: str) -> None:
     """Files the config names must exist and be readable."""
+    k8s = cfg.remediation.kubernetes
     named = {
         "sources.nvml.replay": cfg.sources.nvml.replay,
         "http.web_config_file": cfg.http.web_config_file,
         **{f"alertmanager.{k}": getattr(cfg.alertmanager, k) for k in _AM_FILES},
+        "hangs.signatures_file": cfg.hangs.signatures_file,
+        "diag.floors_file": cfg.diag.floors_file,
+        "remediation.kubernetes.token_file": k8s.token_file,
+        "remediation.kubernetes.ca_file": k8s.ca_file,
     }
     errors: list[ConfigError] = []
     for key, value in named.items():
@@ -175,3 +183,89 @@ def check_state_dir(cfg: Config, file: str) -> None:
         if probe != path:
             problem = f"cannot create {path}: {probe} is not writable"
         raise ConfigError(file, "daemon.state_dir", problem)
+
+
+def check_named_files(cfg: Config, file: str) -> None:
+    """What core can check inside the files the config names: floors, TLS material, tokens.
+
+    The replay capture, hang signatures and web config are read by the layers
+    that parse them (gpuwatchd/preflight.py), for `run` and `config check` alike.
+    """
+    errors: list[ConfigError] = []
+    for check in (_check_floors, _check_tls_files, _check_tokens, _check_diag_python):
+        try:
+            check(cfg, file)
+        except ConfigError as exc:
+            errors.append(exc)
+    raise_all(errors)
+
+
+def _check_floors(cfg: Config, file: str) -> None:
+    if cfg.diag.floors_file and os.access(cfg.diag.floors_file, os.R_OK):
+        from gpuwatchd.config.floors import load_floors  # PyYAML: only with a floors file
+
+        load_floors(cfg.diag.floors_file)  # names the floors file and the key in it
+
+
+def _check_tls_files(cfg: Config, file: str) -> None:
+    """Certificates and keys load as the TLS client will load them."""
+    am = cfg.alertmanager
+    if am.tls_key_file and not am.tls_cert_file:
+        raise ConfigError(file, "alertmanager.tls_key_file", "needs alertmanager.tls_cert_file")
+    k8s = cfg.remediation.kubernetes
+    if not (am.tls_ca_file or am.tls_cert_file or k8s.ca_file):
+        return
+    import ssl  # here: about 5 MiB that a node without TLS files never loads
+
+    errors: list[ConfigError] = []
+    cas = (
+        ("alertmanager.tls_ca_file", am.tls_ca_file),
+        ("remediation.kubernetes.ca_file", k8s.ca_file),
+    )
+    for key, path in cas:
+        if path and os.access(path, os.R_OK):
+            try:
+                ssl.create_default_context().load_verify_locations(cafile=path)
+            except (ssl.SSLError, OSError, ValueError) as exc:
+                errors.append(ConfigError(file, key, f"{path}: not a CA bundle: {_ssl_why(exc)}"))
+    if am.tls_cert_file and os.access(am.tls_cert_file, os.R_OK):
+        try:
+            ctx = ssl.create_default_context()
+            ctx.load_cert_chain(am.tls_cert_file, am.tls_key_file or None)
+        except (ssl.SSLError, OSError, ValueError) as exc:
+            key = "alertmanager.tls_cert_file"
+            errors.append(ConfigError(file, key, f"certificate and key: {_ssl_why(exc)}"))
+    raise_all(errors)
+
+
+def _ssl_why(exc: Exception) -> str:
+    return str(getattr(exc, "reason", "") or getattr(exc, "strerror", "") or exc)
+
+
+def _check_tokens(cfg: Config, file: str) -> None:
+    """A token file that is empty would send an empty credential on every request."""
+    named = (
+        ("alertmanager.bearer_token_file", cfg.alertmanager.bearer_token_file),
+        ("remediation.kubernetes.token_file", cfg.remediation.kubernetes.token_file),
+    )
+    for key, path in named:
+        if not path:
+            continue
+        try:
+            with open(path, "rb") as f:
+                empty = not f.read(64 << 10).strip()
+        except OSError:
+            continue  # check_paths says why
+        if empty:
+            raise ConfigError(file, key, f"{path} is empty")
+
+
+def _check_diag_python(cfg: Config, file: str) -> None:
+    """diag.python must be an interpreter that can be started."""
+    exe = cfg.diag.python
+    if (
+        exe
+        and not (os.path.isfile(exe) and os.access(exe, os.X_OK))
+        and not ("/" not in exe and shutil.which(exe))
+    ):
+        raise ConfigError(file, "diag.python", f"{exe}: not an executable file")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-__all__ = ["CHECKS", "Measurement", "TIERS", "checks_of"]
+__all__ = ["CHECKS", "Measurement", "TIERS", "checks_of", "worker_results"]
 
 TIERS = ("quick", "standard", "dcgm")
 
@@ -28,6 +31,22 @@ CHECKS: dict[str, tuple[str, ...]] = {
 def checks_of(tier: str) -> tuple[str, ...]:
     """The checks a tier runs, in the order they run."""
     return tuple(name for name, tiers in CHECKS.items() if tier in tiers)
+
+
+def worker_results(tier: str, gpus: Sequence[str]) -> list[tuple[str, str]]:
+    """Every (check, gpu) the worker must report for `tier` on `gpus`, in its order.
+
+    A run that lacks one of them measured less than it claims: it is UNKNOWN,
+    never OK. nvml_sanity, ecc_errors, row_remap and dcgm come from this process.
+    """
+    if tier not in ("quick", "standard"):
+        return []
+    out = [(c, g) for g in gpus for c in ("gemm", "h2d_bandwidth", "d2d_bandwidth")]
+    if tier == "standard":
+        out += [("p2p_bandwidth", f"{a}>{b}") for a, b in itertools.permutations(gpus, 2)]
+        out += [("all_reduce", "all")] if len(gpus) > 1 else []
+        out += [("memory_pattern", g) for g in gpus]
+    return out
 
 
 @dataclass(frozen=True)
@@ -58,18 +77,25 @@ class Measurement:
         names = {f.name for f in fields(cls)}
         kept = {k: v for k, v in data.items() if k in names}
         value = kept.get("value")
-        if value is not None and not isinstance(value, (int, float)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ValueError(f"value is not a number: {value!r}")
         for key in ("check", "gpu", "unit"):
             if not isinstance(kept.get(key), str):
                 raise ValueError(f"{key} missing or not a string")
+        correct = kept.get("correct", True)
+        if not isinstance(correct, bool):
+            raise ValueError(f"correct is not true or false: {correct!r}")
+        seconds = kept.get("seconds", 0.0)
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+            raise ValueError(f"seconds is not a number: {seconds!r}")
+        # NaN, Infinity and null stay as they came: the verdict treats them as nothing measured.
         return cls(
             check=kept["check"],
             gpu=kept["gpu"],
             value=None if value is None else float(value),
             unit=kept["unit"],
-            correct=bool(kept.get("correct", True)),
+            correct=correct,
             detail=str(kept.get("detail", "")),
             error=str(kept.get("error", "")),
-            seconds=float(kept.get("seconds", 0.0)),
+            seconds=float(seconds) if math.isfinite(seconds) else 0.0,
         )

@@ -3,8 +3,11 @@
 Runs in its own process group, started by the runner, and prints one JSON
 `Measurement` per line as each check ends, then `{"done": true}`. It
 imports CuPy or PyTorch (the `gpuwatchd[diag]` extra); the daemon never
-does. `--fake FILE` replays canned measurements with pauses instead of
-touching a GPU: the test suite's stand-in for a real worker.
+does. It asks the kernel for SIGKILL when the process that started it
+dies (PR_SET_PDEATHSIG), so a `diag` killed with SIGKILL leaves no worker
+on the GPUs; other ends (signals, timeouts) kill its whole group.
+`--fake FILE` replays canned measurements with pauses instead of touching
+a GPU: the test suite's stand-in for a real worker.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import argparse
 import itertools
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -20,11 +24,39 @@ from typing import Any
 
 from gpuwatchd.diag.measure import Measurement
 
-__all__ = ["Options", "load_backend", "main", "run_checks"]
+__all__ = ["Options", "die_with_parent", "load_backend", "main", "run_checks"]
 
 GIB = 1 << 30
 MIB = 1 << 20
 PATTERNS = (0x00000000, 0xFFFFFFFF, 0xAAAAAAAA, 0x55555555)
+PARENT_ENV = "GPUWATCHD_DIAG_PARENT"  # set by the runner (sources/diag/runner.py) to its pid
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent() -> bool:
+    """SIGKILL this process when its parent dies; exit now if it already has. False off Linux."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    parent = os.environ.get(PARENT_ENV, "")
+    if parent.isdigit() and os.getppid() != int(parent) and not _alive(int(parent)):
+        os._exit(3)  # the parent died before the request took effect: nobody reads us
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 class Options:
@@ -174,6 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--backend", choices=("auto", "cupy", "torch"), default="auto")
     p.add_argument("--fake", metavar="FILE", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    die_with_parent()
     if args.fake:
         return _fake(args.fake)
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # CUDA index = NVML index

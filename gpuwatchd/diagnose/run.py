@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gpuwatchd.config import Config
-from gpuwatchd.diag.measure import Measurement, checks_of
+from gpuwatchd.diag.measure import Measurement, worker_results
+from gpuwatchd.errors import ConfigError
 from gpuwatchd.health.diag import DiagResult, evaluate, load_floors, verdict
 from gpuwatchd.sinks.diag_store import record_run, repeat_offenders
 from gpuwatchd.sinks.store import EventStore
@@ -88,7 +89,7 @@ def options_for(cfg: Config, tier: str, gpus: Sequence[int] = ()) -> DiagOptions
     d = cfg.diag
     return DiagOptions(
         tier=tier,
-        gpus=tuple(gpus),
+        gpus=tuple(dict.fromkeys(gpus)),
         python=d.python,
         backend=d.backend,
         timeout=d.timeout_seconds,
@@ -105,7 +106,11 @@ def open_nvml(cfg: Config, replay: str = "") -> NvmlClient:
     if path:
         from gpuwatchd.sources.nvml.replay import ReplayClient
 
-        client = ReplayClient.load(path)
+        try:
+            client = ReplayClient.load(path)
+        except (OSError, ValueError) as exc:  # a bad file named, not a broken GPU
+            key = "--nvml-replay" if replay else "sources.nvml.replay"
+            raise ConfigError("command line" if replay else "", key, f"{path}: {exc}") from None
     else:
         from gpuwatchd.sources.nvml.client import Pynvml
 
@@ -126,6 +131,10 @@ def run_diag(
 ) -> DiagReport:
     """Run one tier on this node's GPUs (NVML already initialised)."""
     t0, wall = time.monotonic(), time.time()
+    floors = load_floors(opts.floors_file)  # a bad site file stops the run before GPU work
+    absent = _absent_gpus(client, opts.gpus)
+    if absent:  # a GPU that is not there was not measured: UNKNOWN, never CRITICAL
+        return DiagReport(opts.tier, wall, time.monotonic() - t0, "UNKNOWN", error=absent)
     before = read_gpus(client, opts.gpus)
     models = {str(g.index): g.name for g in before if g.name}
     buses = {str(g.index): g.pci_bus_id for g in before if g.pci_bus_id}
@@ -138,10 +147,11 @@ def run_diag(
     if opts.tier == "dcgm":
         measurements.append(run_dcgmi(opts.dcgm_level, opts.timeout))
     else:
+        runnable = [g.index for g in before if not g.error]
         worker = WorkerRun(
             worker_command(
                 opts.tier,
-                [g.index for g in before if not g.error],
+                runnable,
                 opts.python,
                 opts.backend,
                 opts.fake_worker,
@@ -167,8 +177,8 @@ def run_diag(
         measurements += outcome.measurements
         if opts.tier == "standard":
             measurements += counter_checks(before, read_gpus(client, opts.gpus))
-        measurements += _missing(opts.tier, measurements, gpus, error)
-    results = tuple(evaluate(measurements, models, load_floors(opts.floors_file)))
+        measurements += _missing(opts.tier, measurements, [str(i) for i in runnable], error)
+    results = tuple(evaluate(measurements, models, floors))
     return DiagReport(
         opts.tier,
         wall,
@@ -191,19 +201,32 @@ def _busy_now(gpus: Sequence[GpuSnapshot], worker_pid: int | None, busy: Busy | 
     return busy() if busy is not None else ""
 
 
+def _absent_gpus(client: NvmlClient, wanted: Sequence[int]) -> str:
+    """Why `wanted` names a GPU NVML does not have (naming those it has), or ""."""
+    if not wanted:
+        return ""
+    count = client.call("device_count")
+    count = count if isinstance(count, int) else 0
+    absent = sorted({g for g in wanted if not 0 <= g < count})
+    if not absent:
+        return ""
+    have = f"GPUs {', '.join(map(str, range(count)))}" if count else "no GPU"
+    return f"no GPU {', '.join(map(str, absent))} on this node (NVML sees {have})"
+
+
 def _missing(
     tier: str, got: Sequence[Measurement], gpus: Sequence[str], error: str
 ) -> list[Measurement]:
-    """An error result for each per-GPU check the worker never reported (it died)."""
-    if not error:
-        return []
+    """An error result for each check of the tier the worker never reported.
+
+    A worker that says hello and done, or stops reporting one GPU, measured
+    nothing there: the run must be UNKNOWN, not OK.
+    """
     seen = {(m.check, m.gpu) for m in got}
-    per_gpu = ("gemm", "h2d_bandwidth", "d2d_bandwidth", "memory_pattern")
+    why = error or "not reported by the diag worker"
     return [
-        Measurement(check, gpu, None, "", error=error)
-        for check in checks_of(tier)
-        if check in per_gpu
-        for gpu in gpus
+        Measurement(check, gpu, None, "", error=why)
+        for check, gpu in worker_results(tier, gpus)
         if (check, gpu) not in seen
     ]
 

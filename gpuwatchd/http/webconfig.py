@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuwatchd.config.yamlfile import load_yaml
 from gpuwatchd.errors import ConfigError
 
 __all__ = [
@@ -127,15 +128,12 @@ def load(path: str) -> WebConfig:
     """Read and validate a web-config.yml; an empty path means plain HTTP, no auth."""
     if not path:
         return WebConfig()
-    import yaml  # here: plain HTTP (no web config) needs no YAML parser
-
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        with open(path, "rb") as f:
+            text = f.read()
     except OSError as exc:
         raise ConfigError(path, "", f"cannot read: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(path, "", f"invalid YAML: {getattr(exc, 'problem', exc)}") from None
+    data = load_yaml(text, path)  # invalid YAML or a repeated key: ConfigError naming it
     data = {} if data is None else data
     _mapping(path, "(top level)", data)
     unknown = set(data) - {"tls_server_config", "http_server_config", "basic_auth_users"}

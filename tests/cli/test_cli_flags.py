@@ -72,9 +72,9 @@ def test_record_spells_the_replay_flag_as_run_and_check_do(
 @pytest.mark.parametrize(
     ("extra", "rc", "says"),
     [
-        (["--interval", "-1"], 2, "gpuwatchd record: --interval: must be >= 0 seconds (got -1)"),
-        (["--polls", "0"], 2, "gpuwatchd record: --polls: must be at least 1 (got 0)"),
-        (["--call-timeout", "0"], 2, "gpuwatchd record: --call-timeout: must be > 0 seconds"),
+        (["--interval", "-1"], 64, "gpuwatchd record: --interval: must be >= 0 seconds (got -1)"),
+        (["--polls", "0"], 64, "gpuwatchd record: --polls: must be at least 1 (got 0)"),
+        (["--call-timeout", "0"], 64, "gpuwatchd record: --call-timeout: must be > 0 seconds"),
     ],
 )
 def test_record_flag_errors_are_one_line(
@@ -103,7 +103,7 @@ def test_record_names_a_broken_capture_file(
 
 def test_check_rejects_json_with_another_format(capsys: pytest.CaptureFixture[str]) -> None:
     rc = cli_main(["check", "--json", "--format", "npd", "--nvml-replay", str(CAPTURE)])
-    assert rc == 2
+    assert rc == 3  # a usage error of a plugin command: UNKNOWN, never 2 (CRITICAL)
     captured = capsys.readouterr()
     assert captured.out == ""
     err = captured.err.strip().splitlines()

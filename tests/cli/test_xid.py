@@ -155,7 +155,7 @@ def test_scan_user_space_and_unparsed_lines(capsys: pytest.CaptureFixture[str]) 
 
 def test_scan_missing_file(capsys: pytest.CaptureFixture[str]) -> None:
     rc, _, err = run(["xid", "scan", "/nonexistent/kern.log"], capsys)
-    assert rc == 2 and "No such file" in err
+    assert rc == 66 and "No such file" in err  # EX_NOINPUT
 
 
 def test_scan_colour_when_asked(capsys: pytest.CaptureFixture[str]) -> None:

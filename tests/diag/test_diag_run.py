@@ -176,7 +176,7 @@ def test_site_floors_come_first_and_say_so(tmp_path: Path) -> None:
 def test_bad_site_floors_name_the_key(tmp_path: Path) -> None:
     site = tmp_path / "floors.yaml"
     site.write_text("models:\n  - match: H100\n    checks:\n      gemm: {floor: fast}\n")
-    with pytest.raises(ConfigError, match=r"models\[0\]\.checks\.gemm: needs a number"):
+    with pytest.raises(ConfigError, match=r"models\[0\]\.checks\.gemm\.floor: must be a number"):
         load_floors(str(site))
 
 

@@ -341,7 +341,7 @@ def test_relative_paths_are_relative_to_the_file(tmp_path: Path, pki: dict[str, 
             "http_server_config.headers.X-Content-Type-Options",
             "nosniff",
         ),
-        ("tls_server_config: [\n", "", "invalid YAML"),
+        ("tls_server_config: [\n", "line 2", "invalid YAML"),
     ],
 )
 def test_bad_files_name_file_key_and_problem(

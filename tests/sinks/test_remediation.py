@@ -22,7 +22,7 @@ from gpuwatchd.sinks.remediation.policy import due, reason_text
 from gpuwatchd.sinks.remediation.sink import RemediationSink, engaged_actions, spread_offset
 from gpuwatchd.sinks.remediation.slurm import parse_sinfo
 from gpuwatchd.sinks.store import EventStore
-from tests.diag.fakes import H100_IDLE, HEALTHY_H100, canned, result
+from tests.diag.fakes import H100_IDLE, HEALTHY_H100, HEALTHY_H100_STANDARD, canned, result
 from tests.slurm_cluster import SlurmCluster, slurm_cluster
 
 HOLD = 300.0
@@ -141,7 +141,9 @@ def test_drain_with_reason_then_resume_on_clear(
 ) -> None:
     monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
     cfg = make_cfg(
-        tmp_path, node=slurm.node, extra=healthy_gpus(tmp_path, monkeypatch, HEALTHY_H100)
+        tmp_path,
+        node=slurm.node,
+        extra=healthy_gpus(tmp_path, monkeypatch, HEALTHY_H100_STANDARD),
     )
     clock = FakeClock(T0)
     store = EventStore.from_config(cfg, clock.time)
@@ -376,7 +378,7 @@ def test_clear_needs_a_target_and_resume_alone_works(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     state = str(tmp_path / "state")
-    assert main(["clear", "--state-dir", state]) == 2
+    assert main(["clear", "--state-dir", state]) == 64  # EX_USAGE, never 2 (CRITICAL)
     assert "one of --gpu, --all or --resume" in capsys.readouterr().err
     assert main(["clear", "--resume", "--state-dir", state]) == 0
     assert "nothing to resume" in capsys.readouterr().out

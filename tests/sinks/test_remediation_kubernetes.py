@@ -33,7 +33,7 @@ from gpuwatchd.model import Finding, Severity, labels_of  # noqa: E402
 from gpuwatchd.sinks.remediation.kubernetes import TAINT_KEY, KubernetesNode  # noqa: E402
 from gpuwatchd.sinks.remediation.sink import RemediationSink  # noqa: E402
 from gpuwatchd.sinks.store import EventStore  # noqa: E402
-from tests.diag.fakes import H100_IDLE, HEALTHY_H100, canned  # noqa: E402
+from tests.diag.fakes import H100_IDLE, HEALTHY_H100_STANDARD, canned  # noqa: E402
 
 NODE = json.loads(
     (Path(__file__).resolve().parents[1] / "fixtures" / "kubernetes" / "node.json").read_text()
@@ -184,7 +184,7 @@ def test_condition_and_taint_written_then_resumed(
     # GpuHealthy=True only after diag standard passes (a replayed H100, canned results).
     conf = tmp_path / "config.yaml"
     conf.write_text(conf.read_text() + f"sources: {{nvml: {{replay: {H100_IDLE}}}}}\n")
-    monkeypatch.setenv(FAKE_WORKER_ENV, canned(tmp_path, HEALTHY_H100))
+    monkeypatch.setenv(FAKE_WORKER_ENV, canned(tmp_path, HEALTHY_H100_STANDARD))
     assert main(["clear", "--resume", "--config", str(conf)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("OK: diag standard")

@@ -14,6 +14,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from gpuwatchd.config.yamlfile import load_yaml
 from gpuwatchd.errors import ConfigError
 from gpuwatchd.shipped import shipped_text
 
@@ -116,15 +117,12 @@ def load_catalog(site_file: str = "") -> tuple[Signature, ...]:
     base = builtin_catalog()
     if not site_file:
         return base
-    import yaml
-
     try:
-        with open(site_file, encoding="utf-8") as f:
-            site = parse_catalog(yaml.safe_load(f), site_file)
+        with open(site_file, "rb") as f:
+            text = f.read()
     except OSError as e:
         raise _fail(site_file, f"cannot read: {e.strerror}") from e
-    except yaml.YAMLError as e:
-        raise _fail(site_file, f"not valid YAML: {e}") from e
+    site = parse_catalog(load_yaml(text, site_file), site_file)  # a repeated key is refused
     by_name = {s.name: s for s in site}
     replaced = [by_name.pop(s.name, s) for s in base]
     return (*[s for s in site if s.name in by_name], *replaced)

@@ -72,7 +72,12 @@ def run_dcgmi(level: int, timeout: float) -> Measurement:
     try:
         text, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
         return Measurement("dcgm", "all", None, "tests", error=f"dcgmi diag ran over {timeout:g}s")
+    finally:  # a timeout, or an interrupt (a signal) of the command that started it
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
     return parse_dcgmi(text, proc.returncode, level)

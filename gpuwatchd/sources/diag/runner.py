@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import queue
+import selectors
 import signal
 import subprocess
 import sys
@@ -21,9 +21,13 @@ from dataclasses import dataclass, field
 
 from gpuwatchd.diag.measure import Measurement
 
-__all__ = ["WorkerOutcome", "WorkerRun", "worker_command"]
+__all__ = ["PARENT_ENV", "WorkerOutcome", "WorkerRun", "worker_command"]
 
 WORKER_MODULE = "gpuwatchd.diag.worker"
+PARENT_ENV = "GPUWATCHD_DIAG_PARENT"  # our pid: the worker checks it outlived no parent
+MAX_LINE = 1 << 20  # one measurement is a few hundred bytes
+REAP_SECONDS = 5.0
+DRAIN_SECONDS = 1.0  # reading on after the worker exited, for what it wrote before
 
 
 def worker_command(
@@ -69,11 +73,14 @@ class WorkerRun:
         self.pid: int | None = None
         self._cancel = threading.Event()
         self._reason = ""
+        self._reaped = False  # its pid may name someone else's group once reaped
 
     def cancel(self, reason: str) -> None:
-        """Stop the run at once (a job is starting on the node)."""
+        """Stop the run at once (a job is starting, a signal); safe from a signal handler."""
         self._reason = self._reason or reason
         self._cancel.set()
+        if self.pid is not None and not self._reaped:
+            _kill_group(self.pid)  # now, not when the reading loop next looks
 
     def run(self) -> WorkerOutcome:
         """Start the worker and read it until it ends, times out or is cancelled."""
@@ -95,6 +102,7 @@ class WorkerRun:
 
     def _run(self, env: dict[str, str], out: WorkerOutcome) -> None:
         t0 = time.monotonic()
+        env[PARENT_ENV] = str(os.getpid())  # the worker dies with us (PR_SET_PDEATHSIG)
         try:
             proc = subprocess.Popen(
                 self.argv,
@@ -103,67 +111,80 @@ class WorkerRun:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # its own process group: one kill stops all of it
                 env=env,
-                text=True,
             )
         except OSError as exc:
             out.error = f"cannot start the diag worker: {exc}"
             return
         self.pid = proc.pid
-        lines: queue.Queue[str | None] = queue.Queue()
-        errors: list[str] = []
-        readers = [
-            threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True),
-            threading.Thread(target=_tail, args=(proc.stderr, errors), daemon=True),
-        ]
-        for reader in readers:
-            reader.start()
-        done = False
-        deadline = t0 + self.timeout
-        next_check = t0
+        if self._cancel.is_set():  # cancelled (a signal) while it was being started
+            _kill_group(proc.pid)
+        pipes = _Pipes(proc)
+        try:
+            done = self._read(proc, pipes, out, t0 + self.timeout)
+            if out.cancelled or out.error:
+                kill_at = time.monotonic()
+                _kill_group(proc.pid)
+                _reap(proc)
+                out.freed_seconds = time.monotonic() - kill_at
+            else:
+                try:
+                    proc.wait(timeout=max(1.0, t0 + self.timeout - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+                if not done:
+                    tail = " | ".join(pipes.errors[-3:])
+                    code = proc.returncode
+                    out.error = (
+                        f"the diag worker exited {code} without finishing"
+                        if code is not None
+                        else f"the diag worker did not exit within {self.timeout:g}s"
+                    ) + (f": {tail}" if tail else "")
+        finally:
+            # Whatever ended the run (an exception, a signal's KeyboardInterrupt): the
+            # group goes, and the read ends close at once. A child that left the group
+            # (setsid) and holds the pipes is not waited for: it gets EPIPE when it writes.
+            _kill_group(proc.pid)
+            _reap(proc)
+            self._reaped = proc.returncode is not None
+            pipes.close()
+
+    def _read(
+        self, proc: subprocess.Popen[bytes], pipes: _Pipes, out: WorkerOutcome, deadline: float
+    ) -> bool:
+        """Read until the final line, the worker's exit, the deadline or a cancel; True if done."""
+        next_check = time.monotonic()
+        exited_at: float | None = None
         while True:
             if self._cancel.is_set():
                 out.cancelled = self._reason or "cancelled"
-                break
+                return False
             now = time.monotonic()
             if now >= deadline:
                 out.error = f"the diag worker did not finish within {self.timeout:g}s"
-                break
+                return False
             if self.should_cancel is not None and now >= next_check:
                 next_check = now + self.check_every
                 reason = self.should_cancel(proc.pid)
                 if reason:
                     out.cancelled = reason
-                    break
-            try:
-                line = lines.get(timeout=min(self.check_every, max(0.01, deadline - now)))
-            except queue.Empty:
-                continue
-            if line is None:  # the worker closed its output: it is ending
-                break
-            done = self._take(line, out) or done
-        if out.cancelled or out.error:
-            kill_at = time.monotonic()
-            _kill_group(proc.pid)
-            proc.wait()
-            out.freed_seconds = time.monotonic() - kill_at
-        else:
-            try:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _kill_group(proc.pid)
-                proc.wait()
-            if not done and not out.error:
-                tail = " | ".join(errors[-3:])
-                out.error = out.error or (
-                    f"the diag worker exited {proc.returncode} without finishing"
-                    + (f": {tail}" if tail else "")
-                )
-        _kill_group(proc.pid)  # anything it left behind in its group
-        for reader in readers:
-            reader.join(2.0)  # the pipes end with the group
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
+                    return False
+            if exited_at is None and proc.poll() is not None:
+                exited_at = now
+            wait = 0.0 if exited_at else min(self.check_every, max(0.01, deadline - now))
+            for line in pipes.read(wait):
+                if self._take(line, out):
+                    return True
+            # Gone, and what it wrote is read: its output ended with it, whoever still
+            # holds the pipes (a child that called setsid keeps them open, and may write).
+            if exited_at is not None and (
+                not pipes.pending(0.05) or time.monotonic() - exited_at > DRAIN_SECONDS
+            ):
+                return False
+            if pipes.eof:  # both ends closed, the worker not gone yet: wait for it, briefly
+                try:
+                    proc.wait(timeout=min(self.check_every, max(0.01, deadline - now)))
+                except subprocess.TimeoutExpired:
+                    pass
 
     @staticmethod
     def _take(line: str, out: WorkerOutcome) -> bool:
@@ -195,17 +216,75 @@ def _package_dir() -> str:
     return os.path.dirname(os.path.abspath(gpuwatchd.__file__))
 
 
-def _pump(stream: object, lines: queue.Queue[str | None]) -> None:
-    for line in stream:  # type: ignore[attr-defined]
-        lines.put(line)
-    lines.put(None)
+class _Pipes:
+    """The worker's stdout and stderr, read without blocking from the thread that runs it.
+
+    No reader threads: closing is immediate whoever else holds the write ends.
+    A line longer than MAX_LINE is dropped, so a runaway worker cannot grow memory.
+    """
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self._sel = selectors.DefaultSelector()
+        self._files = [f for f in (proc.stdout, proc.stderr) if f is not None]
+        self._partial: dict[int, bytes] = {}
+        self.errors: list[str] = []  # the last lines of stderr
+        for f in self._files:
+            os.set_blocking(f.fileno(), False)
+            self._sel.register(f.fileno(), selectors.EVENT_READ, f is proc.stdout)
+            self._partial[f.fileno()] = b""
+
+    @property
+    def eof(self) -> bool:
+        """Both pipes ended."""
+        return not self._sel.get_map()
+
+    def pending(self, timeout: float) -> bool:
+        """Whether a pipe has something (data or its end) to read within `timeout`."""
+        return bool(self._sel.get_map()) and bool(self._sel.select(timeout))
+
+    def read(self, timeout: float) -> list[str]:
+        """Complete stdout lines that arrived within `timeout` (stderr goes to `errors`)."""
+        lines: list[str] = []
+        if self.eof:
+            return lines
+        for key, _ in self._sel.select(timeout):
+            fd, is_stdout = key.fd, bool(key.data)
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                continue
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self._sel.unregister(fd)
+            buf = self._partial[fd] + chunk
+            *complete, rest = buf.split(b"\n")
+            if not chunk and rest:
+                complete.append(rest)
+                rest = b""
+            self._partial[fd] = rest if len(rest) <= MAX_LINE else b""
+            for raw in complete:
+                text = raw.decode("utf-8", "replace").strip()
+                if is_stdout:
+                    lines.append(text)
+                elif text:
+                    self.errors.append(text[:300])
+                    del self.errors[:-20]
+        return lines
+
+    def close(self) -> None:
+        """Close the read ends now (no thread is blocked on them)."""
+        self._sel.close()
+        for f in self._files:
+            f.close()
 
 
-def _tail(stream: object, sink: list[str]) -> None:
-    for line in stream:  # type: ignore[attr-defined]
-        if line.strip():
-            sink.append(line.strip()[:300])
-            del sink[:-20]
+def _reap(proc: subprocess.Popen[bytes]) -> None:
+    """Wait for a killed worker; SIGKILL ends it unless it is stuck in the kernel."""
+    try:
+        proc.wait(timeout=REAP_SECONDS)
+    except subprocess.TimeoutExpired:
+        pass  # in uninterruptible sleep (a driver call): the kernel ends it later
 
 
 def _kill_group(pgid: int) -> None:
