@@ -9,8 +9,8 @@ Lines the corpus marks as not reports (redacted bus ids, driver text inside
 a shell command) lower the rate on purpose: their count must not change.
 
 Corpora: every file of tests/fixtures/kmsg (one corpus per directory below
-it), the kernel records kept in the hang recordings (tests/fixtures/hangs,
-JSON), and the fuzz seeds (tests/fuzz/corpus/kmsg). Extra files or
+it, its `negatives*` files apart), the kernel records kept in the hang
+recordings (tests/fixtures/hangs, JSON), and the fuzz seeds (tests/fuzz/corpus/kmsg). Extra files or
 directories may be named on the command line.
 
     .venv/bin/python benchmarks/parse_rates.py [PATH...]
@@ -65,7 +65,11 @@ def corpora(extra: list[str]) -> Iterator[tuple[str, list[Path]]]:
     for path in sorted(kmsg.glob("*.txt")):
         yield f"tests/fixtures/kmsg/{path.name}", [path]
     for sub in sorted(p for p in kmsg.iterdir() if p.is_dir()):
-        yield f"tests/fixtures/kmsg/{sub.name}/", sorted(sub.rglob("*.*"))
+        logs = [f for f in sorted(sub.rglob("*.*")) if f.suffix in (".txt", ".log", ".jsonl")]
+        neg = [f for f in logs if f.name.startswith("negatives")]
+        yield f"tests/fixtures/kmsg/{sub.name}/ (positives)", [f for f in logs if f not in neg]
+        if neg:
+            yield f"tests/fixtures/kmsg/{sub.name}/ (negatives: must stay 0)", neg
     hangs = [p for p in sorted((ROOT / "tests" / "fixtures" / "hangs").glob("*/trace.json"))]
     yield "tests/fixtures/hangs/*/trace.json (kmsg)", hangs
     yield "tests/fuzz/corpus/kmsg/", sorted((ROOT / "tests" / "fuzz" / "corpus" / "kmsg").iterdir())

@@ -50,6 +50,11 @@ _FULL_SYSLOG = re.compile(
     r"^[^\W\d_]{1,10}\.? (?P<iso>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d{1,9})?)"
     r"(?: (?P<zone>UTC|GMT|[A-Z]{2,5}|[+-]\d{4}))? (?P<host>\S+) " + _TAIL
 )
+# RFC 5424 after its <PRI>: VERSION TIMESTAMP HOSTNAME APP-NAME PROCID MSGID SD
+_RFC5424 = re.compile(
+    r"^1 (?P<iso>\d{4}-\d\d-\d\dT\S{1,40}) (?P<host>\S{1,255}) (?P<ident>\S{1,48})"
+    r" \S{1,128} \S{1,32} (?:-|\[[^\]]{0,256}\])\s*$"
+)
 _UNIX_SYSLOG = re.compile(r"^(?P<unix>\d{9,11}\.\d{1,9}) (?P<host>\S+) " + _TAIL)
 _MONO_SYSLOG = re.compile(r"^\[\s*(?P<boot>\d+\.\d+)\] (?P<host>\S+) " + _TAIL)
 _FACILITY = re.compile(
@@ -127,7 +132,7 @@ def parse_prefix(prefix: str, year: int | None) -> Prefix:
         return Prefix()
     if prefix[0].isspace() or prefix[0] == "<":
         pm = _PRIORITY.match(prefix)  # a syslog priority before the head says nothing more
-        prefix = prefix[pm.end() :] if pm else prefix.lstrip()
+        prefix = (prefix[pm.end() :] if pm else prefix).lstrip()
         if not prefix:
             return Prefix()
     first = prefix[0]
@@ -148,7 +153,12 @@ def parse_prefix(prefix: str, year: int | None) -> Prefix:
                 boot_seconds=usec / 1e6,
                 stamp=f"{usec / 1e6:.6f}",
             )
-        sm = _ISO_SYSLOG.match(prefix) or _SYSLOG.match(prefix) or _UNIX_SYSLOG.match(prefix)
+        sm = (
+            _ISO_SYSLOG.match(prefix)
+            or _SYSLOG.match(prefix)
+            or _UNIX_SYSLOG.match(prefix)
+            or _RFC5424.match(prefix)
+        )
     else:
         sm = _SYSLOG.match(prefix) or _FULL_SYSLOG.match(prefix)
     boot_m = _BOOT.search(prefix)
