@@ -68,8 +68,10 @@ _HOST = re.compile(
 _IDENT = _PIECES[-1][1]
 _KERNEL = re.compile(r"(?<![\w.-])kernel(?:\[0\])?:")
 _STAMP_IN_BRACKET = re.compile(r"\[\s*\d+\.\d+\]|\d\d:\d\d:\d\d")
-_EXPORT = re.compile(r"\s*MESSAGE=")  # journalctl -o export / verbose: the field, at the line start
-_WORD_END = re.compile(r"\S*\s+")
+_EXPORT = re.compile(
+    r"[ \t]{0,64}MESSAGE="
+)  # journalctl -o export / verbose: the field, at the line start
+_WORD_END = re.compile(r"\S{0,64}\s*")  # the rest of a word (long ones in steps)
 _SQ_OPEN = re.compile(r"(?:^|(?<=[\s=(]))'(?=\S)")  # a single quote that opens a string
 _SQ_CLOSE = re.compile(r"(?<=\S)'(?=[\s,;)]|$)")
 # What marks the text before a record's head as a command that prints it.
@@ -107,7 +109,7 @@ def kernel_head(prefix: str) -> int | None:
         kind, stop = _piece(prefix, pos)
         if stop < 0:  # not a head piece: the run starts again at the next word
             w = _WORD_END.match(prefix, pos)
-            pos = w.end() if w is not None else end
+            pos = w.end() if w is not None and w.end() > pos else end
             run = head = pos
             strong = stamped = False
             idents = 0

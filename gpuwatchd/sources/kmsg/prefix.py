@@ -36,7 +36,7 @@ for _names in (
     for _i, _name in enumerate(_names.split(), 1):
         _MONTHS.setdefault(_name.lower(), _i)
 _CJK_MONTH = re.compile(r"(\d{1,2})[月월]")
-_PRIORITY = re.compile(r"\s*<\d{1,3}>")
+_PRIORITY = re.compile(r"[ \t]{0,64}<\d{1,3}>")
 _TAIL = r"(?P<ident>[^\s\[:]+)(?:\[\d+\])?:\s*(?:\[\s*(?P<kboot>\d+\.\d+)\]\s*)?$"
 _SYSLOG = re.compile(
     r"^(?P<mon>"
