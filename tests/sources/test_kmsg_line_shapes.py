@@ -178,6 +178,7 @@ def test_the_journal_fields_of_a_json_export_say_who_wrote_it() -> None:
         "2026-03-05T10:00:00.494739123Z stdout F + echo '",
         'type=EXECVE msg=audit(1772704800.494:812): argc=3 a0="echo" a1="',
         'the log said "Mar  5 10:00:00 gpu-node-17 kernel: ',
+        "the node logged `Mar  5 10:00:00 gpu-node-17 kernel: ",  # quoted, as in notes
         '{"cmd":"echo \'',
         '{"message":"sudo sh -c \\"echo \'',
     ],

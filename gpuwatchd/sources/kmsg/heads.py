@@ -140,7 +140,7 @@ def kernel_head(prefix: str) -> int | None:
 
 def _open_quote(text: str) -> bool:
     """Whether `text` leaves a quoted string open (what follows is inside quotes)."""
-    if text.count('"') % 2:
+    if text.count('"') % 2 or text.count("`") % 2:  # a string, a shell or Markdown code span
         return True
     return len(_SQ_OPEN.findall(text)) > len(_SQ_CLOSE.findall(text))
 
