@@ -57,27 +57,25 @@ _PIECES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("level", re.compile(r"[a-z][a-z0-9]{1,8}\s{0,8}:\s{0,8}" + _LEVELS + r"\s{0,8}:\s*")),
     # node-problem-detector: "... Reason:XidError Message:<the kernel message>"
     ("npd", re.compile(r"Reason:[\w.-]{1,64} Message:")),
-    # identifier (kernel:, gala[1773]:), host: (the look-behind keeps a scan linear)
-    # (not a clock's "10:" read as one)
+    # identifier (kernel:, gala[1773]:), host: (the look-behind keeps a scan linear;
+    # a clock's "10:" is none)
     ("ident", re.compile(r"(?<![\w.-])(?!\d\d?:)[\w.-]{1,64}(?:\[\d{1,10}\])?:\s*")),
 )
 _STAMPS = frozenset({"cri", "rfc5424", "kmsg", "iso", "date", "unix"})
-_HOST = re.compile(
-    r"(?<![\w.-])(?!\d\d?\s)[\w.-]{1,64}\s+"
-)  # a host name, only right before an ident
+# a host name, only right before an ident
+_HOST = re.compile(r"(?<![\w.-])(?!\d\d?\s)[\w.-]{1,64}\s+")
 _IDENT = _PIECES[-1][1]
 _KERNEL = re.compile(r"(?<![\w.-])kernel(?:\[0\])?:")
 _STAMP_IN_BRACKET = re.compile(r"\[\s*\d+\.\d+\]|\d\d:\d\d:\d\d")
-_EXPORT = re.compile(
-    r"[ \t]{0,64}MESSAGE="
-)  # journalctl -o export / verbose: the field, at the line start
+# journalctl -o export / verbose: the message field, at the line start
+_EXPORT = re.compile(r"[ \t]{0,64}MESSAGE=")
 _WORD_END = re.compile(r"\S{0,64}\s*")  # the rest of a word (long ones in steps)
 _SQ_OPEN = re.compile(r"(?:^|(?<=[\s=(]))'(?=\S)")  # a single quote that opens a string
 _SQ_CLOSE = re.compile(r"(?<=\S)'(?=[\s,;)]|$)")
 # What marks the text before a record's head as a command that prints it.
 _COMMAND = re.compile(
     r"(?:^|[\s;|&(`$#>'\"])(?:echo|printf|print|logger|systemd-cat|sh|bash|zsh|dash|ksh|eval"
-    r"|exec|sudo|tee)(?=[\s'\"]|$)|COMMAND=|(?:^|\s)--?[\w-]{1,64}[= ]?\s*$|[=`'\"(]\s*$"
+    r"|exec|sudo|tee)(?=[\s'\"]|$)|COMMAND=|(?:^|\s)--?[A-Za-z][\w-]{0,63}[= ]?\s*$|[=`'\"(]\s*$"
 )
 MAX_HEAD = 512  # the text before the driver's message that is looked at
 
