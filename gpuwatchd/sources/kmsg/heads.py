@@ -62,6 +62,19 @@ _PIECES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("ident", re.compile(r"(?<![\w.-])(?!\d\d?:)[\w.-]{1,64}(?:\[\d{1,10}\])?:\s*")),
 )
 _STAMPS = frozenset({"cri", "rfc5424", "kmsg", "iso", "date", "unix"})
+
+
+def _candidates(*names: str) -> tuple[tuple[str, re.Pattern[str]], ...]:
+    return tuple(p for p in _PIECES if p[0] in names)
+
+
+# Only the pieces that can start with a line's next character are tried (speed).
+_AFTER_DIGIT = _candidates("cri", "rfc5424", "kmsg", "iso", "date", "unix", "ident")
+_AFTER_LETTER = _candidates("iso", "date", "level", "npd")  # when no identifier is there
+_AFTER = {"[": _candidates("bracket"), "\x1b": _candidates("color")}
+_AFTER["<"] = _candidates("rfc5424", "priority")
+_AFTER_OTHER = _candidates("ident")
+_LETTER_FIRST = _candidates("level", "npd")
 # a host name, only right before an ident
 _HOST = re.compile(r"(?<![\w.-])(?!\d\d?\s)[\w.-]{1,64}\s+")
 _IDENT = _PIECES[-1][1]
@@ -78,6 +91,14 @@ _COMMAND = re.compile(
     r"|exec|sudo|tee)(?=[\s'\"]|$)|COMMAND=|(?:^|\s)--?[A-Za-z][\w-]{0,63}[= ]?\s*$|[=`'\"(]\s*$"
 )
 MAX_HEAD = 512  # the text before the driver's message that is looked at
+# The heads the daemon meets most (/dev/kmsg, dmesg), answered at once
+_COMMON = re.compile(
+    r"\d{1,4},\d{1,20},\d{1,20}[^;]{0,64};\s*"  # /dev/kmsg
+    r"|\s{0,64}\[\s{0,16}\d{1,12}\.\d{1,9}\]\s*"  # dmesg
+    # English syslog and journalctl: "Feb 15 17:37:45 host kernel: [82659.755847] "
+    r"|(?:[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d(?:\.\d{1,9})? [\w.-]{1,64} )?kernel: "
+    r"(?:\[\s{0,16}\d{1,12}\.\d{1,9}\] )?"
+)
 
 
 def kernel_head(prefix: str) -> int | None:
@@ -90,11 +111,11 @@ def kernel_head(prefix: str) -> int | None:
     the record's head starts at (what `parse_prefix` reads).
     """
     end = len(prefix)
-    if end == 0 or prefix.isspace():
+    if end == 0 or prefix.isspace() or _COMMON.fullmatch(prefix):
         return 0
     base = max(0, end - MAX_HEAD)
     pos = base
-    if base == 0:
+    if base == 0 and prefix.endswith("MESSAGE="):
         m = _EXPORT.match(prefix)
         if m is not None and m.end() == end:
             return end
@@ -121,10 +142,10 @@ def kernel_head(prefix: str) -> int | None:
             if idents and not stamped:
                 head = pos
             idents += 1
-            if _KERNEL.match(prefix, pos):
+            if run and _KERNEL.match(prefix, pos):  # (only asked of a run after other text)
                 strong = True
         elif kind in ("priority", "npd") or (
-            kind == "bracket" and _STAMP_IN_BRACKET.search(prefix, pos, stop)
+            run and kind == "bracket" and _STAMP_IN_BRACKET.search(prefix, pos, stop)
         ):
             strong = True
         pos = stop
@@ -145,7 +166,24 @@ def _open_quote(text: str) -> bool:
 
 def _piece(prefix: str, pos: int) -> tuple[str, int]:
     """The head piece at `pos` and where it ends (-1: none)."""
-    for kind, pattern in _PIECES:
+    c = prefix[pos]
+    if c.isdigit():
+        pieces = _AFTER_DIGIT
+    elif c.isalpha():
+        # An identifier ("kernel:") is the common case; the pieces an identifier's
+        # match would hide are "kern: warn:" and node-problem-detector's "Reason:".
+        m = _IDENT.match(prefix, pos)
+        if m is not None:
+            if m.end() - pos <= 12:
+                for kind, pattern in _LETTER_FIRST:
+                    other = pattern.match(prefix, pos)
+                    if other is not None:
+                        return kind, other.end()
+            return "ident", m.end()
+        pieces = _AFTER_LETTER
+    else:
+        pieces = _AFTER.get(c, _AFTER_OTHER)
+    for kind, pattern in pieces:
         m = pattern.match(prefix, pos)
         if m is not None:
             return kind, m.end()

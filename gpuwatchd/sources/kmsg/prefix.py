@@ -38,6 +38,11 @@ for _names in (
 _CJK_MONTH = re.compile(r"(\d{1,2})[月월]")
 _PRIORITY = re.compile(r"[ \t]{0,64}<\d{1,3}>")
 _TAIL = r"(?P<ident>[^\s\[:]+)(?:\[\d+\])?:\s*(?:\[\s*(?P<kboot>\d+\.\d+)\]\s*)?$"
+# the English month first: the common case, and the cheaper match
+_SYSLOG_EN = re.compile(
+    r"^(?P<mon>[A-Z][a-z]{2})\s+(?P<day>\d{1,2}) (?P<hms>\d\d:\d\d:\d\d)(?:\.\d+)? (?P<host>\S+) "
+    + _TAIL
+)
 _SYSLOG = re.compile(
     r"^(?P<mon>"
     + MONTH
@@ -160,7 +165,9 @@ def parse_prefix(prefix: str, year: int | None) -> Prefix:
             or _RFC5424.match(prefix)
         )
     else:
-        sm = _SYSLOG.match(prefix) or _FULL_SYSLOG.match(prefix)
+        sm = _SYSLOG_EN.match(prefix)
+        if sm is None and " " in prefix[:11]:  # a localised month, a weekday
+            sm = _SYSLOG.match(prefix) or _FULL_SYSLOG.match(prefix)
     boot_m = _BOOT.search(prefix)
     boot = float(boot_m.group(1)) if boot_m else None
     if sm is not None:
