@@ -18,6 +18,7 @@ import argparse
 import json
 import shutil
 import subprocess
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import KmsgConfig, SourcesConfig
 from gpuwatchd.model import Event
 from gpuwatchd.sources import SourceContext
+from gpuwatchd.sources.kmsg import prefix
 from gpuwatchd.sources.kmsg.parse import SXID, XID, KmsgParser, parse_line
 from gpuwatchd.sources.kmsg.source import KmsgSource
 from tests.sources.kmsg_files import kmsg_config
@@ -85,12 +87,14 @@ def test_times_come_from_the_format(
     name: str, wall: float, boot: float | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TZ", "UTC")
-    __import__("time").tzset()
+    time.tzset()
+    prefix._local_hour.cache_clear()  # hours converted in the machine's own zone
     try:
         first = _parsed(FORMATS / name)[0]
     finally:
         monkeypatch.undo()
-        __import__("time").tzset()
+        time.tzset()
+        prefix._local_hour.cache_clear()
     assert first.wall_time == pytest.approx(wall, abs=1e-3)
     assert first.boot_seconds == (pytest.approx(boot) if boot is not None else None)
 
