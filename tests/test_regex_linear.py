@@ -111,6 +111,14 @@ XID_PREFIXES = (
     "NVRM: The NVIDIA GPU 0000:",
     "kern  :err   : [ 1.0] ",
     "Feb 23 16:24:18 host kernel: NVRM: Xid (",
+    # heads read right before the driver text (issue 29): JSON fields, CRI, locales, NPD
+    '{"MESSAGE":"NVRM: Xid (',
+    '{"log":"{\\"msg\\":\\"',
+    "2026-03-05T10:00:00.494739123Z stdout F ",
+    " 3月 05 10:00:00 host kernel: ",
+    "Reason:NvidiaXid Message:",
+    "echo 'NVRM: Xid (PCI:0000:00:06): 31, ",
+    "a: ",
 )
 
 

@@ -60,7 +60,8 @@ def register(subparsers: Any) -> None:
 
     sc = sub.add_parser(
         "scan",
-        help="list the Xid/SXid reports in kernel log text (dmesg, journalctl -k, syslog)",
+        help="list the Xid/SXid reports in kernel log text (dmesg, journalctl, syslog, container"
+        " logs, JSON exports)",
         description="Read kernel log text and explain every Xid/SXid in it, then summarise.",
     )
     sc.add_argument("file", nargs="?", default="-", help="log file (.gz ok); - or none: stdin")

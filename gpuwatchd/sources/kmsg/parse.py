@@ -21,7 +21,8 @@ from typing import NamedTuple
 from gpuwatchd.logs import escape_control
 from gpuwatchd.pci import normalize_bus_id
 from gpuwatchd.sources.kmsg.facts import LINK, RECOVERY_ACTIONS, recovery_action_name, xid_facts
-from gpuwatchd.sources.kmsg.prefix import Prefix, kernel_shaped, parse_prefix
+from gpuwatchd.sources.kmsg.heads import json_value, kernel_head
+from gpuwatchd.sources.kmsg.prefix import Prefix, parse_prefix
 
 __all__ = [
     "KmsgParser",
@@ -41,6 +42,7 @@ MAX_RECORD = 8192
 # the catalog does not know yet (a newer driver's) are reported, as unknown.
 MAX_CODE = 999_999
 MAX_PID = 4194304  # PID_MAX_LIMIT
+MAX_NESTING = 3  # JSON in JSON (a shipper's record holding a container's JSON log line)
 _PART_GPU, _PART_FALLEN = "partial_gpu", "partial_fallen"
 FALLEN_OFF_CODE = 79
 
@@ -117,6 +119,7 @@ _FALLEN_NO_BUS = re.compile(r"NVRM: GPU (?:at )?(?:PCI:)?:? ?has fallen off the 
 _FALLEN_START = re.compile(
     r"NVRM: The NVIDIA GPU (?:at )?(?:PCI:)?([0-9a-fA-F]{1,8}:[0-9a-fA-F:.]{1,16})"
 )
+_DRIVER = re.compile(r"NVRM|nvidia-nvswitch\d{0,4}: SXid")
 _SHAPE = re.compile(r"\b(?:0x)?[0-9a-fA-F]*\d[0-9a-fA-F]*\b")
 
 
@@ -132,8 +135,10 @@ def _shape(message: str) -> str:
     return _SHAPE.sub("#", message[:240])[:120]
 
 
-def _record(kind: str, text: str, start: int, year: int | None, **fields: object) -> KmsgRecord:
-    p = parse_prefix(text[:start], year)
+def _record(
+    kind: str, text: str, start: int, year: int | None, head: int = 0, **fields: object
+) -> KmsgRecord:
+    p = parse_prefix(text[head:start], year)
     return KmsgRecord(kind, message=text[start:], **p._asdict(), **fields)  # type: ignore[arg-type]
 
 
@@ -167,24 +172,31 @@ def _safe_parse(line: str, year: int | None) -> KmsgRecord | None:
         return KmsgRecord(UNPARSED, message=line[:512], shape=_shape(line))
 
 
-def _parse(line: str, year: int | None) -> KmsgRecord | None:
+def _parse(line: str, year: int | None, depth: int = 0) -> KmsgRecord | None:
     text = line.rstrip("\r\n")
+    if '"' in text and depth < MAX_NESTING:
+        found = _DRIVER.search(text)
+        if found is not None and '"' in text[: found.start()]:
+            inner = json_value(text, found.start())
+            if inner is not None:  # a JSON export: the record is the field's value
+                return _unwrapped(inner[0], inner[2], year, depth)
     if "\\x0a" in text:  # /dev/kmsg escapes the newlines of a multi-line printk
         text = text.replace("\\x0a", "\n").rstrip("\n")
     m = _XID_RE.search(text)
     if m is not None:
-        if not kernel_shaped(text[: m.start()]):
+        head = kernel_head(text[: m.start()])
+        if head is None:
             return None  # driver text quoted in something else (a shell command, notes)
         where = m.group(1)
         # MIG: "(PCI:0000:3b:00 GPU-I:01 GPU-CI:00)" names the GPU and compute instance
         instance = tuple((_MIG_KEYS[k], str(int(v))) for k, v in _MIG_IDS.findall(where))
         bus = normalize_bus_id(_MIG_IDS.sub("", where).strip() if instance else where)
         if not bus:
-            return _unparsed(text, m.start(), year)
+            return _unparsed(text, m.start(), year, head)
         code = _bounded(m.group(2), MAX_CODE)
         pid = _bounded(m.group(3), MAX_PID) if m.group(3) else None
         if code is None or (m.group(3) and pid is None):
-            return _unparsed(text, m.start(), year)
+            return _unparsed(text, m.start(), year, head)
         name = m.group(4)
         process = "" if not name or name == "<unknown>" else escape_control(name.strip())
         detail = text[m.end() :].strip()
@@ -200,19 +212,20 @@ def _parse(line: str, year: int | None) -> KmsgRecord | None:
             process,
             detail,
             text[m.start() :],
-            *parse_prefix(text[: m.start()], year),
+            *parse_prefix(text[head : m.start()], year),
             **facts,  # type: ignore[arg-type]
         )
     m = _SXID_RE.search(text)
     if m is not None:
-        if not kernel_shaped(text[: m.start()]):
+        head = kernel_head(text[: m.start()])
+        if head is None:
             return None
         bus = normalize_bus_id(m.group(2))
         if not bus:
-            return _unparsed(text, m.start(), year)
+            return _unparsed(text, m.start(), year, head)
         code = _bounded(m.group(3), MAX_CODE)
         if code is None:
-            return _unparsed(text, m.start(), year)
+            return _unparsed(text, m.start(), year, head)
         detail = text[m.end() :].strip()
         sev = _SXID_SEV.match(detail)
         lm = LINK.search(detail)
@@ -221,6 +234,7 @@ def _parse(line: str, year: int | None) -> KmsgRecord | None:
             text,
             m.start(),
             year,
+            head,
             code=code,
             pci_bus_id=bus,
             detail=detail,
@@ -230,7 +244,8 @@ def _parse(line: str, year: int | None) -> KmsgRecord | None:
         )
     if "fallen off the bus" in text:
         fm = _FALLEN_1.search(text) or _FALLEN_START.search(text)
-        if fm is not None and not kernel_shaped(text[: fm.start()]):
+        head = kernel_head(text[: fm.start()]) if fm is not None else 0
+        if head is None:
             return None
         if fm is not None:
             bus = normalize_bus_id(fm.group(1))
@@ -240,19 +255,22 @@ def _parse(line: str, year: int | None) -> KmsgRecord | None:
                     text,
                     fm.start(),
                     year,
+                    head,
                     code=FALLEN_OFF_CODE,
                     pci_bus_id=bus,
                     detail="GPU has fallen off the bus",
                     synthetic=True,
                 )
         nb = _FALLEN_NO_BUS.search(text)
-        if nb is not None and kernel_shaped(text[: nb.start()]):
+        head = kernel_head(text[: nb.start()]) if nb is not None else None
+        if nb is not None and head is not None:
             # A GPU of this node fell off the bus; which one the line no longer says.
             return _record(
                 XID,
                 text,
                 nb.start(),
                 year,
+                head,
                 code=FALLEN_OFF_CODE,
                 detail="GPU has fallen off the bus (the line names no bus id)",
                 synthetic=True,
@@ -271,12 +289,31 @@ def _parse(line: str, year: int | None) -> KmsgRecord | None:
     if "NVRM: Xid" in text or "SXid (" in text:
         start = text.find("NVRM: Xid")
         start = start if start >= 0 else text.find("SXid (")
-        return _unparsed(text, start, year) if kernel_shaped(text[:start]) else None
+        head = kernel_head(text[:start])
+        return _unparsed(text, start, year, head) if head is not None else None
     return None
 
 
-def _unparsed(text: str, start: int, year: int | None) -> KmsgRecord:
-    return _record(UNPARSED, text, max(start, 0), year, shape=_shape(text[max(start, 0) :]))
+def _unparsed(text: str, start: int, year: int | None, head: int = 0) -> KmsgRecord:
+    start = max(start, 0)
+    return _record(UNPARSED, text, start, year, min(head, start), shape=_shape(text[start:]))
+
+
+def _unwrapped(value: str, meta: dict[str, str], year: int | None, depth: int) -> KmsgRecord | None:
+    """The record in a JSON field's value, with what the journal's own fields add."""
+    rec = _parse(value[:MAX_RECORD], year, depth + 1)
+    if rec is None or not meta:
+        return rec
+    transport = meta.get("_TRANSPORT")
+    if transport and rec.origin == "unknown":  # the journal knows who wrote it
+        rec = rec._replace(origin="kernel" if transport == "kernel" else "user")
+    mono = meta.get("_SOURCE_MONOTONIC_TIMESTAMP", "")
+    if rec.boot_seconds is None and mono.isdigit():
+        rec = rec._replace(boot_seconds=int(mono) / 1e6)
+    real = meta.get("__REALTIME_TIMESTAMP", "")
+    if rec.wall_time is None and real.isdigit():
+        rec = rec._replace(wall_time=int(real) / 1e6)
+    return rec
 
 
 # --- multi-line assembly -----------------------------------------------------------

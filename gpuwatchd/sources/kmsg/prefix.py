@@ -16,16 +16,51 @@ import time
 from datetime import datetime
 from typing import NamedTuple
 
-__all__ = ["Prefix", "kernel_shaped", "parse_prefix"]
+from gpuwatchd.sources.kmsg.heads import MONTH
+
+__all__ = ["Prefix", "parse_prefix"]
 
 _RAW = re.compile(r"(\d{1,4}),(\d{1,20}),(\d{1,20}),([^;]*);")
-_MONTHS = {m: i for i, m in enumerate(calendar.month_abbr) if m}
+_MONTHS = {m.lower(): i for i, m in enumerate(calendar.month_abbr) if m}
+# strftime's %b in other locales (glibc's abmon), as journalctl and dmesg -T print it
+for _names in (
+    "Jan Feb Mär Apr Mai Jun Jul Aug Sep Okt Nov Dez",  # de
+    "janv févr mars avril mai juin juil août sept oct nov déc",  # fr
+    "ene feb mar abr may jun jul ago sep oct nov dic",  # es
+    "gen feb mar apr mag giu lug ago set ott nov dic",  # it
+    "jan fev mar abr mai jun jul ago set out nov dez",  # pt
+    "jan feb mrt apr mei jun jul aug sep okt nov dec",  # nl
+    "sty lut mar kwi maj cze lip sie wrz paź lis gru",  # pl
+    "янв фев мар апр мая июн июл авг сен окт ноя дек",  # ru
+):
+    for _i, _name in enumerate(_names.split(), 1):
+        _MONTHS.setdefault(_name.lower(), _i)
+_CJK_MONTH = re.compile(r"(\d{1,2})[月월]")
+_PRIORITY = re.compile(r"[ \t]{0,64}<\d{1,3}>")
 _TAIL = r"(?P<ident>[^\s\[:]+)(?:\[\d+\])?:\s*(?:\[\s*(?P<kboot>\d+\.\d+)\]\s*)?$"
-_SYSLOG = re.compile(
+# the English month first: the common case, and the cheaper match
+_SYSLOG_EN = re.compile(
     r"^(?P<mon>[A-Z][a-z]{2})\s+(?P<day>\d{1,2}) (?P<hms>\d\d:\d\d:\d\d)(?:\.\d+)? (?P<host>\S+) "
     + _TAIL
 )
+_SYSLOG = re.compile(
+    r"^(?P<mon>"
+    + MONTH
+    + r")\s+(?P<day>\d{1,2}) (?P<hms>\d\d:\d\d:\d\d)(?:\.\d+)? (?P<host>\S+) "
+    + _TAIL
+)
 _ISO_SYSLOG = re.compile(r"^(?P<iso>\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d\S*) (?P<host>\S+) " + _TAIL)
+# journalctl -o short-full ("Thu 2026-11-26 10:00:00 UTC host kernel:") and -o short-unix
+_FULL_SYSLOG = re.compile(
+    r"^[^\W\d_]{1,10}\.? (?P<iso>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d{1,9})?)"
+    r"(?: (?P<zone>UTC|GMT|[A-Z]{2,5}|[+-]\d{4}))? (?P<host>\S+) " + _TAIL
+)
+# RFC 5424 after its <PRI>: VERSION TIMESTAMP HOSTNAME APP-NAME PROCID MSGID SD
+_RFC5424 = re.compile(
+    r"^1 (?P<iso>\d{4}-\d\d-\d\dT\S{1,40}) (?P<host>\S{1,255}) (?P<ident>\S{1,48})"
+    r" \S{1,128} \S{1,32} (?:-|\[[^\]]{0,256}\])\s*$"
+)
+_UNIX_SYSLOG = re.compile(r"^(?P<unix>\d{9,11}\.\d{1,9}) (?P<host>\S+) " + _TAIL)
 _MONO_SYSLOG = re.compile(r"^\[\s*(?P<boot>\d+\.\d+)\] (?P<host>\S+) " + _TAIL)
 _FACILITY = re.compile(
     r"\b(kern|user|mail|daemon|auth|syslog|lpr|news|uucp|cron|authpriv|ftp|local[0-7])\s*:\s*"
@@ -34,7 +69,9 @@ _FACILITY = re.compile(
 _ISO = re.compile(r"(\d{4}-\d\d-\d\d)[T ](\d\d:\d\d:\d\d)(?:[.,](\d+))?(Z|[+-]\d\d:?\d\d)?")
 _BOOT = re.compile(r"\[\s*(\d+\.\d+)\]")
 _DMESG = re.compile(r"\[\s*(\d+\.\d+)\]\s*$")
-_CTIME = re.compile(r"\[(?:[A-Z][a-z]{2} )?([A-Z][a-z]{2})\s+(\d{1,2}) (\d\d:\d\d:\d\d) (\d{4})\]")
+_CTIME = re.compile(
+    r"\[(?:[^\W\d_]{1,10}\.? )?\s?(" + MONTH + r")\s+(\d{1,2}) (\d\d:\d\d:\d\d) (\d{4})\]"
+)
 
 
 class Prefix(NamedTuple):
@@ -84,8 +121,9 @@ def _local_epoch(year: int, mon: str, day: str, hms: str) -> float | None:
 
 @functools.lru_cache(maxsize=256)
 def _local_hour(year: int, mon: str, day: str, hour: int) -> float | None:
-    month = _MONTHS.get(mon)
-    if month is None:
+    cjk = _CJK_MONTH.fullmatch(mon)
+    month = int(cjk.group(1)) if cjk else _MONTHS.get(mon.rstrip(".").lower())
+    if month is None or not 1 <= month <= 12:
         return None
     try:
         return time.mktime((year, month, int(day), hour, 0, 0, 0, 0, -1))
@@ -97,6 +135,11 @@ def parse_prefix(prefix: str, year: int | None) -> Prefix:
     """What the text before the driver's message says: who, when, where."""
     if not prefix or prefix.isspace():
         return Prefix()
+    if prefix[0].isspace() or prefix[0] == "<":
+        pm = _PRIORITY.match(prefix)  # a syslog priority before the head says nothing more
+        prefix = (prefix[pm.end() :] if pm else prefix).lstrip()
+        if not prefix:
+            return Prefix()
     first = prefix[0]
     if first == "[":
         m = _DMESG.match(prefix)  # the most common text form: "[ 1843.308145] "
@@ -115,9 +158,16 @@ def parse_prefix(prefix: str, year: int | None) -> Prefix:
                 boot_seconds=usec / 1e6,
                 stamp=f"{usec / 1e6:.6f}",
             )
-        sm = _ISO_SYSLOG.match(prefix)
+        sm = (
+            _ISO_SYSLOG.match(prefix)
+            or _SYSLOG.match(prefix)
+            or _UNIX_SYSLOG.match(prefix)
+            or _RFC5424.match(prefix)
+        )
     else:
-        sm = _SYSLOG.match(prefix)
+        sm = _SYSLOG_EN.match(prefix)
+        if sm is None and " " in prefix[:11]:  # a localised month, a weekday
+            sm = _SYSLOG.match(prefix) or _FULL_SYSLOG.match(prefix)
     boot_m = _BOOT.search(prefix)
     boot = float(boot_m.group(1)) if boot_m else None
     if sm is not None:
@@ -147,9 +197,15 @@ def _syslog_prefix(sm: re.Match[str], boot: float | None, year: int | None) -> P
     origin = "kernel" if gd["ident"] == "kernel" else "user"
     wall: float | None = None
     if "iso" in gd:
-        im = _ISO.match(gd["iso"])
+        iso = gd["iso"]
+        if gd.get("zone") in ("UTC", "GMT"):
+            iso += "Z"
+        im = _ISO.match(iso)
         wall = _iso_epoch(im) if im else None
         stamp = gd["iso"]
+    elif "unix" in gd:
+        stamp = gd["unix"]
+        wall = float(stamp)
     elif "mon" in gd:
         stamp = f"{gd['mon']} {gd['day']} {gd['hms']}"
         if year is not None:
@@ -158,55 +214,3 @@ def _syslog_prefix(sm: re.Match[str], boot: float | None, year: int | None) -> P
         stamp = gd["boot"]
         boot = float(gd["boot"])
     return Prefix(origin=origin, boot_seconds=boot, wall_time=wall, stamp=stamp, host=gd["host"])
-
-
-# --- is it a kernel log line at all? ------------------------------------------------
-
-_LEVELS = r"(?:emerg|alert|crit|err|warn|warning|notice|info|debug)"
-# What may stand before the driver's text in a kernel log line, one token at a time.
-_TOKENS = (
-    re.compile(r"\[[^\[\]]{0,64}\]:?\s*"),  # [ 38.175561], [Sun Feb 23 ...], [T1234]
-    re.compile(r"\x1b\[[0-9;]{0,16}m"),  # dmesg --color=always
-    # RFC 5424: <pri>1 stamp host app procid msgid structured-data
-    re.compile(
-        r"(?:<\d{1,3}>)?1 \d{4}-\d\d-\d\dT\S{1,40}(?: \S{1,255}){4} (?:-|\[[^\]]{0,256}\])\s*"
-    ),
-    re.compile(r"<\d{1,3}>\s*"),  # a syslog priority
-    re.compile(r"\d{1,4},\d{1,20},\d{1,20}[^;]{0,64};\s*"),  # a /dev/kmsg record head
-    re.compile(r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d\S{0,40}\s+"),  # ISO / short-iso stamp
-    re.compile(r"[A-Z][a-z]{2} {1,2}\d{1,2} \d\d:\d\d:\d\d(?:\.\d{1,9})?\s+"),  # syslog date
-    re.compile(r"[a-z][a-z0-9]{1,8}\s{0,8}:\s{0,8}" + _LEVELS + r"\s{0,8}:\s*"),  # dmesg -x
-    # identifier (kernel:, gala[1773]:), host: (the look-behind keeps a search linear)
-    re.compile(r"(?<![\w.-])[\w.-]{1,64}(?:\[\d{1,10}\])?:\s*"),
-)
-_HOST = re.compile(r"(?<![\w.-])[\w.-]{1,64}\s+")  # a host name, only right before an ident
-_IDENT = _TOKENS[-1]
-MAX_PREFIX = 256
-
-
-def kernel_shaped(prefix: str) -> bool:
-    """Whether the text before an NVRM/SXid message is a kernel log line's head.
-
-    Accepted: nothing (the line start), or a run of kernel log prefix pieces:
-    dmesg and /dev/kmsg heads, syslog, journal and ISO stamps, facility and
-    level tags, `host ident:`. A shell command that quotes a driver line
-    (`sudo sh -c "echo 'NVRM: Xid ...'"`) is not.
-    """
-    if len(prefix) > MAX_PREFIX:
-        return False
-    pos, end = 0, len(prefix)
-    while pos < end and prefix[pos].isspace():
-        pos += 1
-    while pos < end:
-        for token in _TOKENS:
-            m = token.match(prefix, pos)
-            if m is not None:
-                pos = m.end()
-                break
-        else:
-            host = _HOST.match(prefix, pos)
-            ident = _IDENT.match(prefix, host.end()) if host is not None else None
-            if ident is None:
-                return False
-            pos = ident.end()
-    return True
