@@ -18,8 +18,8 @@ kernel/hung_task.c), behind any prefix the kernel log readers see (raw
   `traps: comm[PID] trap invalid opcode ip:...`, `trap divide error`, ...
 - hung task: `INFO: task comm:PID blocked for more than N seconds.`
 
-Only text after a kernel-log-shaped prefix counts (prefix.kernel_shaped), so a
-shell command or a note that quotes such a line is no report; a line that the
+Only text after a kernel record's head counts (heads.kernel_head, the Xid parser's
+rule), so a shell command or a note that quotes such a line is no report; a line that the
 prefix says user space wrote is marked so (origin "user").
 """
 
@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 from gpuwatchd.model import Event, MetricSpec, Sample, Severity
 from gpuwatchd.processkill import KILL_KINDS, ProcessKill
-from gpuwatchd.sources.kmsg.prefix import Prefix, kernel_shaped, parse_prefix
+from gpuwatchd.sources.kmsg.heads import kernel_head
+from gpuwatchd.sources.kmsg.prefix import Prefix, parse_prefix
 
 __all__ = ["KillParser", "METRICS", "ParsedKill", "parse_kill", "parse_oom_context", "to_event"]
 
@@ -194,14 +195,14 @@ def parse_kill(line: str, year: int | None = None) -> ParsedKill | None:
 
 
 def _prefix(text: str, start: int, year: int | None) -> Prefix | None:
-    head = text[:start]
-    return parse_prefix(head, year) if kernel_shaped(head) else None
+    at = kernel_head(text[:start])
+    return parse_prefix(text[at:start], year) if at is not None else None
 
 
 def parse_oom_context(line: str) -> dict[str, str] | None:
     """`oom-kill:constraint=...,task_memcg=...,pid=...` -> its fields; None if not one."""
     m = _OOM_CONTEXT.search(line)
-    if m is None or not kernel_shaped(line[: m.start()]):
+    if m is None or kernel_head(line[: m.start()]) is None:
         return None
     fields: dict[str, str] = {}
     last = ""
