@@ -197,7 +197,7 @@ def test_evidence_show_without_an_id_is_a_usage_error(
 ) -> None:
     with pytest.raises(SystemExit) as exit_:
         cli_main(["evidence", "show", "--state-dir", str(tmp_path)])
-    assert exit_.value.code == 2
+    assert exit_.value.code == 64  # EX_USAGE: exit 2 reads as CRITICAL to monitoring
     err = capsys.readouterr().err
     assert "usage: gpuwatchd evidence show" in err and "required: id" in err
 
