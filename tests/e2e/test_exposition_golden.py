@@ -29,11 +29,12 @@ VOLATILE = re.compile(
 def config(tmp: Path, **nvml: object) -> str:
     shm = tmp / "shm"
     shm.mkdir(exist_ok=True)
-    extra = "".join(f"    {k}: {json.dumps(v)}\n" for k, v in nvml.items())
+    keys = {"interval": 3600, **nvml}  # each key once: the loader refuses a repeated key
+    extra = "".join(f"    {k}: {json.dumps(v)}\n" for k, v in keys.items())
     return (
         f"paths:\n  sysfs: {FIXTURES / 'sys'}\n  dev_shm: {shm}\n"
         "sources:\n"
-        "  nvml:\n    interval: 3600\n" + extra + "  kmsg:\n    enabled: false\n"
+        "  nvml:\n" + extra + "  kmsg:\n    enabled: false\n"
         "  udev:\n    enabled: false\n"
     )
 
