@@ -31,15 +31,18 @@ PHASES = tuple(range(10))
 
 def config(stacks: bool) -> Config:
     cfg = Config()
-    return dataclasses.replace(cfg, hangs=dataclasses.replace(cfg.hangs, stacks=stacks))
+    return dataclasses.replace(
+        cfg, hangs=dataclasses.replace(cfg.hangs, stacks=stacks, stacks_confirm_seconds=0.0)
+    )
 
 
 def one(directory: str, phase: int, stacks: bool) -> dict[str, Any]:
     """The first finding of one replay (None when nothing was found) and its last signature."""
     trace = Trace(directory)
-    with tempfile.TemporaryDirectory() as tmp, replaying(
-        tmp, trace, float(phase), config(stacks)
-    ) as node:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        replaying(tmp, trace, float(phase), config(stacks)) as node,
+    ):
         node.run()
     flagged = [(t, f) for t, found in node.ticks for f in found]
     if not flagged:
@@ -56,7 +59,9 @@ def one(directory: str, phase: int, stacks: bool) -> dict[str, Any]:
 
 
 def fixtures(names: list[str]) -> list[str]:
-    found = sorted(os.path.dirname(p) for p in glob.glob(os.path.join(FIXTURES, "*", "expect.json")))
+    found = sorted(
+        os.path.dirname(p) for p in glob.glob(os.path.join(FIXTURES, "*", "expect.json"))
+    )
     return [d for d in found if not names or os.path.basename(d) in names]
 
 
