@@ -62,6 +62,7 @@ KEEP = (
 SAMPLE_DROP = ("launchers",)
 RAS_KEEP = ("addr", "format", "t", "text", "error", "partial", "seconds")
 DEAD_OR_MISSING = ("kill1",)
+EARLY = {"remote_rank_missing": "rank_missing", "kernel_never_ends": "kernel_stuck"}
 
 
 class Scrub:
@@ -186,14 +187,18 @@ def draft_expect(trace: dict[str, Any], row: dict[str, Any] | None) -> dict[str,
             out = {"kind": "control", "flagged": False}
         out["note"] = f"{name}: a control; never critical over the whole recording"
         return out
-    dead = s.get("action") in DEAD_OR_MISSING or s.get("launch") == "hand_rank0"
+    alone = s.get("launch") in ("hand_rank0", "remote_rank0")
+    early = s.get("mode") in EARLY  # decided on the daemon's early stacks (hangs.stacks on)
+    dead = s.get("action") in DEAD_OR_MISSING or alone or early
     out = {"kind": "hang", "flagged": True, "within_s": 30 if dead else 60}
     out["alertname"] = "JobHangSuspected"
     if dead:
         out["severity"] = "critical"
-        out["conditions_any"] = (
-            ["rank_missing"] if s.get("launch") == "hand_rank0" else ["rank_dead"]
-        )
+        out["conditions_any"] = [
+            EARLY.get(s.get("mode", ""), "rank_missing" if alone else "rank_dead")
+        ]
+    if early:
+        out["hangs_config"] = {"stacks": True, "stacks_confirm_seconds": 0}
     if row is not None and row.get("flagged"):
         after = row.get("detected_after_s")
         if after is not None:
