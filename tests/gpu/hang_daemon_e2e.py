@@ -191,6 +191,18 @@ def start_daemon(
     return daemon
 
 
+def no_gpu() -> str:
+    """'' when NVML answers, else why not."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        pynvml.nvmlShutdown()
+    except Exception as exc:
+        return f"no GPU: {type(exc).__name__}: {exc}"
+    return ""
+
+
 def recorded(args: argparse.Namespace) -> int:
     """One scenario beside the daemon, recorded and turned into a fixture."""
     name, signature, condition = RECORDED[args.scenario]
@@ -206,8 +218,11 @@ def recorded(args: argparse.Namespace) -> int:
         "py_spy": spy,
         "dry_run": args.dry_run,
     }
+    problem = "" if args.dry_run else no_gpu()
     if not spy and not args.dry_run:
-        result["error"] = "no py-spy: the early stacks need it (pip install py-spy==0.4.2)"
+        problem = "no py-spy: the early stacks need it (pip install py-spy==0.4.2)"
+    if problem:
+        result["error"] = problem
         print(json.dumps(result, indent=1))
         return 2
     run = out / "run"
