@@ -186,3 +186,39 @@ def test_the_synthesized_recordings_are_what_synth_py_builds(tmp_path: Path) -> 
             tmp_path / name, os.path.join(FIXTURES, name), built, shallow=False
         )
         assert (mismatch, errors) == ([], []), name
+
+
+@pytest.mark.slow
+def test_no_healthy_nvml_capture_ever_reads_as_a_spinning_kernel(tmp_path: Path) -> None:
+    """The kernel shape begins with a busy GPU whose SMs idle: no reading of any healthy
+    capture (tests/fixtures/nvml, idle and under load, 5 polls each through the NVML
+    source on its replay) has it, while the 4x H200 NCCL hang capture does."""
+    from gpuwatchd.config import load_text
+    from gpuwatchd.health.hangs.gpu import activity_from_samples, classify
+    from gpuwatchd.pipeline import SourceSet
+    from gpuwatchd.state import State
+    from tests.e2e.test_healthy_captures_quiet import NVML, config, healthy_captures
+
+    def classes(capture: Path) -> set[str]:
+        cfg = load_text(config(tmp_path, capture), "config.yaml")
+        clock, state = FakeClock(1_700_000_000.0), State()
+        sources = SourceSet(cfg, state, clock)
+        seen: set[str] = set()
+        try:
+            for _ in range(5):
+                sources.runner.poll_once("nvml")
+                nvml = state.snapshot().sources["nvml"]
+                seen |= {
+                    classify(g, HangThresholds())[0] for g in activity_from_samples(nvml.samples)
+                }
+                clock.advance(cfg.sources.nvml.interval)
+        finally:
+            for source in sources.runner.sources:
+                close = getattr(source, "close", None)
+                if callable(close):
+                    close()
+        return seen
+
+    for capture in healthy_captures():
+        assert "spin" not in classes(capture), capture.name
+    assert "spin" in classes(NVML / "h200x4-hang-record.json")
