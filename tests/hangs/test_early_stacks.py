@@ -3,7 +3,7 @@ other nodes and the kernel that never completes page in seconds, and nothing els
 
 The two hang recordings (synthesized from real ones: their PROVENANCE.md) are replayed
 by test_real_scenarios_replay.py against their expect.json; here: every control
-recording with the stacks on, a real healthy matmul and copy loop whose host always
+recording with the stacks on (at its expect.json's NVML phases), a real healthy matmul and copy loop whose host always
 reads as waiting in a synchronize, and the cases the shapes must not take."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def test_no_control_recording_pages_with_the_early_stacks_on(
     cfg = dataclasses.replace(
         want.config(), hangs=dataclasses.replace(want.config().hangs, **STACKS)
     )
-    for phase in (0, 3, 6, 9):
+    for phase in want.nvml_phases:  # the phases its own replay test uses
         with replaying(str(tmp_path / str(phase)), Trace(directory), float(phase), cfg) as node:
             node.run()
         assert not check(node, want), (phase, check(node, want))
