@@ -204,7 +204,8 @@ def summarize(
             facts.add("stacks:one_rank_elsewhere")
     missing = [f"rank {m}" for m in verdict.missing_ranks]
     if verdict.elsewhere:
-        missing.append(f"rank {rank_ranges(verdict.elsewhere)} (expected on other nodes)")
+        word = "rank" if len(verdict.elsewhere) == 1 else "ranks"
+        missing.append(f"{word} {rank_ranges(verdict.elsewhere)} (expected on other nodes)")
     elif verdict.missing_count > len(verdict.missing_ranks):
         missing.append(
             f"{verdict.missing_count - len(verdict.missing_ranks)} rank(s) never started"
