@@ -378,11 +378,13 @@ def check(dest: str) -> list[str]:
     from tests.hangs.scenario_replay import Expect, replaying
     from tests.hangs.scenario_replay import check as check_replay
 
-    with tempfile.TemporaryDirectory() as tmp, replaying(tmp, Trace(dest), 0.0) as node:
+    want = Expect.load(os.path.join(dest, "expect.json"))
+    cfg = want.config()  # expect.json's hangs_config (the early stacks: hangs.stacks on)
+    with tempfile.TemporaryDirectory() as tmp, replaying(tmp, Trace(dest), 0.0, cfg) as node:
         node.run()
     for t, found in node.found:
         print(f"  {t:+7.1f} s  " + "; ".join(f"{f.severity.name} {f.reason[:160]}" for f in found))
-    return check_replay(node, Expect.load(os.path.join(dest, "expect.json")))
+    return check_replay(node, want)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,8 +3,9 @@ other nodes and the kernel that never completes page in seconds, and nothing els
 
 The two hang recordings (synthesized from real ones: their PROVENANCE.md) are replayed
 by test_real_scenarios_replay.py against their expect.json; here: every control
-recording with the stacks on (at its expect.json's NVML phases), a real healthy matmul and copy loop whose host always
-reads as waiting in a synchronize, and the cases the shapes must not take."""
+recording with the stacks on (at its expect.json's NVML phases), a real healthy matmul
+and copy loop whose host always reads as waiting in a synchronize, the healthy NVML
+captures, and the cases the shapes must not take."""
 
 from __future__ import annotations
 
@@ -162,7 +163,7 @@ def test_a_remote_rendezvous_names_the_ranks_that_did_not_arrive() -> None:
         v = det.observe([_rank0(1.0, 1024)], [idle], 100.0 + i, evidence={"torch:m:29500": rdv})[0]
     assert v.conditions == ("rank_missing",) and v.severity == "critical"
     assert v.elsewhere == tuple(range(1, 1024)) and v.missing_count == 1023
-    assert "rank 0 of 1024 wait in the rendezvous (init_process_group)" in v.reason
+    assert "rank 0 of 1024 waits in the rendezvous (init_process_group)" in v.reason
     assert "ranks 1-1023 never arrived (expected on other nodes)" in v.reason
 
 

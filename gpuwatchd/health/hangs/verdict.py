@@ -106,7 +106,8 @@ def build_verdict(
     elsewhere = seen.elsewhere if "rank_missing" in decided and short <= 0 else ()
     if elsewhere:
         parts.append(
-            f"{_ranks(seen.local)} of {job.world_size} wait in the rendezvous"
+            f"{_ranks(seen.local)} of {job.world_size}"
+            f" {'waits' if len(seen.local) == 1 else 'wait'} in the rendezvous"
             f" ({seen.where or 'init_process_group'}) for {now - held['rank_missing']:.0f} s;"
             f" {_ranks(elsewhere)} never arrived (expected on other nodes)"
         )
