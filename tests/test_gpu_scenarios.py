@@ -34,7 +34,7 @@ def harness(*args: str, timeout: float = 60, **env_extra: str) -> subprocess.Com
 
 def test_each_session_call_fits_its_budget_and_together_they_run_every_scenario() -> None:
     names: list[str] = []
-    for suite in ("a", "b"):
+    for suite in ("a", "b", "c"):
         out = harness("--plan", "--gpus", "4", suite)  # the suites are cut for 4 GPUs
         assert out.returncode == 0, out.stderr
         *rows, total = out.stdout.strip().splitlines()
@@ -63,7 +63,8 @@ def test_scenarios_are_planned_on_the_gpus_the_machine_has(tmp_path: Path) -> No
     masked = harness("--plan", "hangs", CUDA_VISIBLE_DEVICES="3", PATH=fake_nvidia_smi(tmp_path, 4))
     *rows, total = masked.stdout.strip().splitlines()
     assert "on 1 GPUs (CUDA_VISIBLE_DEVICES)" in total, total
-    assert [r.split()[-1] for r in rows if "skip" not in r] == ["rendezvous_missing"]
+    one_gpu = sorted(r.split()[-1] for r in rows if "skip" not in r)
+    assert one_gpu == ["kernel_never_ends", "remote_rank_missing", "rendezvous_missing"]
     assert all("needs 2 GPU(s); 1 here" in r for r in rows if "skip" in r)
 
 
@@ -122,3 +123,38 @@ def test_a_dead_peer_on_fake_ranks_is_killed_sampled_and_cleaned_up(tmp_path: Pa
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
     rows = json.loads((tmp_path / "summary.json").read_text())["rows"]
     assert rows[0]["scenario"] == "dead_peer" and rows[0]["hang_start_s"] is not None
+
+
+@pytest.mark.slow
+def test_the_one_gpu_hang_recorder_runs_its_scenario_beside_a_daemon_and_writes_a_fixture(
+    tmp_path: Path,
+) -> None:
+    """hang_daemon_e2e.py --scenario on fake ranks: the daemon (replayed NVML) and the
+    harness start, the remote rank-missing job runs with LOCAL_WORLD_SIZE=1 and its peer
+    never starts, the recording becomes a fixture whose expect.json asks for the early
+    stacks; the JSON has the timing keys (null here: fake ranks hold no GPU)."""
+    out = tmp_path / "rec"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "gpu" / "hang_daemon_e2e.py")]
+        + ["--scenario", "remote-rank-missing", "--record", str(out), "--dry-run"]
+        + ["--hang-seconds", "3", "--budget", "120"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+    )
+    result = json.loads(done.stdout)
+    assert result == json.loads((out / "result.json").read_text())
+    assert done.returncode == 1 and result["ok"] is False  # nothing to flag without a GPU
+    assert result["harness_exit"] == 0 and result["daemon_exit"] == 0
+    assert {"seconds_to_verdict", "seconds_to_alert", "signature", "reason"} <= set(result)
+    trace = json.loads((out / "run" / "remote_rank_missing" / "trace.json").read_text())
+    assert list(trace["ranks"]) == ["0"] and trace["hang_start"] is not None
+    env = trace["environ"]["0"]
+    assert (env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["RANK"]) == ("2", "1", "0")
+    fixture = Path(result["fixture"])
+    assert fixture == out / "fixture" / "remote-rank-missing-1xgpu"
+    expect = json.loads((fixture / "expect.json").read_text())
+    assert expect["conditions_any"] == ["rank_missing"] and expect["within_s"] == 30
+    assert expect["hangs_config"]["stacks"] is True
+    assert (out / "daemon.log").stat().st_size > 0

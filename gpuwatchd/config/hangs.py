@@ -20,6 +20,18 @@ class HangsConfig:
     rank_missing_after_seconds: float = opt(
         10.0, "fewer ranks than expected while the others make no progress, for this long", min=5
     )
+    remote_rank_missing_after_seconds: float = opt(
+        10.0,
+        "every local rank in the start-up rendezvous (two stack dumps) for ranks of other"
+        " nodes, for this long; a site whose nodes start minutes apart raises it",
+        min=5,
+    )
+    kernel_stuck_after_seconds: float = opt(
+        10.0,
+        "one process's GPU busy with its SMs idle while its host waits in a CUDA"
+        " synchronize (two stack dumps), for this long",
+        min=5,
+    )
     dead_peer_after_seconds: float = opt(
         10.0, "a rank gone while its peers make no progress is a dead peer after this", min=2
     )

@@ -2,6 +2,10 @@
 
     python3 tests/gpu/hang_jobs.py ras1 DIR        one-rank NCCL job; phases driven by files in DIR
     python3 tests/gpu/hang_jobs.py rendezvous      rank 0 of WORLD_SIZE=2; rank 1 never starts
+    python3 tests/gpu/hang_jobs.py remote-rank-missing   the same; the launcher sets
+                                                   LOCAL_WORLD_SIZE=1 (rank 1 is another node's)
+    python3 tests/gpu/hang_jobs.py kernel-never-ends [WARM]  matmuls for WARM s (10), then a
+                                                   CUDA graph whose kernel never ends
     python3 tests/gpu/hang_jobs.py peer RANK DIR   two ranks spin on each other's flag (CUDA IPC)
     python3 tests/gpu/hang_jobs.py matmul SECONDS  bf16 matmul loop (healthy)
     python3 tests/gpu/hang_jobs.py copy SECONDS    memory-bound copy loop (healthy)
@@ -17,6 +21,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 
 
 def _wait_for(path: str) -> str:
@@ -119,6 +124,58 @@ def peer(rank: int, path: str) -> None:
             print(f"peer {rank}: round {round_no}", flush=True)
 
 
+_FOREVER = r"""
+extern "C" __global__ void wait_for(volatile int* flag) {
+    while (*flag == 0) { }  // nobody ever sets it
+}
+"""
+
+
+def kernel_never_ends(
+    device: int = 0,
+    warm: float = 10.0,
+    ready: Callable[[], object] = lambda: None,
+    hang: Callable[[str], object] = lambda what: None,
+) -> None:
+    """Matmuls for `warm` s (a job at work), then a CUDA graph replay of a one-thread
+    kernel spinning on a flag nobody sets, and the host waits for it in a synchronize.
+
+    CuPy: the graph is captured on a stream; where capture is not available the kernel
+    is launched directly (the same hang, without the graph)."""
+    import cupy as cp
+
+    cp.cuda.Device(device).use()
+    a = cp.random.random((4096, 4096), dtype=cp.float32)
+    end = time.monotonic() + warm
+    while time.monotonic() < end:
+        for _ in range(10):
+            a = a @ a
+            a /= cp.linalg.norm(a)
+        cp.cuda.runtime.deviceSynchronize()
+    ready()
+    flag = cp.zeros(1, dtype=cp.int32)
+    kernel = cp.RawKernel(_FOREVER, "wait_for")
+    kernel.compile()
+    stream = cp.cuda.Stream(non_blocking=True)
+    how = "a CUDA graph replay of"
+    try:
+        stream.begin_capture()
+        kernel((1,), (1,), (flag,), stream=stream)
+        graph = stream.end_capture()
+    except Exception as e:  # no graph capture in this CuPy: launch it directly
+        print(f"kernel-never-ends: no graph ({type(e).__name__}: {e})", flush=True)
+        graph, how = None, "a direct launch of"
+    what = f"{how} a one-thread kernel spinning on a flag nobody sets; the host synchronizes"
+    hang(what)
+    print(f"kernel-never-ends: {what}", flush=True)
+    if graph is not None:
+        graph.launch(stream)
+    else:
+        kernel((1,), (1,), (flag,), stream=stream)
+    stream.synchronize()  # never returns
+    print("kernel-never-ends: returned (unexpected)", flush=True)
+
+
 def matmul(seconds: float) -> None:
     import torch
 
@@ -153,8 +210,10 @@ def main(argv: list[str]) -> int:
     what = argv[0]
     if what == "ras1":
         ras1(argv[1])
-    elif what == "rendezvous":
-        rendezvous()
+    elif what in ("rendezvous", "remote-rank-missing"):
+        rendezvous()  # the launcher's LOCAL_WORLD_SIZE says where rank 1 belongs
+    elif what == "kernel-never-ends":
+        kernel_never_ends(warm=float(argv[1]) if len(argv) > 1 else 10.0)
     elif what == "peer":
         peer(int(argv[1]), argv[2])
     elif what == "matmul":

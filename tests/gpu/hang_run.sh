@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The hang scenarios on a real GPU: `record` (RAS answers, rank missing at start,
-# peer death) or `healthy` (a bf16 matmul loop and a copy loop, 3 min each).
-#   bash tests/gpu/hang_run.sh record|ras|healthy OUTDIR
+# peer death) or `healthy` (a bf16 matmul loop and a copy loop, 3 min each);
+# `remote-rank-missing` or `kernel-never-ends`: that hang beside the daemon (stacks on),
+# JSON with seconds to verdict and alert on stdout and in OUTDIR/result.json, the
+# recording in OUTDIR/run and as a fixture in OUTDIR/fixture (hang_daemon_e2e.py).
+#   bash tests/gpu/hang_run.sh record|ras|healthy|remote-rank-missing|kernel-never-ends OUTDIR
 set -u
 mode=$1
 out=$2
@@ -36,7 +39,20 @@ ras_phase() {
   wait
 }
 
-if [ "$mode" = ras ]; then
+if [ "$mode" = remote-rank-missing ] || [ "$mode" = kernel-never-ends ]; then
+  repo=$(cd "$here/../.." && pwd)
+  out=$(cd "$out" && pwd)
+  if ls "$repo"/.whl/*.whl >/dev/null 2>&1 && [ ! -e /tmp/site/.installed ]; then
+    # carried wheels (py-spy, the daemon's dependencies), as multi_gpu_session.sh does
+    timeout 300 $py -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+      "$repo"/.whl/*.whl && touch /tmp/site/.installed
+  fi
+  if [ -d /tmp/site ]; then
+    export PYTHONPATH=/tmp/site:$repo${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
+  fi
+  cd "$repo" && exec $py "$here/hang_daemon_e2e.py" --scenario "$mode" --record "$out" \
+    ${FIXTURE_SUFFIX:+--fixture-suffix "$FIXTURE_SUFFIX"}
+elif [ "$mode" = ras ]; then
   ras_phase
 elif [ "$mode" = record ]; then
   # (1) one-rank NCCL jobs: RAS while running, while destroy_process_group polls, after abort

@@ -31,7 +31,7 @@ def _fake_flight_recorder(job: Job) -> None:
 
 def run_fake(job: Job) -> int:
     mode, secs = job.args.mode, job.args.seconds
-    if mode == "rendezvous_missing":
+    if mode in ("rendezvous_missing", "remote_rank_missing"):
         job.mark("hang", what="fake init_process_group")
         time.sleep(3600)
         return 1

@@ -9,8 +9,12 @@ in seconds. Controls: healthy_ddp, healthy_fsdp, checkpoint (rank 0 writes and
 fsyncs for N s while the others wait in a barrier), eval_pause, slow_loader,
 compile_start, ends_normally. Hangs: teardown_destroy, teardown_graph_attr,
 unbalanced, dead_peer (the harness kills a rank), rendezvous_missing (rank 0
-of WORLD_SIZE=2 alone), xid_kill (rank 1 stores to an unmapped address once
-DIR/go exists, which makes the driver log Xid 31; the rank then exits).
+of WORLD_SIZE=2 alone), remote_rank_missing (the same with LOCAL_WORLD_SIZE=1:
+the missing rank belongs to another node), xid_kill (rank 1 stores to an
+unmapped address once DIR/go exists, which makes the driver log Xid 31; the
+rank then exits), kernel_never_ends (one process, no NCCL: after warm-up
+matmuls a CUDA graph replays a one-thread kernel spinning on a flag nobody
+sets, then the host synchronizes; hang_jobs.py's kernel body).
 
 Each rank writes DIR/markers/NAME.rankR.json ({"t": wall time, "pid", ...}):
 start (after init), ready (after warm-up), phase (what it does now),
@@ -233,10 +237,27 @@ def run_real(job: Job) -> int:
     import torch.distributed as dist
 
     mode, secs = job.args.mode, job.args.seconds
-    if mode == "rendezvous_missing":
+    if mode == "kernel_never_ends":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from hang_jobs import kernel_never_ends
+
+        kernel_never_ends(
+            job.local_rank,
+            job.args.warm,
+            ready=lambda: job.mark("ready"),
+            hang=lambda what: job.mark("hang", what=what),
+        )
+        return 1
+    if mode in ("rendezvous_missing", "remote_rank_missing"):
         torch.cuda.set_device(job.local_rank)
         keep = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # a context NVML sees
-        job.mark("hang", what="init_process_group, WORLD_SIZE=2, rank 1 never starts")
+        where = " (another node)" if mode == "remote_rank_missing" else ""
+        local = os.environ.get("LOCAL_WORLD_SIZE", "?")
+        job.mark(
+            "hang",
+            what=f"init_process_group, WORLD_SIZE=2, LOCAL_WORLD_SIZE={local},"
+            f" rank 1{where} never starts",
+        )
         dist.init_process_group("nccl", init_method="env://")
         job.mark("returned", held=keep.numel())
         time.sleep(3600)

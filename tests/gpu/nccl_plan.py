@@ -22,7 +22,7 @@ class Scenario:
     name: str
     mode: str
     kind: str  # hang | control
-    launch: str = "torchrun"  # torchrun | hand | hand_rank0
+    launch: str = "torchrun"  # torchrun | hand | hand_rank0 | remote_rank0
     gpus: int = 2
     action: str = ""  # kill1: SIGKILL rank 1; go: touch DIR/go (rank 1 faults)
     seconds: float = 0.0  # the job's main phase (controls); 0 = --control-seconds
@@ -42,6 +42,10 @@ SCENARIOS = [
     Scenario("dead_peer", "dead_peer", "hang", launch="hand", action="kill1"),
     Scenario("dead_peer_torchrun", "dead_peer", "hang", action="kill1"),
     Scenario("xid_kill", "xid_kill", "hang", launch="hand", action="go"),
+    # rank 0 of WORLD_SIZE=2 with LOCAL_WORLD_SIZE=1: its peer belongs to another node
+    Scenario("remote_rank_missing", "remote_rank_missing", "hang", launch="remote_rank0", gpus=1),
+    # one process: a CUDA graph whose kernel spins on a flag nobody sets, then synchronize
+    Scenario("kernel_never_ends", "kernel_never_ends", "hang", launch="hand", gpus=1),
     Scenario("rendezvous_missing", "rendezvous_missing", "hang", launch="hand_rank0", gpus=1),
     Scenario("teardown_destroy", "teardown_destroy", "hang"),
     Scenario("teardown_graph_attr", "teardown_graph_attr", "hang"),
@@ -55,13 +59,16 @@ SCENARIOS = [
     Scenario("ends_normally", "ends_normally", "control", seconds=20),
 ]
 BY_NAME = {s.name: s for s in SCENARIOS}
+ONE_GPU = ("remote_rank_missing", "kernel_never_ends")
 SUITES = {
     "hangs": [s.name for s in SCENARIOS if s.kind == "hang"],
     "controls": [s.name for s in SCENARIOS if s.kind == "control"],
     "all": [s.name for s in SCENARIOS],
-    # two device calls of at most ~9 minutes on 4 GPUs (see --plan)
-    "a": [*[s.name for s in SCENARIOS if s.kind == "hang"], "eval_pause"],
+    # two device calls of at most ~9 minutes on 4 GPUs (see --plan), and the hangs of
+    # one process on one GPU (c: any machine; hang_daemon_e2e.py --scenario runs each)
+    "a": [*[s.name for s in SCENARIOS if s.kind == "hang" and s.name not in ONE_GPU], "eval_pause"],
     "b": [s.name for s in SCENARIOS if s.kind == "control" and s.name != "eval_pause"],
+    "c": list(ONE_GPU),
 }
 
 
@@ -193,6 +200,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--startup-timeout", type=float, default=120.0)
     ap.add_argument("--budget", type=float, default=540.0, help="seconds for the whole run")
     ap.add_argument("--daemon-url", default="http://127.0.0.1:10370", help="'' = no daemon")
+    ap.add_argument(
+        "--daemon-poll", type=float, default=2.0, help="seconds between reads of /hangs, /alerts"
+    )
     ap.add_argument("--ras-port-base", type=int, default=28100)
     ap.add_argument("--master-port-base", type=int, default=29600)
     ap.add_argument("--scratch", default="/tmp/gpuscen-ckpt", help="checkpoint files (deleted)")

@@ -32,6 +32,8 @@ HANGS = (
     "dead_peer",
     "rendezvous_missing",
     "xid_kill",
+    "remote_rank_missing",
+    "kernel_never_ends",
 )
 
 

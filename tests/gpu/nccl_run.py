@@ -94,14 +94,16 @@ class Run:
                 cmd += self.job_args()
             self._spawn(cmd, env, "launcher")
         else:
-            world = 2 if s.launch == "hand_rank0" else s.gpus
+            alone = s.launch in ("hand_rank0", "remote_rank0")  # rank 0 of 2, rank 1 never starts
+            world = 2 if alone else s.gpus
             env.update(
                 MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(self.args.master_port_base + self.idx),
                 WORLD_SIZE=str(world),
-                LOCAL_WORLD_SIZE=str(world),
+                # remote_rank0: the missing rank belongs to another node
+                LOCAL_WORLD_SIZE="1" if s.launch == "remote_rank0" else str(world),
             )
-            for r in range(1 if s.launch == "hand_rank0" else world):
+            for r in range(1 if alone else world):
                 env_r = dict(env, RANK=str(r), LOCAL_RANK=str(r))
                 self._spawn([sys.executable, JOBS, *self.job_args()], env_r, f"rank{r}")
         self.trace["commands"] = [" ".join(p.args) for p in self.procs]  # type: ignore[arg-type]
@@ -154,8 +156,9 @@ class Run:
 
     def observe(self, t0: float) -> None:
         s, a, stop = self.s, self.args, self.ctx.stop
-        want = "hang" if s.launch == "hand_rank0" else "ready"
-        need = 1 if s.launch == "hand_rank0" else s.gpus
+        alone = s.launch in ("hand_rank0", "remote_rank0")
+        want = "hang" if alone else "ready"
+        need = 1 if alone else s.gpus
         hang_start: float | None = None
         acted = 0.0
         window_start: float | None = None  # a control's pause (checkpoint, evaluation)

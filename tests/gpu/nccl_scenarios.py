@@ -44,7 +44,9 @@ class Context:
         self.stop = threading.Event()
         self.kmsg = KmsgReader()
         self.nvml = NvmlSampler(args.out)
-        self.daemon = DaemonPoller(args.daemon_url, args.out) if args.daemon_url else None
+        self.daemon = (
+            DaemonPoller(args.daemon_url, args.out, args.daemon_poll) if args.daemon_url else None
+        )
 
 
 def execute(scens: list[Scenario], args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -62,6 +62,7 @@ KEEP = (
 SAMPLE_DROP = ("launchers",)
 RAS_KEEP = ("addr", "format", "t", "text", "error", "partial", "seconds")
 DEAD_OR_MISSING = ("kill1",)
+EARLY = {"remote_rank_missing": "rank_missing", "kernel_never_ends": "kernel_stuck"}
 
 
 class Scrub:
@@ -186,14 +187,18 @@ def draft_expect(trace: dict[str, Any], row: dict[str, Any] | None) -> dict[str,
             out = {"kind": "control", "flagged": False}
         out["note"] = f"{name}: a control; never critical over the whole recording"
         return out
-    dead = s.get("action") in DEAD_OR_MISSING or s.get("launch") == "hand_rank0"
+    alone = s.get("launch") in ("hand_rank0", "remote_rank0")
+    early = s.get("mode") in EARLY  # decided on the daemon's early stacks (hangs.stacks on)
+    dead = s.get("action") in DEAD_OR_MISSING or alone or early
     out = {"kind": "hang", "flagged": True, "within_s": 30 if dead else 60}
     out["alertname"] = "JobHangSuspected"
     if dead:
         out["severity"] = "critical"
-        out["conditions_any"] = (
-            ["rank_missing"] if s.get("launch") == "hand_rank0" else ["rank_dead"]
-        )
+        out["conditions_any"] = [
+            EARLY.get(s.get("mode", ""), "rank_missing" if alone else "rank_dead")
+        ]
+    if early:
+        out["hangs_config"] = {"stacks": True, "stacks_confirm_seconds": 0}
     if row is not None and row.get("flagged"):
         after = row.get("detected_after_s")
         if after is not None:
@@ -373,11 +378,13 @@ def check(dest: str) -> list[str]:
     from tests.hangs.scenario_replay import Expect, replaying
     from tests.hangs.scenario_replay import check as check_replay
 
-    with tempfile.TemporaryDirectory() as tmp, replaying(tmp, Trace(dest), 0.0) as node:
+    want = Expect.load(os.path.join(dest, "expect.json"))
+    cfg = want.config()  # expect.json's hangs_config (the early stacks: hangs.stacks on)
+    with tempfile.TemporaryDirectory() as tmp, replaying(tmp, Trace(dest), 0.0, cfg) as node:
         node.run()
     for t, found in node.found:
         print(f"  {t:+7.1f} s  " + "; ".join(f"{f.severity.name} {f.reason[:160]}" for f in found))
-    return check_replay(node, Expect.load(os.path.join(dest, "expect.json")))
+    return check_replay(node, want)
 
 
 def main(argv: list[str] | None = None) -> int:

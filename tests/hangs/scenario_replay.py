@@ -19,6 +19,7 @@ expect.json (every key but `kind` optional; an unknown key is an error):
     flight_contains strings the hang records' flight recorder lines hold (forensics ran)
     max_severity    no finding over the whole recording above this ("ok": none at all)
     nvml_phases     NVML poll offsets (seconds) to replay at; default [0, 5]
+    hangs_config    keys of the `hangs:` section to replay with (e.g. {"stacks": true})
     note            free text: why these expectations
 """
 
@@ -66,7 +67,15 @@ class Expect:
     flight_contains: tuple[str, ...] = ()
     max_severity: str | None = None
     nvml_phases: tuple[int, ...] = (0, 5)
+    hangs_config: tuple[tuple[str, Any], ...] = ()
     note: str = ""
+
+    def config(self) -> Config:
+        """The defaults with `hangs_config` applied (an unknown key is an error)."""
+        cfg = Config()
+        return dataclasses.replace(
+            cfg, hangs=dataclasses.replace(cfg.hangs, **dict(self.hangs_config))
+        )
 
     @classmethod
     def load(cls, path: str) -> Expect:
@@ -86,6 +95,7 @@ class Expect:
             doc[key] = tuple(doc.get(key, ()))
         doc["labels"] = tuple(sorted(doc.get("labels", {}).items()))
         doc["nvml_phases"] = tuple(doc.get("nvml_phases", (0, 5)))
+        doc["hangs_config"] = tuple(sorted((doc.get("hangs_config") or {}).items()))
         return cls(**doc)
 
 

@@ -34,7 +34,7 @@ def test_recorded_scenario_does_what_expect_json_says(
 ) -> None:
     want = Expect.load(os.path.join(directory, "expect.json"))
     trace = Trace(directory)
-    with replaying(str(tmp_path), trace, float(phase)) as node:
+    with replaying(str(tmp_path), trace, float(phase), want.config()) as node:
         node.run()
     bad = check(node, want)
     timeline = [(round(t, 1), [f.severity.name for f in found]) for t, found in node.found]

@@ -247,3 +247,38 @@ def test_bad_site_files_name_the_file_and_problem(tmp_path, text: str, problem: 
     with pytest.raises(ConfigError, match=problem) as e:
         load_catalog(str(site))
     assert str(site) in str(e.value)
+
+
+def test_ranks_of_other_nodes_name_the_rendezvous_and_wait_without_stacks() -> None:
+    from gpuwatchd.health.hangs.alerts import role_of
+
+    job = JobView("torch:127.0.0.1:29603", (RankView(1448, ("0",), 0, 0, 4),), 1, 4)
+    v = _verdict(
+        job.job, ("rank_missing",), {1448: "waiting"}, missing_count=3, elsewhere=(1, 2, 3)
+    )
+    s = summarize(job, v, {}, None, builtin_catalog())
+    assert s.signature is not None and s.signature.name == "rendezvous_missing_rank"
+    assert "ranks:not_arrived" in s.facts and "ranks:never_started" not in s.facts
+    assert s.missing == ("ranks 1-3 (expected on other nodes)",)
+    assert "other nodes" in s.signature.remediation
+    assert role_of(v) == "waiting"  # the culprits are elsewhere
+
+
+def test_a_kernel_that_never_completes_from_the_real_stack() -> None:
+    job = JobView("torch:127.0.0.1:29655", (RankView(1031, ("0",), 0, 0, 1),), 1, 1)
+    v = _verdict(job.job, ("kernel_stuck",), {1031: "waiting"})
+    s = summarize(
+        job, v, {1031: _capture(1031, fixture("pyspy-peerdeath.txt"))}, None, builtin_catalog()
+    )
+    assert s.signature is not None and s.signature.name == "kernel_never_completes"
+    assert s.signature.severity == "critical"
+    assert "cuda-gdb" in s.signature.remediation and "nvidia-smi -r" in s.signature.remediation
+    # the same stack under the generic GPU stall keeps its old name: no fact, no signature
+    generic = summarize(
+        job,
+        _verdict(job.job, ("gpu_stall",), {1031: "waiting"}),
+        {1031: _capture(1031, fixture("pyspy-peerdeath.txt"))},
+        None,
+        builtin_catalog(),
+    )
+    assert generic.signature is not None and generic.signature.name == "unclassified_stall"

@@ -30,6 +30,8 @@ def severity_of(rec: HangRecord) -> Severity:
 
 def role_of(v: JobVerdict) -> str:
     """culprit: a rank of this node died, lags or never started; waiting: ours wait for it."""
+    if v.elsewhere:  # the ranks that did not arrive belong to other nodes
+        return "waiting"
     if v.dead_pids or v.straggler_pids or "rank_missing" in v.conditions:
         return "culprit"
     return "waiting" if v.nodes or "rank_dead" in v.conditions else "stalled"

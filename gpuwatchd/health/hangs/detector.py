@@ -24,8 +24,8 @@ counts rise (memory.keep_decided); I/O the monitor caused itself is no progress.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
+from gpuwatchd.health.hangs.early import StackEvidence
 from gpuwatchd.health.hangs.gpu import (
     GpuActivity,
     GpuBaseline,
@@ -35,6 +35,7 @@ from gpuwatchd.health.hangs.gpu import (
 )
 from gpuwatchd.health.hangs.memory import JobMemory, keep_decided, replace_ranks
 from gpuwatchd.health.hangs.ras_view import RasView, job_ras
+from gpuwatchd.health.hangs.verdict import CONDITIONS, JobVerdict, Sighting, build_verdict
 from gpuwatchd.jobview import JobView, RankView
 
 __all__ = [
@@ -48,41 +49,19 @@ __all__ = [
     "classify",
 ]
 
-CONDITIONS = (
-    "rank_dead",
+FORGET_GONE_SECONDS = 300.0
+# held from first seen ("blocked": every rank in a collective, nothing moving; no verdict;
+# "rendezvous", "spinning": the shapes early.py's stack evidence decides on)
+_ONSET = (
     "rank_missing",
-    "collective_stall",
+    "straggler",
     "gpu_stall",
     "cpu_stall",
-    "straggler",
+    "blocked",
+    "rendezvous",
+    "spinning",
 )
-CRITICAL = frozenset({"rank_dead", "rank_missing", "collective_stall"})
-FORGET_GONE_SECONDS = 300.0
-# held from first seen ("blocked": every rank in a collective, nothing moving; no verdict)
-_ONSET = ("rank_missing", "straggler", "gpu_stall", "cpu_stall", "blocked")
-
-
-@dataclass(frozen=True, slots=True)
-class JobVerdict:
-    """What the detector concludes about one job at one poll."""
-
-    job: str
-    conditions: tuple[str, ...]  # those held long enough, in CONDITIONS order
-    since: float
-    signals: str  # which signals decided, "+"-joined: liveness, ras, io, gpu, gpm, cpu
-    missing_ranks: tuple[int, ...] = ()  # ranks gone (local, or named by RAS)
-    missing_count: int = 0
-    straggler_pids: tuple[int, ...] = ()  # ranks making progress while the others wait
-    rank_states: tuple[tuple[int, str], ...] = ()  # (pid, progress|waiting|gone|...)
-    reason: str = ""
-    severity: str = ""  # critical | warning; "" = the signature's
-    dead_pids: tuple[int, ...] = ()
-    nodes: tuple[str, ...] = ()  # hosts (RAS) of ranks that lag or died
-
-    @property
-    def suspected(self) -> bool:
-        """True when any condition has held long enough."""
-        return bool(self.conditions)
+_EARLY = {"rendezvous": "rendezvous", "spinning": "synchronize"}  # shape -> evidence kind
 
 
 def _rate(now: float, new: float | None, old_t: float, old: float | None) -> float | None:
@@ -109,12 +88,14 @@ class HangDetector:
         now: float,
         ras: Mapping[str, RasView] | None = None,
         own_io: Mapping[int, tuple[float, float]] | None = None,
+        evidence: Mapping[str, StackEvidence] | None = None,
     ) -> list[JobVerdict]:
         """Feed one probe (gpus None: no new GPU reading); every job's verdict.
 
         `own_io`: pid -> (from, until), I/O the monitor itself caused in that span (a
         flight recorder dump it triggered); a probe interval that overlaps it reads no
-        `io` progress for that rank.
+        `io` progress for that rank. `evidence`: job -> what its ranks' stacks showed
+        (early.py), asked for by `wants_stacks`.
         """
         self._own_io = own_io or {}
         if gpus is not None:
@@ -134,6 +115,7 @@ class HangDetector:
             view = (ras or {}).get(job.job)
             if view is not None:
                 mem.ras = job_ras(mem.ras, view, job)
+            mem.evidence = (evidence or {}).get(job.job, mem.evidence)
             verdicts.append(self._judge(job, mem, now, gpus is not None))
             mem.last_seen = now
             kept[job.job] = mem
@@ -155,6 +137,18 @@ class HangDetector:
             or m.ras.flat_for() > 0
             or {"blocked", "cpu_stall", "gpu_stall"} & set(m.onset)
         ]
+
+    def wants_stacks(self) -> list[str]:
+        """Jobs in a shape only stacks decide early (early.py), without evidence since."""
+        out = []
+        for key, m in self._jobs.items():
+            for shape, kind in _EARLY.items():
+                since = m.onset.get(shape)
+                ev = m.evidence
+                if since is not None and (ev is None or ev.kind != kind or ev.first_at < since):
+                    out.append(key)
+                    break
+        return out
 
     def started(self) -> list[str]:
         """Jobs past NCCL start-up by evidence: every live rank's GPUs did real work once.
@@ -376,11 +370,15 @@ class HangDetector:
             if cpu_flat and single and not resident:
                 held["cpu_stall"] = mem.onset.get("cpu_stall", now)
                 signals["cpu_stall"] = "cpu+io"
+        seen = self._early(job, mem, alive, progressing, short, now, held, signals)
         mem.onset = {c: s for c, s in held.items() if c in _ONSET}
         timeout = job.collective_timeout_seconds or t.collective_timeout_seconds
         need = {
             "rank_dead": t.dead_peer_after_seconds,
-            "rank_missing": t.rank_missing_after_seconds,
+            "rank_missing": t.remote_rank_missing_after_seconds
+            if seen.elsewhere
+            else t.rank_missing_after_seconds,
+            "kernel_stuck": t.kernel_stuck_after_seconds,
             "gpu_stall": t.decide_after_seconds,
             "cpu_stall": t.decide_after_seconds,
             "straggler": t.straggler_after_seconds,
@@ -399,85 +397,76 @@ class HangDetector:
         )
         if "rank_dead" in decided and mem.dead_since is None:
             mem.dead_since, mem.dead_signals = held["rank_dead"], signals["rank_dead"]
-        if "rank_missing" in decided and mem.missing_since is None:
+        if "rank_missing" in decided and mem.missing_since is None and short > 0:
             mem.missing_since = held["rank_missing"]
-        return self._verdict(
-            job, mem, decided, held, signals, states, progressing, ras_dead, short, now
+        return build_verdict(
+            t, job, mem, decided, held, signals, states, progressing, ras_dead, short, now, seen
         )
 
-    def _verdict(
+    def _early(
         self,
         job: JobView,
         mem: JobMemory,
-        decided: tuple[str, ...],
-        held: Mapping[str, float],
-        signals: Mapping[str, str],
-        states: list[tuple[int, str]],
+        alive: list[RankView],
         progressing: list[int],
-        ras_dead: Mapping[int, tuple[str, float]],
         short: int,
         now: float,
-    ) -> JobVerdict:
+        held: dict[str, float],
+        signals: dict[str, str],
+    ) -> Sighting:
+        """The two shapes only stacks decide early (early.py), held from when they began.
+
+        - rendezvous: the local world complete, ranks of WORLD_SIZE missing here, every
+          rank idle on CPU and GPU and never at work yet; the stacks show every rank in
+          the rendezvous: `rank_missing`, the missing ranks expected on other nodes;
+        - spinning: one process (not distributed) whose GPUs are busy with the SMs idle,
+          no progress; the stacks show it waiting in a synchronize: `kernel_stuck`.
+        """
         t = self.thresholds
-        since = min((held[c] for c in decided), default=now)
-        parts = []
-        gone_ranks = tuple(sorted({r for p in mem.gone if (r := mem.seen.get(p)) is not None}))
-        dead_ranks = tuple(sorted(set(gone_ranks) | set(ras_dead)))
-        nodes = tuple(sorted({host for host, _ in ras_dead.values() if host}))
-        if "rank_dead" in decided:
-            names = ", ".join(str(r) for r in dead_ranks) or "?"
-            pids = ", ".join(str(p) for p in sorted(mem.gone))
-            parts.append(
-                f"rank {names} died"
-                + (f" (pid {pids})" if pids else "")
-                + " and the others have made no progress since"
-                + (" (RAS cannot reach it)" if ras_dead else "")
-            )
-        if "rank_missing" in decided:
-            parts.append(
-                f"{len(job.ranks)} local rank(s) running of {job.expected_local} expected;"
-                " the others never started"
-            )
-        if "collective_stall" in decided:
-            diverge = " and differ between ranks" if mem.ras.diverge() else ""
-            parts.append(
-                f"NCCL collective counts flat for {now - held['collective_stall']:.0f} s{diverge},"
-                " no rank reads, writes or computes"
-            )
-        if "gpu_stall" in decided:
-            parts.append("every GPU of the job busy doing nothing")
-        if "cpu_stall" in decided:
-            parts.append("no rank moved CPU time, I/O or its GPU")
-        if "straggler" in decided:
-            parts.append(
-                f"pid {', '.join(map(str, progressing))} still works while the other ranks wait"
-            )
-        severity = ""
-        if any(c in CRITICAL for c in decided):
-            severity = "critical"
-        elif "straggler" in decided and not set(decided) & {"gpu_stall", "cpu_stall"}:
-            timeout = job.collective_timeout_seconds or t.collective_timeout_seconds
-            severity = "critical" if now - held["straggler"] >= timeout else "warning"
-            if severity == "critical":
-                parts.append(f"for {now - held['straggler']:.0f} s, past the collective timeout")
-        used = sorted({s for c in decided for s in signals.get(c, "").split("+") if s})
-        return JobVerdict(
-            job=job.job,
-            conditions=decided,
-            since=since,
-            signals="+".join(used),
-            missing_ranks=dead_ranks if "rank_dead" in decided else (),
-            missing_count=_missing_count(decided, short, dead_ranks),
-            straggler_pids=tuple(progressing) if "straggler" in decided else (),
-            rank_states=tuple(states),
-            reason="; ".join(parts),
-            severity=severity,
-            dead_pids=tuple(sorted(mem.gone)) if "rank_dead" in decided else (),
-            nodes=nodes,
-        )
+        ev = mem.evidence
+        if not alive or progressing or mem.gone:
+            return Sighting()
+
+        def shown(shape: str) -> bool:
+            return ev is not None and ev.kind == _EARLY[shape] and ev.first_at >= held[shape]
+
+        here = {r.rank for r in alive}
+        world = job.world_size or 0
+        gpus = [self._gpus.get(g) for r in alive for g in r.gpus]
+        quiet = all(mem.cpu_ratio.get(r.pid, 1.0) <= t.waiting_cpu_ratio for r in alive)
+        fresh = not any(r.pid in mem.worked for r in alive)
+        sitting = any(self._baseline.resident(g, t) for g in gpus)
+        if short <= 0 and None not in here and world > len(here) and quiet and fresh:
+            if not sitting:
+                held["rendezvous"] = mem.onset.get("rendezvous", now)
+                if shown("rendezvous"):
+                    assert ev is not None
+                    held["rank_missing"] = held["rendezvous"]
+                    signals["rank_missing"] = "stacks+cpu"
+                    held.pop("cpu_stall", None)
+                    local = tuple(sorted(r for r in here if r is not None))
+                    missing = tuple(r for r in range(world) if r not in here)
+                    return Sighting(missing, local, where=ev.where)
+        distributed = world > 1 or len(mem.seen) > 1
+        spin = bool(gpus) and all(classify(g, t)[0] == "spin" for g in gpus)
+        if spin and not distributed:
+            held["spinning"] = mem.onset.get("spinning", now)
+            if shown("spinning"):
+                assert ev is not None
+                held["kernel_stuck"] = held["spinning"]
+                signals["kernel_stuck"] = classify(gpus[0], t)[1] + "+stacks"
+                held.pop("gpu_stall", None)
+                return Sighting(kernel="; ".join(map(_busy, gpus)), where=ev.where)
+        return Sighting()
 
 
-def _missing_count(decided: tuple[str, ...], short: int, dead: tuple[int, ...]) -> int:
-    if "rank_missing" in decided:
-        return max(short, 0)
-    return len(dead) if "rank_dead" in decided else 0
+def _busy(g: GpuActivity | None) -> str:
+    """`GPU 0 at 100 % utilisation, SM activity 0.8 %` (power where there is no GPM)."""
+    if g is None:
+        return "GPU ?"
+    text = f"GPU {g.gpu} at {100 * (g.utilization or 0.0):.0f} % utilisation"
+    if g.sm_active is not None:
+        return text + f", SM activity {100 * g.sm_active:.1f} %"
+    if g.power_watts is not None:
+        return text + f", {g.power_watts:.0f} W"
+    return text

@@ -42,6 +42,8 @@ class HangThresholds:
     decide_after_seconds: float = 45.0  # cpu_stall, gpu_stall
     straggler_after_seconds: float = 60.0
     rank_missing_after_seconds: float = 10.0
+    remote_rank_missing_after_seconds: float = 10.0  # the rendezvous, stacks shown (early.py)
+    kernel_stuck_after_seconds: float = 10.0  # a kernel never completes, stacks shown
     dead_peer_after_seconds: float = 10.0
     ras_wait_seconds: float = 20.0  # how long a death waits for a RAS answer at most
     collective_stall_seconds: float = 30.0  # RAS counts flat this long
@@ -215,6 +217,8 @@ def thresholds_from_config(cfg: Config) -> HangThresholds:
     return HangThresholds(
         decide_after_seconds=h.decide_after_seconds,
         rank_missing_after_seconds=h.rank_missing_after_seconds,
+        remote_rank_missing_after_seconds=h.remote_rank_missing_after_seconds,
+        kernel_stuck_after_seconds=h.kernel_stuck_after_seconds,
         dead_peer_after_seconds=h.dead_peer_after_seconds,
         collective_stall_seconds=h.collective_stall_seconds,
         straggler_after_seconds=h.straggler_after_seconds,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gpuwatchd.health.hangs.early import StackEvidence
 from gpuwatchd.health.hangs.ras_view import JobRas
 from gpuwatchd.jobview import JobView, RankView
 
@@ -37,6 +38,7 @@ class JobMemory:
     dead_signals: str = ""
     dead_counts: tuple[tuple[str, int, str, int], ...] | None = None
     missing_since: float | None = None
+    evidence: StackEvidence | None = None  # the last stack dumps taken before a verdict
 
 
 def replace_ranks(job: JobView, mem: JobMemory) -> None:

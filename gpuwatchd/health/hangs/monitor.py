@@ -17,9 +17,9 @@ import json
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any
 
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config
@@ -32,9 +32,11 @@ from gpuwatchd.health.hangs.detector import (
     JobVerdict,
     activity_from_samples,
 )
+from gpuwatchd.health.hangs.early import StackProbes, evidence_of
 from gpuwatchd.health.hangs.gpu import thresholds_from_config
 from gpuwatchd.health.hangs.members import JobMembers
 from gpuwatchd.health.hangs.poller import RasPoller
+from gpuwatchd.health.hangs.ports import METRICS, EventWriter, Listener, NodeIO, RasFn, StackFn
 from gpuwatchd.health.hangs.record import (
     ALERTNAME,
     RULE,
@@ -43,8 +45,8 @@ from gpuwatchd.health.hangs.record import (
 )
 from gpuwatchd.health.hangs.signatures import Signature, builtin_catalog, load_catalog
 from gpuwatchd.health.hangs.summary import stacks_confirm, summarize
-from gpuwatchd.jobview import GroupProgress, JobView, RasAnswer, RasError, StackCapture
-from gpuwatchd.model import Event, Finding, MetricSpec, Sample, SourceSnapshot
+from gpuwatchd.jobview import JobView, RasAnswer, RasError, StackCapture
+from gpuwatchd.model import Event, Finding, Sample, SourceSnapshot
 from gpuwatchd.state import NodeSnapshot
 
 __all__ = [
@@ -58,52 +60,9 @@ __all__ = [
 
 log = logging.getLogger("gpuwatchd.hangs")
 
-METRICS: tuple[MetricSpec, ...] = (
-    MetricSpec(
-        "gpuwatchd_job_hang_info",
-        "info",
-        "1 for each job on this node suspected to hang (JobHangSuspected): workload is the job"
-        " (pod, Slurm job or launcher id), job_id its name on every node, role culprit"
-        " (a rank here died or lags), waiting or stalled, signature the matched hang signature"
-        " (pending until forensics ran). Absent when no job hangs.",
-        ("workload", "job_id", "namespace", "pod", "slurm_job", "role", "signature"),
-    ),
-    MetricSpec(
-        "gpuwatchd_hang_forensics_dropped_total",
-        "counter",
-        "Suspected hangs analysed without stacks or RAS because the forensics queue was full.",
-    ),
-)
 # A rank's I/O from the monitor's flight recorder trigger until this long after the dumps
 # were read is the dump it asked for (about 270 KB on 2x H100), not progress.
 OWN_IO_SECONDS = 10.0
-Listener = Callable[[Sequence[Finding], float], None]
-StackFn = Callable[[int], StackCapture]
-RasFn = Callable[[JobView], RasAnswer]
-
-
-class NodeIO(Protocol):
-    """What the monitor reads from the node; the daemon passes gpuwatchd.forensics.NodeForensics.
-
-    The health layer decides; this object does the I/O (/proc, py-spy, NCCL RAS), so
-    health never imports a source.
-    """
-
-    def jobs(self, snap: NodeSnapshot, procfs: str) -> list[JobView]: ...
-
-    def capture(self, pid: int, timeout: float) -> StackCapture: ...
-
-    def ras(self, job: JobView, netns: bool, timeout: float) -> RasAnswer: ...
-
-    def probe(self, jobs: Sequence[JobView], procfs: str) -> list[JobView]: ...
-
-    def flight(
-        self, job: JobView, procfs: str, wait: Callable[[float], object]
-    ) -> tuple[list[GroupProgress], list[str]]: ...
-
-
-class EventWriter(Protocol):
-    def write(self, records: Sequence[tuple[Event, str, int]]) -> None: ...
 
 
 class HangMonitor:
@@ -127,7 +86,9 @@ class HangMonitor:
         self._store = store
         self._capture = capture
         self._ras_query = ras_query
-        self._queue: queue.Queue[int | None] = queue.Queue(maxsize=max_queue)
+        # a hang record's id to analyse, or a job whose stacks the detector wants (early.py)
+        self._queue: queue.Queue[int | JobView | None] = queue.Queue(maxsize=max_queue)
+        self._probes = StackProbes()
         self._lock = threading.Lock()
         self._records: dict[int, HangRecord] = {}
         self._open: dict[str, int] = {}  # job -> record id
@@ -263,9 +224,15 @@ class HangMonitor:
                 del self._own_io[pid]
             own_io = dict(self._own_io)
         verdicts = self.detector.observe(
-            jobs, list(gpus) if gpus is not None else None, now, views, own_io
+            jobs,
+            list(gpus) if gpus is not None else None,
+            now,
+            views,
+            own_io,
+            self._probes.evidence(),
         )
         by_job = {j.job: j for j in jobs}
+        self._ask_stacks(by_job, now)
         changed = False
         resolved: list[HangRecord] = []
         with self._lock:
@@ -283,6 +250,7 @@ class HangMonitor:
                 if known is None:
                     rid = self._new_record(by_job[job], v, now)
                     self._records[rid].cause = self._xids.cause(by_job[job], v)
+                    self._seed_stacks(self._records[rid])
                     # The alert goes at once when the detector set its severity (a dead rank
                     # pages in seconds, stacks or not); else it waits for the signature.
                     queued = self._enqueue(rid)
@@ -345,21 +313,49 @@ class HangMonitor:
         """Analyse every queued hang in the caller's thread (tests, one-shot use)."""
         while True:
             try:
-                rid = self._queue.get_nowait()
+                item = self._queue.get_nowait()
             except queue.Empty:
                 return
-            if rid is not None:
-                self.analyse(rid)
+            if item is not None:
+                self._do(item)
 
     def _work(self) -> None:
         while True:
-            rid = self._queue.get()
-            if rid is None:
+            item = self._queue.get()
+            if item is None:
                 return
             try:
-                self.analyse(rid)
+                self._do(item)
             except Exception:  # one bad capture must not end forensics
-                log.exception("hang forensics of %d", rid)
+                log.exception("hang forensics of %s", item if isinstance(item, int) else item.job)
+
+    def _do(self, item: int | JobView) -> None:
+        if isinstance(item, int):
+            self.analyse(item)
+            return
+        live = [r.pid for r in item.ranks if r.alive]  # two dumps of every rank (early.py)
+        first_at, first = self._clock.time(), self._capture_all(live)
+        self._stopping.wait(self.cfg.hangs.stacks_confirm_seconds)
+        at, second = self._clock.time(), self._capture_all(live)
+        self._probes.put(evidence_of(item.job, first, second, first_at, at))
+
+    def _ask_stacks(self, by_job: Mapping[str, JobView], now: float) -> None:
+        """Queue the stack dumps the detector wants before a verdict (stacks opt-in)."""
+        self._probes.keep(by_job)
+        if not self.cfg.hangs.stacks or self._capture is None:
+            return
+        for key in self._probes.due(self.detector.wants_stacks(), now):
+            if key in by_job and key not in self._open:
+                try:
+                    self._queue.put_nowait(by_job[key])
+                except queue.Full:  # forensics of open hangs come first; asked again later
+                    log.warning("hang forensics queue full: no early stacks of job %s", key)
+
+    def _seed_stacks(self, rec: HangRecord) -> None:
+        """A hang decided on early stacks keeps them: forensics takes no more."""
+        ev = self._probes.evidence().get(rec.job.job)
+        if ev is not None and ev.kind and ev.first_at >= rec.verdict.since:
+            rec.stacks, rec.stacks_confirmed = dict(ev.captures), True
 
     def analyse(self, rid: int) -> None:
         """Stacks (once per stall), RAS, summary, signature, store; then notify."""

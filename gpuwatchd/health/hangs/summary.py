@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from gpuwatchd.health.hangs.detector import JobVerdict
 from gpuwatchd.health.hangs.signatures import Signature, match
+from gpuwatchd.health.hangs.verdict import rank_ranges
 from gpuwatchd.jobview import JobView, RasReport, StackCapture
 
 __all__ = ["HangSummary", "RankSummary", "summarize", "where_stuck"]
@@ -187,7 +188,9 @@ def summarize(
             )
         )
     facts = {f"cond:{c}" for c in verdict.conditions}
-    if "rank_missing" in verdict.conditions and not verdict.missing_ranks:
+    if verdict.elsewhere:
+        facts.add("ranks:not_arrived")  # the rendezvous waits for ranks of other nodes
+    elif "rank_missing" in verdict.conditions and not verdict.missing_ranks:
         facts.add("ranks:never_started")  # none seen and gone: the job is starting
     ras_facts, ras_missing, unresponsive = _ras_facts(report, {r.pid for r in job.ranks})
     facts |= ras_facts
@@ -200,7 +203,10 @@ def summarize(
         elif len(distinct) == 1 and colls.count(next(iter(distinct))) == len(colls) - 1:
             facts.add("stacks:one_rank_elsewhere")
     missing = [f"rank {m}" for m in verdict.missing_ranks]
-    if verdict.missing_count > len(verdict.missing_ranks):
+    if verdict.elsewhere:
+        word = "rank" if len(verdict.elsewhere) == 1 else "ranks"
+        missing.append(f"{word} {rank_ranges(verdict.elsewhere)} (expected on other nodes)")
+    elif verdict.missing_count > len(verdict.missing_ranks):
         missing.append(
             f"{verdict.missing_count - len(verdict.missing_ranks)} rank(s) never started"
         )
