@@ -21,7 +21,7 @@ class HangsConfig:
         10.0, "fewer ranks than expected while the others make no progress, for this long", min=5
     )
     remote_rank_missing_after_seconds: float = opt(
-        10.0,
+        15.0,
         "every local rank in the start-up rendezvous (two stack dumps) for ranks of other"
         " nodes, for this long; a site whose nodes start minutes apart raises it",
         min=5,
