@@ -7,9 +7,9 @@
 #            five ways at once (floor_probe.py), 60 s each, side by side
 # xid        a real Xid 31 through the daemon to /metrics and /events (xid31_e2e.py)
 # diag       `gpuwatchd diag --tier quick --json`, its wall time and exit status
-# hang       one-rank hangs with the daemon watching (hang_jobs.py modes named in
-#            HANG_MODES, default: remote-rank-missing kernel-never-ends), when the
-#            scripts for them exist
+# hang       one-rank hangs with the daemon watching (hang_run.sh modes named in
+#            HANG_MODES, default: remote-rank-missing kernel-never-ends), each
+#            writing its CI fixture under OUTDIR/hang-MODE/fixture
 # Each phase writes OUTDIR/PHASE.json (and logs); the last line of each phase says
 # what it measured. Needs nothing from outside the machine.
 set -u
@@ -61,14 +61,11 @@ for phase in ${phases//,/ }; do
   hang)
     for mode in ${HANG_MODES:-remote-rank-missing kernel-never-ends}; do
       step "hang $mode"
-      if "$py" tests/gpu/hang_daemon_e2e.py --help 2>/dev/null | grep -q -- "--mode"; then
-        "$py" tests/gpu/hang_daemon_e2e.py --mode "$mode" --out "$out/hang-$mode.json" \
-          --record-dir "$out/hang-$mode" >"$out/hang-$mode.log" 2>&1
-        echo "rc=$?"
-        tail -c 1200 "$out/hang-$mode.json" 2>/dev/null || tail -20 "$out/hang-$mode.log"
-      else
-        echo "hang_daemon_e2e.py has no --mode: skipped"
-      fi
+      FIXTURE_SUFFIX=${FIXTURE_SUFFIX:-1xh200} bash tests/gpu/hang_run.sh "$mode" "$out/hang-$mode" \
+        >"$out/hang-$mode.log" 2>&1
+      echo "rc=$?"
+      tail -c 1500 "$out/hang-$mode/result.json" 2>/dev/null || tail -20 "$out/hang-$mode.log"
+      echo
     done
     ;;
   *) echo "unknown phase $phase" ;;
