@@ -36,11 +36,21 @@ if TYPE_CHECKING:
     from gpuwatchd.sinks.store import EventStore
     from gpuwatchd.state import State
 
-__all__ = ["CLI_TRIGGER", "CommandContext", "Mode", "Outcome", "assemble"]
+__all__ = [
+    "CLI_TRIGGER",
+    "CommandContext",
+    "Mode",
+    "Outcome",
+    "RETIRED_HANG_OUTBOX",
+    "assemble",
+    "retire_hang_outbox",
+]
 
 log = logging.getLogger("gpuwatchd")
 
 CLI_TRIGGER = "cli"  # how a command's recorded outcome says who made it
+# Before 0.4 job-hang alerts had an outbox of their own; the daemon retires it at start.
+RETIRED_HANG_OUTBOX = "hang-alerts.db"
 
 
 class Outcome(Protocol):
@@ -192,7 +202,26 @@ def assemble(
     from gpuwatchd import pipeline
 
     if mode is Mode.DAEMON:
+        retire_hang_outbox(cfg.daemon.state_dir)
         return pipeline.Pipeline(cfg, state, clock, node, listen_port, source_names)
     return pipeline.Consumers(
         pipeline.one_shot_config(cfg), state, clock, store, source_names, one_shot=True
     )
+
+
+def retire_hang_outbox(state_dir: str) -> None:
+    """Remove the job-hang outbox of a version before 0.4 (hang alerts now go through the
+    one sink). What it still held expires in Alertmanager at its endsAt, minutes away;
+    the hangs still there are found again and sent through the one sink."""
+    path = os.path.join(state_dir, RETIRED_HANG_OUTBOX)
+    removed = []
+    for name in (path, path + "-wal", path + "-shm"):
+        try:
+            os.unlink(name)
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("cannot remove the retired hang alert outbox %s: %s", name, exc)
+    if removed:
+        log.info("removed %s: job-hang alerts now leave through the one alert outbox", path)
