@@ -49,7 +49,7 @@ __all__ = [
 log = logging.getLogger("gpuwatchd")
 
 CLI_TRIGGER = "cli"  # how a command's recorded outcome says who made it
-# Before 0.4 job-hang alerts had an outbox of their own; the daemon retires it at start.
+# Earlier versions kept job-hang alerts in an outbox of their own: retired at start.
 RETIRED_HANG_OUTBOX = "hang-alerts.db"
 
 
@@ -210,7 +210,7 @@ def assemble(
 
 
 def retire_hang_outbox(state_dir: str) -> None:
-    """Remove the job-hang outbox of a version before 0.4 (hang alerts now go through the
+    """Remove the job-hang outbox earlier versions kept (hang alerts now go through the
     one sink). What it still held expires in Alertmanager at its endsAt, minutes away;
     the hangs still there are found again and sent through the one sink."""
     path = os.path.join(state_dir, RETIRED_HANG_OUTBOX)
