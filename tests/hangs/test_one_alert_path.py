@@ -24,7 +24,7 @@ from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import AlertmanagerConfig, Config, DaemonConfig, HealthConfig
 from gpuwatchd.config.schema import HangsConfig
 from gpuwatchd.health.alerts import ALERTS
-from gpuwatchd.model import Finding
+from gpuwatchd.model import Finding, Severity
 from gpuwatchd.pipeline import Pipeline
 from gpuwatchd.sinks.alertmanager.sink import AlertSink
 from gpuwatchd.state import State
@@ -206,3 +206,40 @@ def test_every_alert_name_leaves_through_the_one_sink(tmp_path: Path) -> None:
     assert source.count("sink.update)") == source.count(
         "self.engine.add_listener(self.sink.update)"
     )
+
+
+def test_a_hang_in_the_engine_leaves_node_health_remediation_and_diag_alone(
+    tmp_path: Path,
+) -> None:
+    # as before the one path: a hung job is its owner's to restart, not the node's sickness
+    from gpuwatchd.config.remediation import RemediationConfig, SlurmRemediationConfig
+    from gpuwatchd.model import Health
+    from gpuwatchd.sinks.remediation import policy
+
+    clock = FakeClock(time.time())
+    pipeline = _pipeline(tmp_path, [], clock)
+    try:
+        _hang(pipeline)
+        pipeline.tick()
+        [hang] = pipeline.engine.open_findings()
+        assert hang.alertname == "JobHangSuspected" and hang.severity == Severity.CRITICAL
+        assert pipeline.engine.rollup().node == Health.HEALTHY
+        drain = dataclasses.replace(
+            pipeline.cfg,
+            remediation=RemediationConfig(slurm=SlurmRemediationConfig(drain_on=["critical"])),
+        )
+        assert policy.enabled_actions(drain) == ["slurm_drain"]
+        assert policy.due(drain, [hang], clock.time() + 86400, []) == []
+        cfg = pipeline.diag.cfg
+        pipeline.diag.cfg = dataclasses.replace(
+            cfg, diag=dataclasses.replace(cfg.diag, after_critical=True)
+        )
+        pipeline.diag.update([hang])
+        pipeline.diag.update([])  # the hang resolved: no after_critical run owed
+        assert pipeline.diag.status()["pending"] == ""
+        gpu = dataclasses.replace(hang, scope="gpu")  # what a GPU's critical condition does
+        pipeline.diag.update([gpu])
+        pipeline.diag.update([])
+        assert pipeline.diag.status()["pending"] == "after_critical"
+    finally:
+        pipeline.stop(timeout=2.0)
