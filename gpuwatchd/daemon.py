@@ -22,6 +22,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from gpuwatchd import __version__, config, logs
+from gpuwatchd.app import Mode, assemble
 from gpuwatchd.bootid import read_boot_id
 from gpuwatchd.clock import Clock, SystemClock
 from gpuwatchd.config import Config
@@ -234,13 +235,14 @@ class Daemon:
         threading.excepthook = self._thread_died
         self._install_signals()
         try:
-            self.pipeline = Pipeline(
+            self.pipeline = assemble(
+                Mode.DAEMON,
                 cfg,
                 self.state,
                 self.clock,
-                node_name(cfg),
-                split_listen(cfg.http.listen)[1],
-                source_names(cfg),
+                node=node_name(cfg),
+                listen_port=split_listen(cfg.http.listen)[1],
+                source_names=source_names(cfg),
             )
         except StoreError as exc:
             log.error("%s", exc)

@@ -3,7 +3,9 @@
 The daemon and `gpuwatchd check` build theirs here: `Pipeline` (consumer
 thread, store, sinks) and `Consumers` (the same chain, one-shot, over the
 store read-only). `Pipeline` holds the long-lived consumers (event store, Xid stage, health
-engine, alert sink). They keep memory that must survive a SIGHUP (open
+engine, alert sink, hang monitor). Every alert leaves through the engine's
+findings and its one `AlertSink`: the hang monitor is a findings provider the
+engine pulls, not a second sink. They keep memory that must survive a SIGHUP (open
 conditions, `startsAt` of firing alerts, the kernel log cursor), so they are
 built once per process and only reconfigured on reload. `SourceSet` holds the
 sources and their runner, which a reload rebuilds.
@@ -65,7 +67,6 @@ log = logging.getLogger("gpuwatchd")
 
 TICK_SECONDS = 1.0
 STOP_CLOSE_SECONDS = 8.0  # for closing the databases at stop (their checkpoints), together
-HANG_ALERTS_DB = "hang-alerts.db"
 
 PIPELINE_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
@@ -160,8 +161,8 @@ class Consumers:
             ("xid", self.xids.on_publish),
             ("health", self.engine.on_publish),
         ]
-        if self.hangs is not None:
-            steps.append(("hangs", self.hangs.on_publish))
+        if self.hangs is not None:  # before the engine, which pulls its findings
+            steps.insert(1, ("hangs", self.hangs.on_publish))
         for item in batch:
             for name, step in steps:
                 self._guarded(name, step, self._state.snapshot(), item.source, item.events)
@@ -209,20 +210,12 @@ class Pipeline(Consumers):
         self.evidence = EvidenceRecorder(cfg, self.store, state, clock)
         self.engine.add_listener(self.evidence.update)
         self.remediation.before_act = self._evidence_before_act
-        # Job hangs: their own detector and forensics thread; their alerts go through a
-        # sink of their own (its own outbox), beside the engine's.
+        # Job hangs: their own detector and forensics thread; their findings are pulled by
+        # the engine, so they leave through the one sink (reload, for_seconds, disabled_rules).
         ids = HangIds(self.store)  # unique for the store's life, not the run's
         self.hang_monitor = HangMonitor(cfg, clock, self.store, io=NodeForensics(), ids=ids)
         self.hangs = self.hang_monitor
-        self.hang_sink = AlertSink(
-            cfg,
-            os.path.join(cfg.daemon.state_dir, HANG_ALERTS_DB),
-            clock,
-            node,
-            listen_port=listen_port,
-        )
-        self.hang_monitor.add_listener(self.hang_sink.update)
-        self.hang_monitor.add_listener(self.evidence.update)
+        self.engine.add_provider("job_hang", self.hang_monitor)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._heartbeat = clock.monotonic()
@@ -269,7 +262,6 @@ class Pipeline(Consumers):
         self.sink.start()
         self.remediation.start()
         self.diag.start()
-        self.hang_sink.start()
         self.hang_monitor.start()
         self.evidence.start()
         self._heartbeat = self._clock.monotonic()
@@ -290,8 +282,8 @@ class Pipeline(Consumers):
     def tick(self) -> None:
         """About once a second on the consumer thread: expiries, hold times, operator clears."""
         self._guarded("tick", self.xids.tick)
+        self._guarded("hangs", self.hang_monitor.tick)  # before the engine pulls its findings
         self._guarded("tick", self.engine.tick)
-        self._guarded("hangs", self.hang_monitor.tick)
         self._guarded("tick", self._publish_samples)
 
     def _publish_samples(self) -> None:
@@ -360,12 +352,11 @@ class Pipeline(Consumers):
         self.diag.stop(timeout)
         self.hang_monitor.stop(timeout)
         self.evidence.stop(timeout)
-        self.hang_sink.stop(flush_timeout=timeout, close=False)
         self.sink.stop(flush_timeout=timeout, close=False)
         # One checkpoint per database (the last connection's close), in parallel and bounded:
         # 5 s per sync made them 30 s in a row, past systemd's TimeoutStopSec.
-        files = [("alert outbox", self.sink.close), ("hang alert outbox", self.hang_sink.close)]
-        late = close_within([*files, ("event store", self.store.close)], STOP_CLOSE_SECONDS)
+        files = [("alert outbox", self.sink.close), ("event store", self.store.close)]
+        late = close_within(files, STOP_CLOSE_SECONDS)
         if late:
             log.warning(
                 "stop: %s not closed in %.0fs (a slow disk): the next start recovers the"

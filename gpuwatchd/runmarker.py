@@ -50,7 +50,6 @@ FAULT_LOG_MAX = 256 * 1024  # what the daemon itself appends (tracebacks), at mo
 STACK_LINES = 3  # of the previous fault log, in the one warning line
 PRIVATE_FILES = (
     "gpuwatchd.db",
-    "hang-alerts.db",
     "gpuwatchd.lock",
     MARKER_NAME,
     COUNT_NAME,

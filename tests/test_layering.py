@@ -27,6 +27,7 @@ LAYER_OF_TOP = {
     "health": "health",
     "sinks": "sinks",
     "http": "http",
+    "app": "daemon",
     "pipeline": "daemon",
     "forensics": "daemon",
     "preflight": "daemon",

@@ -1,6 +1,10 @@
 """Command line: `gpuwatchd run | record | config | xid | check | clear | hang | diag | evidence`,
 one module each.
 
+Every subcommand runs inside one `app.CommandContext` that `main` enters and
+hands to it (`func(ctx)`): the config with overrides, the state dir, the
+store, and what the command did recorded on exit.
+
 Exit status 2 means CRITICAL to every monitoring-plugin caller, so no usage
 error exits 2: a usage error is 3 (UNKNOWN) for the plugin-style commands
 (`check`, `diag`) and 64 (EX_USAGE) for the rest; a bad config is 78; an
@@ -27,6 +31,8 @@ __all__ = [
     "Parser",
     "STATE_DIR_ENV",
     "add_state_dir",
+    "command_of",
+    "dispatch",
     "main",
     "plugin_command",
     "seconds",
@@ -67,8 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EX_USAGE
     logs.setup(getattr(args, "log_level", None) or "info")
     try:
-        rc: int = args.func(args)
-        return rc
+        return dispatch(args)
     except ConfigError as exc:
         from gpuwatchd.config.overrides import flag_error
 
@@ -84,6 +89,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             "%s: %s (use --debug for a traceback)", type(exc).__name__, exc
         )
         return PLUGIN_USAGE if getattr(args, "plugin", False) else 1  # never WARNING from a bug
+
+
+def command_of(args: argparse.Namespace) -> str:
+    """The subcommand the parsed arguments run: the module its handler lives in."""
+    func = getattr(args, "func", None)
+    return str(getattr(func, "__module__", "")).rpartition(".")[2] or "gpuwatchd"
+
+
+def dispatch(args: argparse.Namespace) -> int:
+    """Run the parsed subcommand inside the one `CommandContext` (the only caller of a
+    handler): config, state dir and store come from it; what the command did is
+    recorded when it ends."""
+    from gpuwatchd.app import CommandContext
+
+    with CommandContext(args, command_of(args)) as ctx:
+        rc: int = args.func(ctx)
+    return rc
 
 
 class Parser(argparse.ArgumentParser):

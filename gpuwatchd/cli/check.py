@@ -14,7 +14,6 @@ follows node-problem-detector's custom plugin contract: 0 OK, 1 problem,
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -22,13 +21,13 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuwatchd import config
 from gpuwatchd.cli import PLUGIN_USAGE, add_state_dir, plugin_command, seconds
 from gpuwatchd.clock import Clock, SystemClock
 from gpuwatchd.config import Config
-from gpuwatchd.config.overrides import Overrides, load_with, node_name
+from gpuwatchd.config.overrides import node_name
 from gpuwatchd.errors import GpuwatchdError
 from gpuwatchd.health import alerts
 from gpuwatchd.health.hangs.monitor import open_hangs
@@ -39,6 +38,9 @@ from gpuwatchd.sources import Source
 from gpuwatchd.sources.runner import Runner
 from gpuwatchd.sources.workloads.source import workloads_on_gpus
 from gpuwatchd.state import State
+
+if TYPE_CHECKING:
+    from gpuwatchd.app import CommandContext
 
 __all__ = ["Verdict", "check", "collect", "register"]
 
@@ -253,7 +255,8 @@ def check(cfg: Config, clock: Clock | None = None, timeout: float = 30.0) -> Ver
     delays, and the daemon's store (under daemon.state_dir) read, never
     written: its operator clears, GPU count baseline and Xids of this boot.
     """
-    from gpuwatchd.pipeline import Consumers, one_shot_config, open_store_reader
+    from gpuwatchd.app import Mode, assemble
+    from gpuwatchd.pipeline import open_store_reader
 
     clock = clock or SystemClock()
     notes: list[str] = []
@@ -261,7 +264,7 @@ def check(cfg: Config, clock: Clock | None = None, timeout: float = 30.0) -> Ver
     store = open_store_reader(cfg, notes)
     diag: list[dict[str, object]] = []
     try:
-        chain = Consumers(one_shot_config(cfg), state, clock, store, (), one_shot=True)
+        chain = assemble(Mode.CHECK, cfg, state, clock, store=store)
         if store is not None:  # the last diag results count like the daemon's (GpuDiagFailed)
             diag = _stored_diag(cfg, store.event_store(), state, clock.time())
         got = collect(cfg, clock, timeout, state=state)
@@ -397,7 +400,8 @@ def render_npd(v: Verdict, problem: Severity) -> tuple[int, str]:
     return 0, f"healthy: {v.gpus} GPU(s)"
 
 
-def _run_check(args: argparse.Namespace) -> int:
+def _run_check(ctx: CommandContext) -> int:
+    args = ctx.args
     if args.json and args.format not in (None, "json"):
         print(
             "gpuwatchd check: --json means --format json;"
@@ -406,7 +410,7 @@ def _run_check(args: argparse.Namespace) -> int:
         )
         return PLUGIN_USAGE
     fmt = args.format or ("json" if args.json else "text")
-    cfg = load_with(args.config, Overrides.of(args))
+    cfg = ctx.config
     config.check_paths(cfg, args.config or "<defaults>")
     try:
         verdict = check(cfg, timeout=args.timeout)

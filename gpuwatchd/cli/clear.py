@@ -7,18 +7,21 @@ import getpass
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuwatchd.bootid import read_boot_id
 from gpuwatchd.cli import EX_USAGE, add_state_dir
 from gpuwatchd.cli.check import collect
 from gpuwatchd.clock import SystemClock
 from gpuwatchd.config import Config
-from gpuwatchd.config.overrides import Overrides, load_with, node_name
+from gpuwatchd.config.overrides import node_name
 from gpuwatchd.errors import GpuwatchdError
 from gpuwatchd.model import Severity
 from gpuwatchd.pci import normalize_bus_id
 from gpuwatchd.sinks.store import DB_NAME, EventStore
+
+if TYPE_CHECKING:
+    from gpuwatchd.app import CommandContext
 
 __all__ = ["operator", "register", "resolve_gpu"]
 
@@ -92,13 +95,14 @@ def resolve_gpu(cfg: Config, target: str, timeout: float = 15.0) -> str:
     )
 
 
-def _run_clear(args: argparse.Namespace) -> int:
-    cfg = load_with(args.config, Overrides.of(args))
+def _run_clear(ctx: CommandContext) -> int:
+    args: Any = ctx.args
     if not (args.gpu or args.all or args.resume):
         print("gpuwatchd clear: one of --gpu, --all or --resume is required", file=sys.stderr)
         return EX_USAGE
+    cfg = ctx.config
     if args.gpu or args.all:
-        if not (args.new_store or os.path.exists(os.path.join(cfg.daemon.state_dir, DB_NAME))):
+        if not (args.new_store or ctx.has_store()):
             # a clear in a store nobody reads (a mistyped --state-dir) would be lost unseen
             print(
                 f"gpuwatchd clear: no event store in {cfg.daemon.state_dir}; pass the daemon's"
@@ -106,15 +110,16 @@ def _run_clear(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 1
-        _clear_gpus(cfg, args)
-    return _resume(cfg, args) if args.resume else 0
+        _clear_gpus(ctx)
+    return _resume(ctx) if args.resume else 0
 
 
-def _resume(cfg: Config, args: argparse.Namespace) -> int:
+def _resume(ctx: CommandContext) -> int:
     from gpuwatchd.sinks.remediation.resume import resume
 
+    cfg, args = ctx.config, ctx.args
     node = node_name(cfg)
-    store = EventStore.from_config(cfg)
+    store = ctx.store()
     try:
         refused = _verify(cfg, store, args)
         if refused is not None:
@@ -125,8 +130,6 @@ def _resume(cfg: Config, args: argparse.Namespace) -> int:
     except GpuwatchdError as exc:
         print(f"gpuwatchd clear --resume: {exc}", file=sys.stderr)
         return 1
-    finally:
-        store.close()
     return 0
 
 
@@ -226,19 +229,16 @@ def _verify(cfg: Config, store: EventStore, args: argparse.Namespace) -> int | N
     return EXIT.get(report.verdict, 3)
 
 
-def _clear_gpus(cfg: Config, args: argparse.Namespace) -> None:
+def _clear_gpus(ctx: CommandContext) -> None:
+    cfg, args = ctx.config, ctx.args
     bus = "" if args.all else resolve_gpu(cfg, args.gpu)
-    store = EventStore.from_config(cfg)
-    try:
-        row = store.add_clear(
-            operator(),
-            pci_bus_id=bus,
-            code=args.xid,
-            reason=args.reason,
-            boot_id=read_boot_id(cfg.paths.boot_id),
-        )
-    finally:
-        store.close()
+    row = ctx.store().add_clear(
+        operator(),
+        pci_bus_id=bus,
+        code=args.xid,
+        reason=args.reason,
+        boot_id=read_boot_id(cfg.paths.boot_id),
+    )
     what = f"GPU {args.gpu} ({bus})" if bus else "all GPUs"
     if args.xid is not None:
         what += f", Xid {args.xid} only"

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuwatchd import config
 from gpuwatchd.cli import add_state_dir
-from gpuwatchd.config.overrides import Overrides
+
+if TYPE_CHECKING:
+    from gpuwatchd.app import CommandContext
 
 __all__ = ["register"]
 
@@ -25,14 +26,15 @@ def register(sub: Any) -> None:
     default.set_defaults(func=_config_default)
 
 
-def _config_check(args: argparse.Namespace) -> int:
+def _config_check(ctx: CommandContext) -> int:
     from gpuwatchd.daemon import load_checked  # the daemon's own checks, web config included
 
-    load_checked(args.file, Overrides.of(args))  # every check `run` makes, all at once
-    print(f"{args.file}: ok")
+    path = str(ctx.args.file)
+    load_checked(path, ctx.overrides)  # every check `run` makes, all at once
+    print(f"{path}: ok")
     return 0
 
 
-def _config_default(_args: argparse.Namespace) -> int:
+def _config_default(_ctx: CommandContext) -> int:
     sys.stdout.write(config.render_default())
     return 0

@@ -7,6 +7,12 @@ floor. Exit 0 OK, 2 CRITICAL (a check failed), 3 UNKNOWN (a check could
 not run or reported nothing, a GPU named with --gpu does not exist, the
 node was busy, the run was cancelled or interrupted, or a usage error),
 78 a bad config, floors file or capture.
+
+Every run is recorded in the daemon's event store (`--state-dir`, else
+$GPUWATCHD_STATE_DIR, else daemon.state_dir) with trigger `cli` when the
+command ends, by the command context, so the daemon exports it and
+GpuDiagFailed sees it; a state dir that cannot take it is said on stderr and
+changes nothing else.
 """
 
 from __future__ import annotations
@@ -20,13 +26,16 @@ import signal
 import sys
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gpuwatchd.cli import plugin_command, seconds
+from gpuwatchd.cli import add_state_dir, plugin_command, seconds
 from gpuwatchd.config import Config
 from gpuwatchd.diagnose.run import DiagOptions, DiagReport, open_nvml, options_for, run_diag
 from gpuwatchd.errors import ConfigError, GpuwatchdError
 from gpuwatchd.sources.diag.runner import WorkerRun
+
+if TYPE_CHECKING:
+    from gpuwatchd.app import CommandContext
 
 __all__ = ["Interrupted", "register", "render_text", "stop_worker_on_signals"]
 
@@ -90,6 +99,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--timeout", type=seconds, metavar="S", help="give up after S seconds (> 0)")
     p.add_argument("--dcgm-level", type=int, choices=(1, 2, 3, 4), help="dcgmi diag -r N")
     p.add_argument("--nvml-replay", metavar="FILE", help="replay a recorded NVML capture")
+    add_state_dir(p, "the daemon's event store, where the run is recorded")
     p.add_argument("--fake-worker", metavar="FILE", help=argparse_suppress())
     p.set_defaults(func=_run_diag)
 
@@ -125,10 +135,9 @@ def options_from(args: Any, cfg: Config | None = None) -> DiagOptions:
     )
 
 
-def _run_diag(args: Any) -> int:
-    from gpuwatchd import config
-
-    cfg = config.load(args.config)
+def _run_diag(ctx: CommandContext) -> int:
+    args = ctx.args
+    cfg = ctx.config
     opts = options_from(args, cfg)
     try:
         client = open_nvml(cfg, args.nvml_replay or "")
@@ -148,6 +157,7 @@ def _run_diag(args: Any) -> int:
             client.shutdown()
         except Exception:
             pass
+    ctx.done(report)  # into the daemon's store when the command ends (trigger cli)
     if args.json:
         print(json.dumps(report.to_json(), indent=2, sort_keys=True))
     else:

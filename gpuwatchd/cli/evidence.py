@@ -8,11 +8,13 @@ import os
 import sys
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuwatchd.cli import add_state_dir
-from gpuwatchd.config.overrides import Overrides, load_with
 from gpuwatchd.logs import escape_control
+
+if TYPE_CHECKING:
+    from gpuwatchd.app import CommandContext
 
 __all__ = ["register", "render_bundle"]
 
@@ -49,10 +51,11 @@ def register(subparsers: Any) -> None:
     show.set_defaults(func=_run_show)
 
 
-def _run_list(args: argparse.Namespace) -> int:
+def _run_list(ctx: CommandContext) -> int:
     from gpuwatchd.sinks.evidence import list_bundles
 
-    cfg = load_with(args.config, Overrides.of(args))
+    args: Any = ctx.args
+    cfg = ctx.config
     bundles = list_bundles(cfg)
     if args.json:
         print(json.dumps(bundles, indent=1))
@@ -66,10 +69,11 @@ def _run_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_show(args: argparse.Namespace) -> int:
+def _run_show(ctx: CommandContext) -> int:
     from gpuwatchd.sinks.evidence import EVIDENCE_DIR, read_bundle
 
-    cfg = load_with(args.config, Overrides.of(args))
+    args: Any = ctx.args
+    cfg = ctx.config
     doc = read_bundle(cfg, args.id)
     if doc is None:
         print(

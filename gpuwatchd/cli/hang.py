@@ -7,17 +7,17 @@ remediation, py-spy dumps, NCCL RAS answer).
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuwatchd.cli import add_state_dir
-from gpuwatchd.config.overrides import Overrides, load_with
-from gpuwatchd.sinks.store import DB_NAME, EventStore
+from gpuwatchd.sinks.store import EventStore
+
+if TYPE_CHECKING:
+    from gpuwatchd.app import CommandContext
 
 __all__ = ["hang_documents", "register", "render"]
 
@@ -104,16 +104,12 @@ def render(doc: Mapping[str, Any], full: bool) -> str:
     return "\n".join(lines)
 
 
-def _run_show(args: argparse.Namespace) -> int:
-    cfg = load_with(args.config, Overrides.of(args))
-    if not os.path.exists(os.path.join(cfg.daemon.state_dir, DB_NAME)):
-        print(f"no event store in {cfg.daemon.state_dir}", file=sys.stderr)
+def _run_show(ctx: CommandContext) -> int:
+    args: Any = ctx.args
+    if not ctx.has_store():
+        print(f"no event store in {ctx.state_dir}", file=sys.stderr)
         return 1
-    store = EventStore.from_config(cfg)
-    try:
-        docs = hang_documents(store, max(args.limit, 1) if args.id is None else 1000)
-    finally:
-        store.close()
+    docs = hang_documents(ctx.store(), max(args.limit, 1) if args.id is None else 1000)
     if args.id is not None:
         docs = [d for d in docs if d.get("id") == args.id or d.get("event_id") == args.id][:1]
         if not docs:

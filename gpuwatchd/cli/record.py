@@ -7,13 +7,16 @@ import logging
 import sys
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuwatchd.cli import EX_USAGE, Parser
 from gpuwatchd.errors import NvmlError
 from gpuwatchd.sources.nvml.client import NvmlClient, Pynvml
 from gpuwatchd.sources.nvml.record import record
 from gpuwatchd.sources.nvml.replay import ReplayClient
+
+if TYPE_CHECKING:
+    from gpuwatchd.app import CommandContext
 
 __all__ = ["main", "register"]
 
@@ -72,7 +75,8 @@ def _nvml_missing(client: NvmlClient, timeout: float) -> str:
     return answer[0] if answer else f"nvmlInit did not return within {timeout:g}s"
 
 
-def _handle(args: argparse.Namespace) -> int:
+def _handle(ctx: CommandContext) -> int:
+    args: Any = ctx.args
     problem = _flag_problem(args)
     if problem:
         print(f"gpuwatchd record: {problem}", file=sys.stderr)
@@ -129,8 +133,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="gpuwatchd record", description="Record NVML answers for the replay backend."
     )
     _add_arguments(parser)
+    parser.set_defaults(func=_handle)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    return _handle(parser.parse_args(argv))
+    from gpuwatchd.cli import dispatch
+
+    return dispatch(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuwatchd.cli import add_state_dir
+
+if TYPE_CHECKING:
+    from gpuwatchd.app import CommandContext
 
 __all__ = ["register"]
 
@@ -23,13 +25,8 @@ def register(sub: Any) -> None:
     run.set_defaults(func=_run)
 
 
-def _run(args: argparse.Namespace) -> int:
-    from gpuwatchd.daemon import Daemon, Overrides
+def _run(ctx: CommandContext) -> int:
+    from gpuwatchd.daemon import Daemon
 
-    overrides = Overrides(
-        listen=args.listen,
-        nvml_replay=args.nvml_replay,
-        state_dir=args.state_dir,
-        log_level=args.log_level,
-    )
-    return Daemon(args.config, overrides).run()
+    # The daemon reads the file itself (at start and on SIGHUP), with the context's overrides.
+    return Daemon(ctx.config_path, ctx.overrides).run()

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any, TextIO
 
-from gpuwatchd import config
+from gpuwatchd.app import CommandContext
 from gpuwatchd.health.xid import catalog as xid
 from gpuwatchd.health.xid import nvlink5
 from gpuwatchd.health.xid.catalog import Catalog, XidInfo
@@ -80,14 +80,12 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=lambda _a: (parser.print_help(sys.stderr), os.EX_USAGE)[1])
 
 
-def _quiet_pipe(
-    command: Callable[[argparse.Namespace], int],
-) -> Callable[[argparse.Namespace], int]:
+def _quiet_pipe(command: Callable[[CommandContext], int]) -> Callable[[CommandContext], int]:
     """Run `command`; a reader that went away (`| head`) ends it quietly, exit 0."""
 
-    def run(args: argparse.Namespace) -> int:
+    def run(ctx: CommandContext) -> int:
         try:
-            return command(args)
+            return command(ctx)
         except BrokenPipeError:
             # stdout is gone: point it at /dev/null so the final flush cannot fail again
             devnull = os.open(os.devnull, os.O_WRONLY)
@@ -104,10 +102,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto")
 
 
-def _catalog(args: argparse.Namespace) -> Catalog:
-    if getattr(args, "config", None):
-        return xid.from_config(config.load(args.config))
-    return xid.default_catalog()
+def _catalog(ctx: CommandContext) -> Catalog:
+    return xid.from_config(ctx.config) if ctx.config_path else xid.default_catalog()
 
 
 class _Style:
@@ -151,9 +147,10 @@ def _parse_code(text: str) -> tuple[str, int]:
     return kind, code
 
 
-def explain(args: argparse.Namespace) -> int:
+def explain(ctx: CommandContext) -> int:
     """Print name, severity, action and remediation for each code."""
-    cat = _catalog(args)
+    args: Any = ctx.args
+    cat = _catalog(ctx)
     out: TextIO = sys.stdout
     style = _Style(args.color, out)
     width = _width()
@@ -295,9 +292,10 @@ def report_json(rec: KmsgRecord, info: XidInfo, uuid: str) -> dict[str, Any]:
     }
 
 
-def scan(args: argparse.Namespace) -> int:
+def scan(ctx: CommandContext) -> int:
     """Find and explain every Xid/SXid in kernel log text, then summarise."""
-    cat = _catalog(args)
+    args: Any = ctx.args
+    cat = _catalog(ctx)
     out: TextIO = sys.stdout
     style = _Style(args.color, out)
     try:

@@ -77,6 +77,20 @@ class DiagReport:
     models: dict[str, str] = field(default_factory=dict)
     buses: dict[str, str] = field(default_factory=dict)  # GPU index -> PCI bus id
 
+    def record_into(self, store: EventStore, trigger: str) -> None:
+        """Store the run (and each failure) as the daemon's metrics and rules read it."""
+        record_run(
+            store,
+            tier=self.tier,
+            verdict=self.verdict,
+            results=self.results,
+            buses=self.buses,
+            seconds=self.seconds,
+            cancelled=self.cancelled,
+            trigger=trigger,
+            t=self.started,
+        )
+
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (the CLI's --json and the stored event)."""
         out = asdict(self)
@@ -173,7 +187,7 @@ def run_diag(
                 freed_seconds=outcome.freed_seconds,
                 backend=outcome.backend,
             )
-        backend, error = outcome.backend, outcome.error
+        backend, error, freed = outcome.backend, outcome.error, outcome.freed_seconds
         measurements += outcome.measurements
         if opts.tier == "standard":
             measurements += counter_checks(before, read_gpus(client, opts.gpus))
@@ -252,16 +266,6 @@ def run_recorded(
             client.shutdown()
         except Exception:
             pass
-    record_run(
-        store,
-        tier=report.tier,
-        verdict=report.verdict,
-        results=report.results,
-        buses=report.buses,
-        seconds=report.seconds,
-        cancelled=report.cancelled,
-        trigger=trigger,
-        t=report.started,
-    )
+    report.record_into(store, trigger)
     offenders = repeat_offenders(store, time.time(), cfg.diag.inspect_after_failures)
     return report, offenders

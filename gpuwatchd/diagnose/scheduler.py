@@ -170,7 +170,8 @@ class DiagScheduler:
 
     def update(self, findings: Iterable[Finding], now: float | None = None) -> None:
         """HealthEngine listener: note when the last critical condition clears."""
-        critical = any(f.severity == Severity.CRITICAL for f in findings)
+        # a job's hang is the job's: its end does not call for a diag of the node
+        critical = any(f.severity == Severity.CRITICAL and f.scope != "job" for f in findings)
         with self._lock:
             if self._had_critical and not critical and self.cfg.diag.after_critical:
                 self._pending = "after_critical"

@@ -9,6 +9,12 @@ with their `since`, then publish: `state.set_findings`, the roll-up
 samples (health/rollup.py) via `state.publish_extra`, and the open
 findings to listeners (the Alertmanager sink) when they changed.
 
+Findings that other parts hold (the hang monitor's JobHangSuspected) are
+pulled from `FindingsProvider`s at each evaluation, beside the rules' own,
+so every alert goes through the same `for_seconds`, `disabled_rules`,
+transitions and listeners: one alert path. A provider's `version` moves when
+its findings change, so a quiet tick still picks the change up.
+
 A tick on a quiet node is skipped: with nothing open or pending, no new
 snapshot generation, no operator clear and before the earliest time a
 time-based finding can appear (the rules' `due` in health/ruleset.py), every rule would give
@@ -21,7 +27,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config, HealthConfig
@@ -50,6 +56,7 @@ from gpuwatchd.pci import normalize_bus_id
 from gpuwatchd.state import NodeSnapshot, State
 
 __all__ = [
+    "FindingsProvider",
     "HealthEngine",
     "METRICS",
     "store_clears",
@@ -61,6 +68,17 @@ Listener = Callable[[Sequence[Finding], float], None]
 Key = tuple[str, Labels, Labels]
 XidProvider = Callable[[float], Sequence[XidCondition]]  # XidStage.conditions
 ClearFetcher = Callable[[float], Sequence[Clear]]
+
+
+class FindingsProvider(Protocol):
+    """Findings held outside the rules (the hang monitor's), pulled at each evaluation."""
+
+    @property
+    def version(self) -> int:
+        """Moves whenever `findings()` would answer differently."""
+        ...
+
+    def findings(self) -> Sequence[Finding]: ...
 
 
 def store_clears(store: Any) -> ClearFetcher:
@@ -117,6 +135,8 @@ class HealthEngine:
         self.evaluations = 0  # rule runs so far (a skipped quiet tick runs none)
         self._quiet_generation: int | None = None  # the state's, after the last evaluation
         self._clears_seen: set[int] = set()
+        self._providers: list[tuple[str, FindingsProvider]] = []
+        self._provider_versions: tuple[int, ...] = ()  # as of the last evaluation
         # The GPU count seen at first start survives restarts through `on_baseline`.
         self.history.restore(baseline_gpus)
         self._saved_baseline = baseline_gpus
@@ -151,6 +171,16 @@ class HealthEngine:
         self._last_sent = None  # the next listener gets the current set at once
         self._quiet_generation = None
 
+    def add_provider(self, name: str, provider: FindingsProvider) -> None:
+        """Pull `provider`'s findings at every evaluation (counted as rule `name` if it
+        raises)."""
+        with self._lock:
+            self._providers.append((name, provider))
+            self._quiet_generation = None
+
+    def _versions(self) -> tuple[int, ...]:
+        return tuple(p.version for _, p in self._providers)
+
     def on_clear(self, hook: Callable[[Clear], None]) -> None:
         """Also tell `hook` about operator clears (e.g. the Xid tracker)."""
         self._clear_hooks.append(hook)
@@ -173,7 +203,8 @@ class HealthEngine:
             with self._lock:
                 same = self._last_inputs.get(source.source) == key
                 self._last_inputs[source.source] = key
-                if same and 0 <= now - self._last_eval < 1.0:
+                moved = self._versions() != self._provider_versions
+                if same and not moved and 0 <= now - self._last_eval < 1.0:
                     return
         self.evaluate(snap)
 
@@ -185,6 +216,7 @@ class HealthEngine:
                 snap = self._state.snapshot() if self._state is not None else NodeSnapshot()
             self._last_eval = now
             self.evaluations += 1
+            self._provider_versions = self._versions()
             view = View(snap)
             self._last_view = view
             mono = self._clock.monotonic()  # durations; `now` (wall) is for display
@@ -233,6 +265,8 @@ class HealthEngine:
         snap = self._state.snapshot()
         if snap.generation != self._quiet_generation:
             return False
+        if self._versions() != self._provider_versions:
+            return False
         if now - self._last_eval >= ruleset.MAX_QUIET_SECONDS or now < self._last_eval:
             return False
         return now < ruleset.next_change(snap, self.history, self.cfg)
@@ -266,6 +300,8 @@ class HealthEngine:
         ]
         for spec in ruleset.RULES:
             stateful.append((spec.name, functools.partial(spec.rule, inp)))
+        for name, provider in self._providers:
+            stateful.append((name, functools.partial(_pulled, provider)))
         for name, run in stateful:
             try:
                 found = run()
@@ -399,6 +435,10 @@ class HealthEngine:
     def status(self) -> dict[str, object]:
         """JSON-able health for /status."""
         return status_json(self.rollup(), self._last_view, self.open_findings())
+
+
+def _pulled(provider: FindingsProvider) -> list[Finding]:
+    return list(provider.findings())
 
 
 def _with_since(f: Finding, since: float) -> Finding:

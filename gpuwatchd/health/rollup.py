@@ -97,7 +97,7 @@ def roll_up(
     expected = set(expected_sources)
     gpus = {u: Health.HEALTHY for u in (view.gpus if view else {})}
     comps = {c: Health.HEALTHY for c in COMPONENTS if c in present | expected or c == "daemon"}
-    for f in findings:
+    for f in _node_findings(findings):
         h = health_of(f.severity)
         key = gpu_key(dict(f.subject))
         if key:
@@ -106,6 +106,12 @@ def roll_up(
         comps[c] = max(comps.get(c, Health.HEALTHY), h)
     node = max([*gpus.values(), *comps.values()], default=Health.HEALTHY)
     return Rollup(node, comps, gpus)
+
+
+def _node_findings(findings: Iterable[Finding]) -> list[Finding]:
+    """What counts against the node: a job's hang (scope job) is the job's; it has its
+    own series (gpuwatchd_job_hang_info) and alert."""
+    return [f for f in findings if f.scope != "job"]
 
 
 def health_samples(
@@ -127,7 +133,7 @@ def health_samples(
         if gpu is not None:
             out.append(_health("gpu", "", gpu.subject, h))
     counts = {"warning": 0, "critical": 0}
-    for f in findings:
+    for f in _node_findings(findings):
         if f.severity >= Severity.WARNING:
             counts[str(f.severity)] += 1
     out.extend(Sample.of("gpuwatchd_health_conditions", n, severity=s) for s, n in counts.items())

@@ -17,6 +17,7 @@ import pytest
 from gpuwatchd import config
 from gpuwatchd.cli import check as checkcmd
 from gpuwatchd.cli import clear as clearcmd
+from gpuwatchd.cli import dispatch
 from gpuwatchd.sources import SourceSpec, registry
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +46,7 @@ def run(argv: list[str]) -> int:
     checkcmd.register(sub)
     clearcmd.register(sub)
     args = parser.parse_args(argv)
-    rc: int = args.func(args)
+    rc: int = dispatch(args)
     return rc
 
 

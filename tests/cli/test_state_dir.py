@@ -15,12 +15,14 @@ from gpuwatchd import config
 from gpuwatchd.cli import build_parser
 from gpuwatchd.cli import main as cli_main
 from gpuwatchd.model import Action, Event, Finding, Severity, labels_of
+from gpuwatchd.sinks.diag_store import last_runs
 from gpuwatchd.sinks.evidence import EvidenceRecorder
 from gpuwatchd.sinks.store import DB_NAME, EventStore
 from tests.check_config import BOOT_ID
+from tests.diag.fakes import H100_IDLE, canned, result
 
 # Commands that never open the state dir: a new command must be added here or to PROBES.
-STATELESS = {"diag", "record", "xid"}
+STATELESS = {"record", "xid"}
 HANG_JOB = "torch:10.0.0.7:29500"
 
 
@@ -130,10 +132,25 @@ def _run(node: Node, state: Path, capsys: pytest.CaptureFixture[str], extra: lis
     assert f"cannot create {state}:" in capsys.readouterr().err
 
 
+def _diag(node: Node, state: Path, capsys: pytest.CaptureFixture[str], extra: list[str]) -> None:
+    # a failing run (gemm far below its floor) lands in that dir's store, trigger cli
+    worker = canned(node.tmp, [result("gemm", "0", 100.0, "TFLOP/s")], "slow.jsonl")
+    rc = cli_main(["diag", "--nvml-replay", str(H100_IDLE), "--fake-worker", worker, *extra])
+    assert rc == 2, capsys.readouterr()
+    capsys.readouterr()
+    store = EventStore(str(state / DB_NAME))
+    try:
+        [run] = last_runs(store)
+    finally:
+        store.close()
+    assert (run.tier, run.verdict, run.trigger) == ("quick", "CRITICAL", "cli")
+
+
 PROBES: dict[str, Probe] = {
     "check": _check,
     "clear": _clear,
     "config": _config,
+    "diag": _diag,
     "evidence": _evidence,
     "hang": _hang,
     "run": _run,

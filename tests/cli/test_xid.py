@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuwatchd.cli import dispatch
 from gpuwatchd.cli import xid as xidcmd
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "kmsg"
@@ -20,7 +21,7 @@ def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, 
     parser = argparse.ArgumentParser(prog="gpuwatchd")
     xidcmd.register(parser.add_subparsers())
     args = parser.parse_args(argv)
-    rc = args.func(args)
+    rc = dispatch(args)
     out, err = capsys.readouterr()
     return rc, out, err
 

@@ -284,3 +284,12 @@ def test_cli_bad_floors_file_exits_78(tmp_path: Path) -> None:
     )
     assert got.returncode == 78
     assert f"{site}: models[0].checks.gemm: needs a number" in got.stderr
+
+
+def test_timed_out_run_reports_the_time_it_took_to_free_the_gpus(tmp_path: Path) -> None:
+    # the worker never finishes: the deadline kills its group, and the report says how
+    # long the GPUs took to come free after the kill (was 0 for every timed-out run)
+    lines = [{"hello": {"backend": "fake", "devices": 1}}, {"sleep": 60}]
+    report = run_diag(DiagOptions(timeout=0.5, fake_worker=canned(tmp_path, lines)), _client())
+    assert report.verdict == "UNKNOWN" and "did not finish within 0.5s" in report.error
+    assert report.freed_seconds > 0

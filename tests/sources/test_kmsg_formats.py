@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from gpuwatchd.cli import dispatch
 from gpuwatchd.cli import xid as xidcmd
 from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import KmsgConfig, SourcesConfig
@@ -112,7 +113,7 @@ def _scan(argv: list[str], capsys: pytest.CaptureFixture[str]) -> list[dict[str,
     parser = argparse.ArgumentParser(prog="gpuwatchd")
     xidcmd.register(parser.add_subparsers())
     args = parser.parse_args(["xid", "scan", *argv, "--json"])
-    assert args.func(args) == 0
+    assert dispatch(args) == 0
     out, _ = capsys.readouterr()
     return [json.loads(line) for line in out.splitlines()]
 
@@ -130,7 +131,7 @@ def test_xid_scan_finds_nothing_in_the_command_lines(
     parser = argparse.ArgumentParser(prog="gpuwatchd")
     xidcmd.register(parser.add_subparsers())
     args = parser.parse_args(["xid", "scan", str(NEGATIVES)])
-    args.func(args)
+    dispatch(args)
     out, _ = capsys.readouterr()
     assert "unreadable" not in out.lower() and "unparsed" not in out.lower()
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from gpuwatchd.cli import dispatch
 from gpuwatchd.cli.record import main as record_main
 from gpuwatchd.cli.record import register
 from gpuwatchd.clock import FakeClock
@@ -259,7 +260,7 @@ def test_record_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str])
             str(H200X2),
         ]
     )
-    assert args.func(args) == 0
+    assert dispatch(args) == 0
     assert "2 GPU(s), driver 580.159.04, 2 poll(s)" in capsys.readouterr().out
     assert load_capture(out)["polls"] == 2
 

@@ -13,7 +13,7 @@ from gpuwatchd.health.hangs.detector import JobVerdict
 from gpuwatchd.health.hangs.record import ALERTNAME, GENERIC_REMEDIATION, RULE, HangRecord
 from gpuwatchd.model import Action, Finding, Sample, Severity
 
-__all__ = ["finding_of", "info_samples", "role_of", "severity_of"]
+__all__ = ["alert_key", "finding_of", "info_samples", "role_of", "severity_of"]
 
 SUBJECT_KEYS = ("job", "namespace", "pod", "slurm_job")
 
@@ -26,6 +26,11 @@ def severity_of(rec: HangRecord) -> Severity:
         return Severity.CRITICAL
     sig = rec.summary.signature if rec.summary else None
     return Severity.CRITICAL if sig is not None and sig.severity == "critical" else Severity.WARNING
+
+
+def alert_key(v: JobVerdict) -> tuple[object, ...]:
+    """What, when it changes, re-sends an open hang's alert: not every signal's flicker."""
+    return (v.conditions, v.severity, "ras" in v.signals.split("+"), v.nodes)
 
 
 def role_of(v: JobVerdict) -> str:

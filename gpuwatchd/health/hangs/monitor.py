@@ -5,9 +5,9 @@ workloads (or NVML's process list) into the detector's inputs. A job newly
 suspected goes on a bounded queue; the forensics worker captures each
 rank's stack once per stall (opt-in), queries NCCL RAS once and then every
 `ras_interval_seconds`, matches the signature catalog and stores the result
-as a `job_hang` event. `findings()` holds one `JobHangSuspected` per job;
-listeners (an alert sink) hear when they change. A job that makes progress
-or ends resolves its alert.
+as a `job_hang` event. `findings()` holds one `JobHangSuspected` per job, which
+the health engine pulls (`version` moves when they change) and sends through
+its one alert sink. A job that makes progress or ends resolves its alert.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config
 from gpuwatchd.errors import ConfigError
-from gpuwatchd.health.hangs.alerts import finding_of, info_samples, severity_of
+from gpuwatchd.health.hangs.alerts import alert_key, finding_of, info_samples, severity_of
 from gpuwatchd.health.hangs.causes import XidMemory
 from gpuwatchd.health.hangs.detector import (
     GpuActivity,
@@ -94,6 +94,7 @@ class HangMonitor:
         self._open: dict[str, int] = {}  # job -> record id
         self._ids = ids if ids is not None else itertools.count(1)
         self._listeners: list[Listener] = []
+        self.version = 0  # moves when findings() changes
         self._seen_stamp: float | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -157,7 +158,7 @@ class HangMonitor:
             self._ras_query = query
 
     def add_listener(self, listener: Listener) -> None:
-        """Call `listener(findings, now)` whenever the open hangs change."""
+        """Also call `listener(findings, now)` when the open hangs change (replays watch)."""
         self._listeners.append(listener)
 
     # --- the consumer step ------------------------------------------------------------
@@ -257,9 +258,9 @@ class HangMonitor:
                     changed |= not queued or bool(v.severity)
                 else:
                     rec = self._records[known]
-                    was = _alert_key(rec.verdict)
+                    was = alert_key(rec.verdict)
                     rec.job, rec.verdict = by_job[job], v
-                    if _alert_key(v) != was:  # escalated, another cause, RAS confirmed
+                    if alert_key(v) != was:  # escalated, another cause, RAS confirmed
                         changed = True
                         log.warning("hang of job %s now: %s", job, v.reason)
                     interval = self.cfg.hangs.ras_interval_seconds
@@ -458,6 +459,8 @@ class HangMonitor:
         return info_samples(recs, self.dropped)
 
     def _notify(self, now: float) -> None:
+        with self._lock:
+            self.version += 1
         found = self.findings()
         for listener in list(self._listeners):
             try:
@@ -483,11 +486,6 @@ class HangMonitor:
             return 200, "application/json", json.dumps(docs[0], indent=1).encode() + b"\n"
         body = {"count": len(docs), "hangs": docs}
         return 200, "application/json", json.dumps(body, indent=1).encode() + b"\n"
-
-
-def _alert_key(v: JobVerdict) -> tuple[object, ...]:
-    """What, when it changes, re-sends an open hang's alert: not every signal's flicker."""
-    return (v.conditions, v.severity, "ras" in v.signals.split("+"), v.nodes)
 
 
 def _young(job: JobView, grace: float) -> bool:

@@ -51,6 +51,7 @@ def due(
         f
         for f in findings
         if f.severity == Severity.CRITICAL
+        and f.scope != "job"  # a hung job is restarted by its owner, never a reason to drain
         and (not allowed or f.alertname in allowed)
         and f.since > 0
         and now - f.since >= cfg.remediation.hold_seconds
