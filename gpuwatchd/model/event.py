@@ -28,7 +28,8 @@ class Event:
 
     With a `payload`, `attrs` is its string view (`payload.attrs()`), set
     here: the store writes it and the journal reads it; code reads the
-    payload (`xid`, `kill`). Without one, `attrs` is the event's detail.
+    payload (`xid`, `kill`). Without one, `attrs` is the event's detail; an
+    Xid or SXid always has one (given attrs only, they are read into it).
     De-duplication is the Xid tracker's, by kind, bus id and code.
     """
 
@@ -44,6 +45,9 @@ class Event:
     payload: Payload | None = None
 
     def __post_init__(self) -> None:
+        if self.kind in XID_KINDS and self.payload is None:
+            # written as strings (a stored row, a test's shorthand): read once, exactly
+            object.__setattr__(self, "payload", XidFields.from_attrs(self.code or 0, self.attrs))
         if self.kind in XID_KINDS and not isinstance(self.payload, XidFields):
             raise TypeError(f"an {self.kind} event carries XidFields, not {self.payload!r}")
         if self.payload is not None:

@@ -161,24 +161,26 @@ class XidFields:
 
     def attrs(self) -> Labels:
         """The fields as strings (sorted, empty ones left out): the store's and journal's form."""
-        out = dict(self.facts)
         a = self.attribution
-        out.update(
-            pid="" if a.pid is None else str(a.pid),
-            process=a.process,
-            attribution=a.verified,
-            pid_start=a.pid_start,
-            reused_pid_start=a.reused_pid_start,
-        )
-        out.update(a.job)
-        for name in _STRINGS:
-            out[name] = getattr(self, name)
-        for name in _INTS:
-            value = getattr(self, name)
-            out[name] = "" if value is None else str(value)
-        out["fatal"] = "" if self.fatal is None else str(self.fatal).lower()
-        out["lines"] = str(self.lines) if self.lines > 1 else ""
-        out["pids"] = ",".join(map(str, self.pids))
+        typed = {
+            "pid": "" if a.pid is None else str(a.pid),
+            "process": a.process,
+            "attribution": a.verified,
+            "pid_start": a.pid_start,
+            "reused_pid_start": a.reused_pid_start,
+            **dict(a.job),
+            **{name: getattr(self, name) for name in _STRINGS},
+            **{
+                name: "" if getattr(self, name) is None else str(getattr(self, name))
+                for name in _INTS
+            },
+            "fatal": "" if self.fatal is None else str(self.fatal).lower(),
+            "lines": str(self.lines) if self.lines > 1 else "",
+            "pids": ",".join(map(str, self.pids)),
+        }
+        # a fact under a typed name is text that did not read as that type: the field is empty
+        out = dict(self.facts)
+        out.update((k, v) for k, v in typed.items() if v != "")
         return tuple(sorted((k, v) for k, v in out.items() if v != ""))
 
     @classmethod

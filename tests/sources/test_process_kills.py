@@ -7,14 +7,12 @@ comes from), then through the kmsg source reading a raw /dev/kmsg file.
 from __future__ import annotations
 
 import dataclasses
-
 from pathlib import Path
 
 import pytest
 
 from gpuwatchd.clock import FakeClock
-from gpuwatchd.model import Event, Sample
-from gpuwatchd.model import KILL_KINDS, ProcessKill
+from gpuwatchd.model import KILL_KINDS, Event, ProcessKill, Sample
 from gpuwatchd.sources import SourceContext
 from gpuwatchd.sources.kmsg.process_kills import (
     MAX_PENDING,
