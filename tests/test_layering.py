@@ -447,7 +447,7 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(groups)
 
 
-# Reviewed cycles, each a package whose __init__ loads its children by name while they
+# Reviewed cycles: a package whose __init__ loads its children by name while they
 # import a helper from it; drop an entry once its loop is gone.
 CYCLES_ALLOWED: set[tuple[str, ...]] = {
     # cli/__init__ imports each subcommand by name; they import add_state_dir from it
@@ -457,17 +457,6 @@ CYCLES_ALLOWED: set[tuple[str, ...]] = {
         "gpuwatchd.cli.clear",
         "gpuwatchd.cli.hang",
         "gpuwatchd.cli.run",
-    ),
-    # sources/__init__ builds each source in a function; they name SourceContext from it
-    (
-        "gpuwatchd.sources",
-        "gpuwatchd.sources.aer.source",
-        "gpuwatchd.sources.infiniband.source",
-        "gpuwatchd.sources.kmsg.source",
-        "gpuwatchd.sources.nvml.source",
-        "gpuwatchd.sources.shm.source",
-        "gpuwatchd.sources.udev",
-        "gpuwatchd.sources.workloads.source",
     ),
 }
 

@@ -47,7 +47,7 @@ from gpuwatchd.sources.workloads.environ import read_torch_env
 
 if TYPE_CHECKING:
     from gpuwatchd.config import Config
-    from gpuwatchd.sources import SourceContext
+    from gpuwatchd.sources.context import SourceContext
 
 __all__ = [
     "KmsgSource",

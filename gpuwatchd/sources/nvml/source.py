@@ -37,7 +37,7 @@ from gpuwatchd.sources.nvml.topology import GpuLinks, assemble, device_getter, r
 
 if TYPE_CHECKING:
     from gpuwatchd.config import Config
-    from gpuwatchd.sources import SourceContext
+    from gpuwatchd.sources.context import SourceContext
 
 __all__ = [
     "METRICS",
