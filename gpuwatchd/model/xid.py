@@ -11,6 +11,7 @@ stored row back into the same fields.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -85,6 +86,9 @@ _STRINGS = (
     "epoch",
 )
 
+_get_strings = operator.attrgetter(*_STRINGS)
+_get_ints = operator.attrgetter(*_INTS)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class XidAttribution:
@@ -106,7 +110,8 @@ class XidAttribution:
         for k, v in values:
             if v and (not keep or not job.get(k)):
                 job[k] = v
-        return dataclasses.replace(self, job=tuple(sorted(job.items())))
+        new = tuple(sorted(job.items()))
+        return self if new == self.job else dataclasses.replace(self, job=new)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -161,27 +166,31 @@ class XidFields:
 
     def attrs(self) -> Labels:
         """The fields as strings (sorted, empty ones left out): the store's and journal's form."""
-        a = self.attribution
-        typed = {
-            "pid": "" if a.pid is None else str(a.pid),
-            "process": a.process,
-            "attribution": a.verified,
-            "pid_start": a.pid_start,
-            "reused_pid_start": a.reused_pid_start,
-            **dict(a.job),
-            **{name: getattr(self, name) for name in _STRINGS},
-            **{
-                name: "" if getattr(self, name) is None else str(getattr(self, name))
-                for name in _INTS
-            },
-            "fatal": "" if self.fatal is None else str(self.fatal).lower(),
-            "lines": str(self.lines) if self.lines > 1 else "",
-            "pids": ",".join(map(str, self.pids)),
-        }
         # a fact under a typed name is text that did not read as that type: the field is empty
-        out = dict(self.facts)
-        out.update((k, v) for k, v in typed.items() if v != "")
-        return tuple(sorted((k, v) for k, v in out.items() if v != ""))
+        out = {k: v for k, v in self.facts if v}
+        a = self.attribution
+        if a.pid is not None:
+            out["pid"] = str(a.pid)
+        for key, value in (
+            ("process", a.process),
+            ("attribution", a.verified),
+            ("pid_start", a.pid_start),
+            ("reused_pid_start", a.reused_pid_start),
+            *a.job,
+            *zip(_STRINGS, _get_strings(self), strict=True),
+        ):
+            if value:
+                out[key] = value
+        for key, number in zip(_INTS, _get_ints(self), strict=True):
+            if number is not None:
+                out[key] = str(number)
+        if self.fatal is not None:
+            out["fatal"] = "true" if self.fatal else "false"
+        if self.lines > 1:
+            out["lines"] = str(self.lines)
+        if self.pids:
+            out["pids"] = ",".join(map(str, self.pids))
+        return tuple(sorted(out.items()))
 
     @classmethod
     def from_attrs(cls, code: int, attrs: Mapping[str, str] | Labels) -> XidFields:
@@ -193,12 +202,14 @@ class XidFields:
 
     def with_facts(self, pairs: Iterable[tuple[str, str]]) -> XidFields:
         """These fields with `pairs` (strings under the attrs' names) read into them."""
+        given = dict(pairs)
+        if not given:
+            return self
         values: dict[str, object] = {}
         facts = dict(self.facts)
         a = self.attribution
         who: dict[str, object] = {}
         job = dict(a.job)
-        given = dict(pairs)
         for key, text in given.items():
             typed = _read(key, text)
             if key in _WHO:

@@ -80,12 +80,13 @@ class Burst:
 
     def continues(self, event: Event) -> bool:
         """Whether `event` is a further line of the open report (see the module docstring)."""
-        part, pid = report_part(event), pid_of(event)
         if self.event is None or "pid" in self.parts or len(self.lines) >= MAX_REPORT_LINES:
             return False  # none open, or its last line (the process's) came, or full
         if not 0 <= event.time - self.start <= JOIN_WINDOW or event.message in self.lines:
             return False  # too late, or the same line again: a repeat
+        part = report_part(event)
         if part == "pid":
+            pid = pid_of(event)
             return not self.pid or self.pid == pid  # another pid: another process's report
         if part == "sm":  # an SM line after the ESR line, or of another SM: the next report
             return "esr" not in self.parts and self.where in ("", _where(event))
