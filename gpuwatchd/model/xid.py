@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gpuwatchd.model.values import Labels
 
@@ -114,6 +114,9 @@ class XidAttribution:
         return self if new == self.job else dataclasses.replace(self, job=new)
 
 
+NOBODY = XidAttribution()  # a report that names no process (immutable: one shared)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class XidFields:
     """One Xid/SXid report, typed: what the line said, who it names, what it means.
@@ -125,7 +128,7 @@ class XidFields:
     code: int
     gpu: str = ""  # NVML index; "" when NVML did not list the bus id
     uuid: str = ""
-    attribution: XidAttribution = field(default_factory=XidAttribution)
+    attribution: XidAttribution = NOBODY
     # what the report says
     gpc: int | None = None  # Xid 13 and friends: where in the GPU the fault hit
     tpc: int | None = None
