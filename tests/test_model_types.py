@@ -1,14 +1,24 @@
-"""Typed contracts in model.py: Xid fields on the event, the GPU inventory, one Clear."""
+"""Typed contracts in the model: Xid fields on the event, the GPU inventory, one Clear."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import load
-from gpuwatchd.model import Clear, Event, Gpu, GpuInventory, Severity, XidFields
+from gpuwatchd.model import (
+    Clear,
+    Event,
+    Gpu,
+    GpuInventory,
+    ProcessKill,
+    Severity,
+    XidAttribution,
+    XidFields,
+)
 from gpuwatchd.sources import SourceContext
 from gpuwatchd.sources.kmsg.source import KmsgSource
 
@@ -31,20 +41,36 @@ def test_xid_fields_of_a_real_xid13_report(tmp_path: Path) -> None:
     assert (xid13.gpu, xid13.uuid) == ("3", "GPU-x")  # from the inventory, typed
     assert (xid13.gpc, xid13.tpc, xid13.sm) == (7, 7, 0)  # "(GPC 7, TPC 7, SM 0)"
     xid109 = next(e.xid for e in events if e.code == 109)
-    assert xid109 is not None and xid109.pid == 1797828 and xid109.process == "pt_main_thread"
+    assert xid109 is not None and xid109.attribution.pid == 1797828
+    assert xid109.attribution.process == "pt_main_thread"
 
 
-def test_xid_fields_read_bad_numbers_as_absent_and_other_kinds_have_none() -> None:
-    ev = Event(
-        "xid",
-        "nvml",
-        1.0,
-        code=154,
-        severity=Severity.CRITICAL,
-        attrs=(("pid", "not-a-pid"), ("recovery_action", "GPU Reset Required"), ("fatal", "x")),
-    )
-    assert ev.xid == XidFields(code=154, recovery_action="GPU Reset Required")
+def test_xid_fields_keep_bad_numbers_as_text_and_other_kinds_have_none() -> None:
+    attrs = (("fatal", "x"), ("pid", "07"), ("recovery_action", "GPU Reset Required"))
+    ev = Event("xid", "nvml", 1.0, code=154, severity=Severity.CRITICAL, attrs=attrs)
+    # typed only where the text reads back exactly; the rest is kept as written
+    want = XidFields(code=154, recovery_action="GPU Reset Required", facts=attrs[:2])
+    assert ev.xid == want and ev.attrs == attrs
     assert Event("gpu_lost", "nvml", 1.0).xid is None
+
+
+def test_an_event_carries_one_payload_and_attrs_is_its_view() -> None:
+    who = XidAttribution(pid=650, process="python3", verified="slurm", job=(("slurm_job", "7"),))
+    fields = XidFields(code=31, gpu="0", attribution=who, name="MMU Fault", pids=(650, 651))
+    ev = Event("xid", "kmsg", 1.0, code=31, payload=fields, attrs=(("stale", "ignored"),))
+    assert ev.attrs == (
+        ("attribution", "slurm"),
+        ("gpu", "0"),
+        ("name", "MMU Fault"),
+        ("pid", "650"),
+        ("pids", "650,651"),
+        ("process", "python3"),
+        ("slurm_job", "7"),
+    )
+    assert XidFields.from_attrs(31, ev.attrs) == fields
+    assert dataclasses.replace(ev, payload=dataclasses.replace(fields, gpu="1")).attr("gpu") == "1"
+    with pytest.raises(TypeError):
+        Event("sxid", "kmsg", 1.0, payload=ProcessKill(kind="oom_kill", pid=1))
 
 
 def test_one_clear_type_is_keyword_only() -> None:

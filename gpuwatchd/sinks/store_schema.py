@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from gpuwatchd.model import Clear, Event, MetricSpec, Severity, XidFields
+from gpuwatchd.model import Clear, Event, MetricSpec, Severity, XidFields, payload_of
 
 __all__ = [
     "ATTRIBUTION_KEYS",
@@ -132,10 +132,13 @@ def _int(text: str) -> int | None:
 
 
 def upsert_event(db: sqlite3.Connection, rec: tuple[Event, str, int]) -> None:
-    """Insert one (event, burst_id, reports) row, or bump the count of its burst."""
+    """Insert one (event, burst_id, reports) row, or bump the count of its burst.
+
+    The payload is written once, as its attrs view (the `attrs` column; `event_of`
+    reads it back typed); a few of its fields are columns too, for queries."""
     ev, burst_id, reports = rec
     attrs = dict(ev.attrs)
-    xid = ev.xid or XidFields(code=ev.code or 0)  # the typed columns; attrs keeps the rest
+    xid = ev.xid or XidFields(code=ev.code or 0)
     attribution = {k: attrs[k] for k in ATTRIBUTION_KEYS if attrs.get(k)}
     last = ev.time
     db.execute(
@@ -164,8 +167,8 @@ def upsert_event(db: sqlite3.Connection, rec: tuple[Event, str, int]) -> None:
             ev.pci_bus_id,
             xid.gpu,
             xid.uuid,
-            xid.pid,
-            xid.process,
+            xid.attribution.pid,
+            xid.attribution.process,
             str(ev.severity),
             xid.action,
             xid.name,
@@ -209,8 +212,10 @@ def _iso(t: float) -> str:
 
 
 def event_of(row: Sequence[Any]) -> Event:
-    """An Event from (kind, source, time, code, pci_bus_id, message, severity, attrs, count)."""
+    """An Event from (kind, source, time, code, pci_bus_id, message, severity, attrs, count),
+    with its payload read back typed (attrs as stored for kinds without one)."""
     kind, source, t, code, bus, message, severity, attrs, count = row
+    stored = json.loads(attrs)
     try:
         sev = Severity.parse(severity)
     except KeyError:
@@ -223,6 +228,7 @@ def event_of(row: Sequence[Any]) -> Event:
         pci_bus_id=bus,
         message=message,
         severity=sev,
-        attrs=tuple(sorted(json.loads(attrs).items())),
+        attrs=tuple(sorted(stored.items())),
         count=count,
+        payload=payload_of(kind, code, stored),
     )

@@ -7,13 +7,12 @@ A source knows nothing of Prometheus, Alertmanager or SQLite
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from gpuwatchd.clock import Clock, SystemClock
-from gpuwatchd.model import Event, GpuInventory, MetricSpec, Sample, SourcePayload
+from gpuwatchd.model import Event, MetricSpec, Sample, SourcePayload
+from gpuwatchd.sources.context import SourceContext
 
 if TYPE_CHECKING:
     from gpuwatchd.config import Config
@@ -57,22 +56,6 @@ class PayloadSource(Protocol):
     is for /status only: nothing outside a source reads it by key."""
 
     def payload(self) -> SourcePayload: ...
-
-
-@dataclass
-class SourceContext:
-    """What a source factory may use besides the config."""
-
-    clock: Clock = field(default_factory=SystemClock)
-    log: logging.Logger = field(default_factory=lambda: logging.getLogger("gpuwatchd"))
-    nudge: Callable[[str], None] = lambda name: None
-    # Shared, read-only lookup between sources: the GPUs (and their processes) of
-    # the NVML source's last published poll; a new object per poll
-    gpus: Callable[[], GpuInventory] = GpuInventory
-    # The last cursor the event store committed for a source (kmsg), or None
-    load_cursor: Callable[[str], str | None] = lambda name: None
-    # `check`: each poll reads what is there and returns; it never waits for more
-    one_shot: bool = False
 
 
 Factory = Callable[["Config", SourceContext], Source]

@@ -29,7 +29,7 @@ from gpuwatchd.model import Event, MetricSpec, Sample
 
 if TYPE_CHECKING:
     from gpuwatchd.config import Config
-    from gpuwatchd.sources import SourceContext
+    from gpuwatchd.sources.context import SourceContext
 
 __all__ = ["ACTIONS", "METRICS", "SUBSYSTEMS", "UdevEvent", "UdevSource", "targets_for"]
 

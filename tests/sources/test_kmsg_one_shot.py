@@ -45,28 +45,3 @@ def test_one_shot_kmsg_reader_returns_at_the_end_of_the_ring(tmp_path: Path) -> 
         src.close()
     finally:
         os.close(writer)
-
-
-def test_the_source_hands_on_typed_fields_that_agree_with_its_attrs(tmp_path: Path) -> None:
-    """Every captured report: the parser's typed fields ride on the event, the same as the
-    attrs say, through the line joining and the tracker's classification."""
-    from gpuwatchd.health.xid.catalog import KINDS, default_catalog
-    from gpuwatchd.health.xid.tracker import TrackerSettings, XidTracker
-    from gpuwatchd.xidfields import XidFields
-
-    fixtures = sorted((Path(__file__).parents[1] / "fixtures" / "kmsg").glob("*.txt"))
-    seen = 0
-    for path in fixtures:
-        src = KmsgSource(
-            kmsg_config(tmp_path, tmp_path / "unused"),
-            SourceContext(clock=FakeClock(), one_shot=True),
-            opener=lambda cur, p=path: FileReader(str(p), cur, sleep=lambda s: None),
-            sleep=lambda s: None,
-        )
-        tracker = XidTracker(default_catalog(), TrackerSettings(), "b")
-        for ev in [e for e in src.poll(0.0) if isinstance(e, Event) and e.kind in KINDS]:
-            assert ev.fields is not None and ev.fields == XidFields.of(ev), path.name
-            out = tracker.observe(ev).event
-            assert out.fields == XidFields.of(out), path.name
-            seen += 1
-    assert seen >= 20

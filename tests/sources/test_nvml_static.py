@@ -16,7 +16,7 @@ import pytest
 
 from gpuwatchd.config import load_text
 from gpuwatchd.errors import ConfigError
-from gpuwatchd.model import Sample
+from gpuwatchd.model import Event, Sample
 from tests.sources.nvml_rigs import FIXTURES as NVML
 from tests.sources.nvml_rigs import Rig
 
@@ -172,6 +172,23 @@ def test_an_nvml_xid_makes_the_next_poll_read_afresh(rigs: list[Rig]) -> None:
     assert r.asked()["ecc_mode"] == 2
     r.poll()
     assert r.asked()["ecc_mode"] == 2
+
+
+def test_an_nvml_xid_event_carries_typed_fields_from_its_listener(rigs: list[Rig]) -> None:
+    """NVML's Xid events are built with their XidFields (GPU, UUID, the API), not read
+    back from strings; their attrs are that payload's view."""
+    seen = threading.Event()
+    r = rig(
+        rigs, script=[{"device": 0, "from_poll": 3, "xid": 79}], xid_events=True, nudge=seen.set
+    )
+    for _ in range(3):
+        r.poll()
+    assert seen.wait(10.0)
+    (ev,) = [e for e in r.source.poll(r.clock.time()) if isinstance(e, Event)]
+    xid = ev.xid
+    assert xid is not None and (xid.code, xid.gpu, xid.via) == (79, "0", "nvml_event")
+    assert xid.uuid.startswith("GPU-") and ev.attrs == xid.attrs()
+    assert ("uuid", xid.uuid) in ev.attrs
 
 
 def test_static_interval_is_validated() -> None:

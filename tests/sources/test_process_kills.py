@@ -6,13 +6,13 @@ comes from), then through the kmsg source reading a raw /dev/kmsg file.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from gpuwatchd.clock import FakeClock
-from gpuwatchd.model import Event, Sample
-from gpuwatchd.processkill import KILL_KINDS, ProcessKill
+from gpuwatchd.model import KILL_KINDS, Event, ProcessKill, Sample
 from gpuwatchd.sources import SourceContext
 from gpuwatchd.sources.kmsg.process_kills import (
     MAX_PENDING,
@@ -182,7 +182,10 @@ def test_event_time_fields_and_typed_round_trip() -> None:
     assert ev.kind == "oom_kill" and ev.source == "kmsg"
     assert ev.time == pytest.approx(1714395341.6797)  # the line's own ISO stamp
     assert ev.message == "perl[1440763] killed by the OOM killer"
-    assert ev.kill == got.kill  # attrs carry every field; Event.kill reads them back typed
+    # the payload is the parsed fields with the line's origin and stamp; its view the attrs
+    want = dataclasses.replace(got.kill, origin=got.prefix.origin, stamp=got.prefix.stamp)
+    assert ev.kill == want and ev.attr("origin") == got.prefix.origin
+    assert ProcessKill.from_attrs(ev.kind, dict(ev.attrs)) == ev.kill
     assert ev.attr("pid") == "1440763" and ev.attr("cgroup").startswith("/user.slice")
     # only the kernel's boot stamp: boot time + stamp, unless the stamps are another boot's
     (hung,) = [
@@ -195,7 +198,7 @@ def test_event_time_fields_and_typed_round_trip() -> None:
     ]
     assert to_event(hung, now=2e9, boot_wall=1e9).time == pytest.approx(1e9 + 9426.062972)
     assert to_event(hung, now=2e9, boot_wall=1e9, boot_times=False).time == 2e9
-    assert Event("xid", "kmsg", 0.0).kill is None
+    assert Event("hang", "hangs", 0.0).kill is None
     assert set(KILL_KINDS) == {"oom_kill", "segfault", "trap", "hung_task"}
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "MAX_REPORT_LINES",
     "MULTILINE_XIDS",
     "join_lines",
+    "pid_of",
     "report_part",
 ]
 
@@ -36,13 +37,10 @@ MULTILINE_XIDS = frozenset({13})  # codes the driver reports over several lines
 # a few spare for driver versions that add one.
 MAX_REPORT_LINES = 6
 MAX_MESSAGE_CHARS = 8192  # the kernel's record cap (PRINTK_MESSAGE_MAX)
-_PROCESS_FIELDS = frozenset({"pid", "process"})
-# What the line that names the process brings to the joined event.
+# What the line that names the process brings to the joined event's job (the report's
+# pid, process and how it was placed come with it).
 _PROCESS_KEYS = frozenset(
     {
-        "pid",
-        "process",
-        "attribution",
         "pod_uid",
         "container_id",
         "slurm_job",
@@ -82,57 +80,71 @@ class Burst:
 
     def continues(self, event: Event) -> bool:
         """Whether `event` is a further line of the open report (see the module docstring)."""
-        part, pid = report_part(event), event.attr("pid")
         if self.event is None or "pid" in self.parts or len(self.lines) >= MAX_REPORT_LINES:
             return False  # none open, or its last line (the process's) came, or full
         if not 0 <= event.time - self.start <= JOIN_WINDOW or event.message in self.lines:
             return False  # too late, or the same line again: a repeat
+        part = report_part(event)
         if part == "pid":
+            pid = pid_of(event)
             return not self.pid or self.pid == pid  # another pid: another process's report
         if part == "sm":  # an SM line after the ESR line, or of another SM: the next report
             return "esr" not in self.parts and self.where in ("", _where(event))
         return part not in self.parts or part == "other"
 
 
+def pid_of(event: Event) -> str:
+    """The report's pid as the bursts key it ("" when it names none)."""
+    xid = event.xid
+    pid = xid.attribution.pid if xid is not None else None
+    return "" if pid is None else str(pid)
+
+
 def report_part(event: Event) -> str:
     """Which line of a multi-line report `event` is: "pid", "sm", "esr" or "other"."""
-    if event.attr("pid"):
+    if pid_of(event):
         return "pid"
-    if event.attr("sm"):
+    if event.xid is not None and event.xid.sm is not None:
         return "sm"
     return "esr" if "ESR " in event.message else "other"
 
 
 def _where(event: Event) -> str:
-    sm = event.attr("sm")
-    return f"{event.attr('gpc')}/{event.attr('tpc')}/{sm}" if sm else ""
+    xid = event.xid
+    if xid is None or xid.sm is None:
+        return ""
+    return "/".join("" if n is None else str(n) for n in (xid.gpc, xid.tpc, xid.sm))
+
+
+def _is_process_key(key: str) -> bool:
+    return key in _PROCESS_KEYS or key.startswith("workload")
 
 
 def join_lines(first: Event, line: Event) -> Event:
     """One event from two lines of one report: the pid line's process, every field kept."""
-    attrs = dict(first.attrs)
-    extra = dict(line.attrs)
-    if extra.get("pid") and not attrs.get("pid"):
-        for k in [k for k in attrs if k in _PROCESS_KEYS or k.startswith("workload")]:
-            del attrs[k]
-        attrs.update(
-            (k, v) for k, v in extra.items() if k in _PROCESS_KEYS or k.startswith("workload")
+    fields, other = first.xid, line.xid
+    if fields is None or other is None:
+        return first
+    if other.attribution.pid is not None and fields.attribution.pid is None:
+        theirs = other.attribution
+        job = {k: v for k, v in fields.attribution.job if not _is_process_key(k)}
+        job.update((k, v) for k, v in theirs.job if _is_process_key(k))
+        who = replace(
+            fields.attribution,
+            pid=theirs.pid,
+            process=theirs.process,
+            verified=theirs.verified,
+            job=tuple(sorted(job.items())),
         )
-    for k, v in extra.items():
-        attrs.setdefault(k, v)
+        fields = replace(fields, attribution=who)
+    fields = replace(fields.filled_from(other), lines=fields.lines + other.lines)
     details = [d for d in first.message.split(" | ") if d]
     if line.message and line.message not in details:
         details.append(line.message)
-    attrs["lines"] = str(int(attrs.get("lines") or 1) + int(extra.get("lines") or 1))
     message = " | ".join(details)
     if len(message) > MAX_MESSAGE_CHARS:
         message = message[: MAX_MESSAGE_CHARS - 1] + "\u2026"
-    fields = first.fields
-    if fields is not None:
-        if line.xid is not None and line.xid.pid is not None and fields.pid is None:
-            fields = replace(fields, pid=None, process="").filled_from(line.xid, _PROCESS_FIELDS)
-        fields = fields.filled_from(line.xid)
-    return replace(first, message=message, attrs=tuple(sorted(attrs.items())), fields=fields)
+    return replace(first, message=message, payload=fields)
 
 
 class Bursts:
@@ -145,7 +157,7 @@ class Bursts:
         """The open report this line continues, and the joined event; None if it is a report."""
         if event.kind != "xid" or event.code not in MULTILINE_XIDS:
             return None
-        pid = event.attr("pid")
+        pid = pid_of(event)
         for burst in sorted(self._by_pid.values(), key=lambda b: -b.start):
             first = burst.event
             if first is None or not burst.continues(event):
@@ -169,7 +181,7 @@ class Bursts:
 
     def observe(self, event: Event, window: float, new_id: Callable[[], str]) -> tuple[str, Burst]:
         """ "repeat" of this process's burst within `window`, or a "new" burst."""
-        pid = event.attr("pid")
+        pid = pid_of(event)
         burst = self._by_pid.get(pid)
         if burst is None and not pid:  # a report without pid repeats the latest burst
             burst = max(self._by_pid.values(), key=lambda b: b.last, default=None)
@@ -178,7 +190,8 @@ class Bursts:
             burst.last = max(burst.last, event.time)
             burst.open_report(event)  # a repeat's further lines join it, uncounted
             return "repeat", burst
-        burst = Burst(event.attr("burst_id") or new_id(), event.time, event.time, pid)
+        stored = event.xid.burst_id if event.xid is not None else ""  # a restored report's
+        burst = Burst(stored or new_id(), event.time, event.time, pid)
         burst.open_report(event)
         for old in [k for k, b in self._by_pid.items() if event.time - b.last > window]:
             del self._by_pid[old]

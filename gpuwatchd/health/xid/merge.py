@@ -22,7 +22,7 @@ __all__ = ["XidMerger", "richer", "same_report"]
 def _gpu(ev: Event) -> tuple[str, str]:
     # NVML says 00000000:06:00.0, the driver's line PCI:0000:06:00: compare one form
     bus = normalize_bus_id(ev.pci_bus_id) if ev.pci_bus_id else ""
-    return bus or ev.pci_bus_id, ev.attr("uuid")
+    return bus or ev.pci_bus_id, ev.xid.uuid if ev.xid is not None else ""
 
 
 def same_report(a: Event, b: Event, window: float) -> bool:
@@ -37,17 +37,12 @@ def same_report(a: Event, b: Event, window: float) -> bool:
 
 def richer(log_event: Event, nvml_event: Event) -> Event:
     """The kernel log's event, completed with what only NVML knew (e.g. the UUID)."""
-    attrs = dict(log_event.attrs)
-    for key, value in nvml_event.attrs:
-        if value and not attrs.get(key):
-            attrs[key] = value
-    attrs["confirmed_by"] = nvml_event.source
-    fields = log_event.fields
+    fields = log_event.xid
+    if fields is None:
+        return log_event
+    fields = replace(fields.filled_from(nvml_event.xid), confirmed_by=nvml_event.source)
     return replace(
-        log_event,
-        pci_bus_id=log_event.pci_bus_id or nvml_event.pci_bus_id,
-        attrs=tuple(sorted(attrs.items())),
-        fields=fields.filled_from(nvml_event.xid) if fields is not None else None,
+        log_event, pci_bus_id=log_event.pci_bus_id or nvml_event.pci_bus_id, payload=fields
     )
 
 

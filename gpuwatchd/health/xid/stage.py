@@ -24,7 +24,7 @@ from gpuwatchd.errors import StoreError
 from gpuwatchd.health.alerts import WORKLOAD_ATTRS
 from gpuwatchd.health.rules import XidCondition
 from gpuwatchd.health.xid import catalog as xid
-from gpuwatchd.health.xid.bursts import JOIN_WINDOW, MULTILINE_XIDS
+from gpuwatchd.health.xid.bursts import JOIN_WINDOW, MULTILINE_XIDS, pid_of
 from gpuwatchd.health.xid.merge import XidMerger
 from gpuwatchd.health.xid.tracker import (
     METRICS as TRACKER_METRICS,
@@ -236,13 +236,14 @@ class XidStage:
         """Log a raised report once, with every line of it joined (waits JOIN_WINDOW at most)."""
         if not obs.raised or obs.kind == "repeat":
             return
-        if obs.kind == "new" and (obs.event.attr("pid") or obs.event.code not in MULTILINE_XIDS):
+        names_pid = bool(pid_of(obs.event))
+        if obs.kind == "new" and (names_pid or obs.event.code not in MULTILINE_XIDS):
             self._log(obs.event)
         elif obs.kind == "new":
             self._unlogged[obs.burst_id] = (mono + JOIN_WINDOW, obs.event)
         elif obs.burst_id in self._unlogged:  # a line of a report not logged yet
             due = self._unlogged[obs.burst_id][0]
-            if obs.event.attr("pid"):
+            if names_pid:
                 del self._unlogged[obs.burst_id]
                 self._log(obs.event)
             else:
@@ -356,8 +357,8 @@ class XidStage:
 def xid_condition(a: ActiveXid) -> XidCondition:
     """The Xid rule's view of a tracker's ActiveXid."""
     xid = a.event.xid or XidFields(code=a.code)
-    pid = f"pid {xid.pid}" if xid.pid is not None else ""
-    who = " ".join(x for x in (pid, xid.process) if x)
+    pid = f"pid {xid.attribution.pid}" if xid.attribution.pid is not None else ""
+    who = " ".join(x for x in (pid, xid.attribution.process) if x)
     parts = [p for p in (who, xid.detail, xid.escalated, f"active until {a.until}") if p]
     return XidCondition(
         code=a.code,
@@ -370,13 +371,14 @@ def xid_condition(a: ActiveXid) -> XidCondition:
         kind=a.kind,
         count=a.count,
         detail="; ".join(parts),
-        workload=tuple((k, v) for k, v in a.event.attrs if k in WORKLOAD_ATTRS),
+        workload=tuple((k, v) for k, v in xid.placement() if k in WORKLOAD_ATTRS),
         process=who,
     )
 
 
 def journal_fields(ev: Event) -> dict[str, str]:
-    """Structured fields for the journal entry of an Xid/SXid report."""
+    """Structured fields for the journal entry of an Xid/SXid report (its payload's
+    fields; the job's read from the attrs view, as the store keeps them)."""
     xid = ev.xid or XidFields(code=ev.code or 0)
     fields = {
         "XID" if ev.kind == "xid" else "SXID": str(ev.code),
@@ -385,8 +387,8 @@ def journal_fields(ev: Event) -> dict[str, str]:
         "GPU_INDEX": xid.gpu,
         "XID_SEVERITY": str(ev.severity),
         "XID_ACTION": xid.action,
-        "XID_PID": "" if xid.pid is None else str(xid.pid),
-        "XID_PROCESS": xid.process,
+        "XID_PID": "" if xid.attribution.pid is None else str(xid.attribution.pid),
+        "XID_PROCESS": xid.attribution.process,
         "XID_RANK": ev.attr("rank"),
         "K8S_NAMESPACE": ev.attr("namespace"),
         "K8S_POD": ev.attr("pod"),

@@ -106,7 +106,7 @@ class Observation:
     completed the report before it ("line": a continuation line, not another fault)."""
 
     kind: str
-    event: Event  # classified: severity set, name/action/burst/epoch in attrs
+    event: Event  # classified: severity set, name/action/burst/epoch in its XidFields
     info: XidInfo
     burst_id: str
     count: int
@@ -204,10 +204,11 @@ class XidTracker:
         joined = st.bursts.join(event)
         if joined is not None:
             burst, event = joined
+            xid = event.xid
         base = self.classify(event)
         if (event.kind, code) == ("xid", RECOVERY_CODE) and self._recovered(event):
             self.gpu_reset(event.pci_bus_id, event.time, who="xid 154: recovery action None")
-        epoch = event.attr("epoch") or self._epoch(event.pci_bus_id)
+        epoch = (xid.epoch if xid is not None else "") or self._epoch(event.pci_bus_id)
         window = policy.window or self.settings.burst_window
         if joined is None:
             st.recent.append(event.time)
@@ -255,41 +256,42 @@ class XidTracker:
     @staticmethod
     def _recovered(event: Event) -> bool:
         """Xid 154 "... to 0x0 (None)" after a reset-required state: the GPU was reset."""
+        xid = event.xid
         return (
-            event.attr("recovery_action") == "None"
-            and event.attr("previous_recovery_action", "None") != "None"
+            xid is not None
+            and xid.recovery_action == "None"
+            and (xid.previous_recovery_action or "None") != "None"
         )
 
     def _classified(
         self, event: Event, info: XidInfo, st: _State, epoch: str, escalated: bool, policy: Policy
     ) -> Event:
-        attrs = dict(event.attrs)
-        attrs.update(
+        xid = event.xid or XidFields(code=event.code or 0)
+        escalation = ""
+        if escalated:
+            escalation = (
+                f"seen in {len(self._epochs.get((st.kind, st.bus, st.code), {}))} boots or"
+                " GPU resets: another reset or reboot is unlikely to fix it"
+            )
+        rule = ""
+        if policy.ignore:
+            rule = "ignored by site policy"
+        elif policy.threshold > 1:
+            rule = f"counts after {policy.threshold} reports"
+        pids = st.bursts.pids(event.time, self.settings.burst_window)
+        fields = replace(
+            xid,
             name=info.name,
             category=info.category,
             action=str(info.action),
             burst_id=st.burst_id,
             epoch=epoch,
+            # other processes hit this Xid on this GPU within the window
+            pids=tuple(int(p) for p in pids) if len(pids) > 1 else xid.pids,
+            escalated=escalation or xid.escalated,
+            policy=rule or xid.policy,
         )
-        pids = st.bursts.pids(event.time, self.settings.burst_window)
-        if len(pids) > 1:  # other processes hit this Xid on this GPU within the window
-            attrs["pids"] = ",".join(pids)
-        if escalated:
-            attrs["escalated"] = (
-                f"seen in {len(self._epochs.get((st.kind, st.bus, st.code), {}))} boots or"
-                " GPU resets: another reset or reboot is unlikely to fix it"
-            )
-        if policy.ignore:
-            attrs["policy"] = "ignored by site policy"
-        elif policy.threshold > 1:
-            attrs["policy"] = f"counts after {policy.threshold} reports"
-        fields = event.fields
-        if fields is not None:
-            name, action, why = (attrs.get(k, "") for k in ("name", "action", "escalated"))
-            fields = replace(fields, name=name, action=action, escalated=why)
-        return replace(
-            event, severity=info.severity, attrs=tuple(sorted(attrs.items())), fields=fields
-        )
+        return replace(event, severity=info.severity, payload=fields)
 
     def _epoch(self, bus: str) -> str:
         return f"{self.boot_id}#{self._resets.get(bus, 0)}"
@@ -357,13 +359,13 @@ class XidTracker:
                 if item.reset:
                     self._resets[item.pci_bus_id] = self._resets.get(item.pci_bus_id, 0) + 1
                 self.clear(item)
-            elif isinstance(item, Event):
-                if item.attr("boot_id", self.boot_id) == self.boot_id:
+            elif isinstance(item, Event) and item.xid is not None:
+                if (item.xid.boot_id or self.boot_id) == self.boot_id:
                     seen = None if now is None or mono is None else mono - max(0.0, now - item.time)
                     self.observe(item, restoring=True, seen=seen)
-                elif item.attr("epoch"):
+                elif item.xid.epoch:
                     key = (item.kind, item.pci_bus_id, item.code or 0)
-                    self._epochs.setdefault(key, {})[item.attr("epoch")] = item.time
+                    self._epochs.setdefault(key, {})[item.xid.epoch] = item.time
 
     # --- output ------------------------------------------------------------------
 

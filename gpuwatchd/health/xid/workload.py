@@ -13,25 +13,26 @@ that process under.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
-from gpuwatchd.model import Event, GpuInventory, Workload, WorkloadProcess
+from gpuwatchd.model import Event, GpuInventory, Workload, WorkloadProcess, XidFields
+from gpuwatchd.model.xid import MIG_KEYS
 from gpuwatchd.pci import normalize_bus_id
 
 __all__ = ["attach_mig", "attach_workload", "match_workload"]
 
 
 def _pid(ev: Event) -> int | None:
-    text = ev.attr("pid")
-    return int(text) if text.isdigit() else None
+    return ev.xid.attribution.pid if ev.xid is not None else None
 
 
-def _same_process(ev: Event, proc: WorkloadProcess) -> bool:
+def _same_process(xid: XidFields, proc: WorkloadProcess) -> bool:
     """Whether `proc` is the process the report named, not another one on its pid later."""
-    if ev.attr("attribution") == "pid unverified":
+    who = xid.attribution
+    if who.verified == "pid unverified":
         return False  # the process at the pid, or one before it: naming either may be wrong
-    start, newcomer = ev.attr("pid_start"), ev.attr("reused_pid_start")
+    start, newcomer = who.pid_start, who.reused_pid_start
     if proc.start_ticks is None:
         return not newcomer  # cannot tell the two apart: no attribution rather than a wrong one
     if start.isdigit():
@@ -42,7 +43,7 @@ def _same_process(ev: Event, proc: WorkloadProcess) -> bool:
 
 
 def _on_gpu(ev: Event, workloads: Sequence[Workload]) -> list[Workload]:
-    uuid, bus = ev.attr("uuid"), ev.pci_bus_id
+    uuid, bus = ev.xid.uuid if ev.xid is not None else "", ev.pci_bus_id
     return [
         w
         for w in workloads
@@ -53,13 +54,14 @@ def _on_gpu(ev: Event, workloads: Sequence[Workload]) -> list[Workload]:
 
 def match_workload(ev: Event, workloads: Sequence[Workload]) -> Workload | None:
     """The workload of the event's pid, its cgroup's job or pod, or the GPU's only one."""
-    pid = _pid(ev)
-    if pid is not None:
+    pid, xid = _pid(ev), ev.xid
+    if pid is not None and xid is not None:
+        who = xid.attribution
         for w in workloads:
             proc = w.process(pid)
-            if proc is not None and _same_process(ev, proc):
+            if proc is not None and _same_process(xid, proc):
                 return w
-        job, pod_uid = ev.attr("slurm_job"), ev.attr("pod_uid")
+        job, pod_uid = who.job_value("slurm_job"), who.job_value("pod_uid")
         for w in workloads:
             if (job and w.slurm_job == job) or (pod_uid and w.pod_uid == pod_uid):
                 return w
@@ -68,7 +70,7 @@ def match_workload(ev: Event, workloads: Sequence[Workload]) -> Workload | None:
             # unless that pod is known under another UID.
             pods = [w for w in _on_gpu(ev, workloads) if w.kind == "k8s" and w.pod]
             return pods[0] if len(pods) == 1 and not pods[0].pod_uid else None
-        if job or ev.attr("attribution") not in ("", "process gone"):
+        if job or who.verified not in ("", "process gone"):
             return None  # the cgroup placed it and no known workload matches
     on_gpu = _on_gpu(ev, workloads)
     return on_gpu[0] if len(on_gpu) == 1 else None
@@ -77,12 +79,16 @@ def match_workload(ev: Event, workloads: Sequence[Workload]) -> Workload | None:
 def attach_workload(ev: Event, workloads: Sequence[Workload]) -> Event:
     """The event with its workload's attributes added (what the report said stays)."""
     w = match_workload(ev, workloads)
-    if w is None:
+    if w is None or ev.xid is None:
         return ev
-    attrs = dict(ev.attrs)
-    for k, v in w.attrs(_pid(ev)):
-        attrs.setdefault(k, v)
-    return replace(ev, attrs=tuple(sorted(attrs.items())))
+    return replace(ev, payload=_placed(ev.xid, w.attrs(_pid(ev))))
+
+
+def _placed(xid: XidFields, found: Iterable[tuple[str, str]]) -> XidFields:
+    """`xid` with the MIG device and job `found` added where the report named none."""
+    job = dict(found)
+    mig = {k: v for k in MIG_KEYS if (v := job.pop(k, "")) and not getattr(xid, k)}
+    return replace(xid, attribution=xid.attribution.with_job(job.items()), **mig)  # type: ignore[arg-type]
 
 
 _INSTANCE_KEYS = ("gpu_instance", "compute_instance")
@@ -110,9 +116,9 @@ def attach_mig(ev: Event, gpus: GpuInventory) -> Event:
     if pid is None or not bus:
         return ev
     found = _mig_of(pid, bus, gpus)
-    if not found or any(ev.attr(k) not in ("", found[k]) for k in _INSTANCE_KEYS):
+    xid = ev.xid
+    if xid is None or not found:
+        return ev
+    if any(getattr(xid, k) not in ("", found[k]) for k in _INSTANCE_KEYS):
         return ev  # the report names another instance: what it says wins
-    attrs = dict(ev.attrs)
-    for k, v in found.items():
-        attrs.setdefault(k, v)
-    return replace(ev, attrs=tuple(sorted(attrs.items())))
+    return replace(ev, payload=_placed(xid, found.items()))

@@ -35,7 +35,7 @@ from gpuwatchd.sources.aer.sysfs import (
 
 if TYPE_CHECKING:
     from gpuwatchd.config import Config
-    from gpuwatchd.sources import SourceContext
+    from gpuwatchd.sources.context import SourceContext
 
 __all__ = ["AerSource", "METRICS", "UNAVAILABLE_NO_DEVICES", "UNAVAILABLE_NO_FILES"]
 

@@ -45,7 +45,7 @@ from gpuwatchd.sources.infiniband.sysfs import (
 
 if TYPE_CHECKING:
     from gpuwatchd.config import Config
-    from gpuwatchd.sources import SourceContext
+    from gpuwatchd.sources.context import SourceContext
 
 __all__ = [
     "InfinibandSource",

@@ -29,11 +29,9 @@ import dataclasses
 import logging
 import re
 from collections import OrderedDict
-from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpuwatchd.model import Event, MetricSpec, Sample, Severity
-from gpuwatchd.processkill import KILL_KINDS, ProcessKill
+from gpuwatchd.model import KILL_KINDS, Event, MetricSpec, ProcessKill, Sample, Severity
 from gpuwatchd.sources.kmsg.heads import kernel_head
 from gpuwatchd.sources.kmsg.prefix import Prefix, parse_prefix
 
@@ -298,10 +296,9 @@ def to_event(
     now: float,
     boot_wall: float,
     boot_times: bool = True,
-    extra: Mapping[str, str] | None = None,
 ) -> Event:
     """The event of a report: its time from the line (wall clock, else boot time + the
-    kernel's stamp when `boot_times`, else `now`), its fields as attrs."""
+    kernel's stamp when `boot_times`, else `now`), its fields the payload."""
     p = got.prefix
     if p.wall_time is not None:
         when = p.wall_time
@@ -317,14 +314,11 @@ def to_event(
         what += " of its memory cgroup"
     if k.kind == "hung_task" and k.blocked_seconds is not None:
         what += f" for more than {k.blocked_seconds} s"
-    attrs = {**k.attrs(), **(extra or {}), "origin": p.origin}
-    if p.stamp:
-        attrs["stamp"] = p.stamp
     return Event(
         kind=k.kind,
         source="kmsg",
         time=when,
         message=f"{k.process or '?'}[{k.pid}] {what}",
         severity=Severity.WARNING,
-        attrs=tuple(sorted((key, v) for key, v in attrs.items() if v != "")),
+        payload=dataclasses.replace(k, origin=p.origin, stamp=p.stamp),
     )

@@ -16,7 +16,15 @@ from typing import TYPE_CHECKING
 
 from gpuwatchd.bootid import read_boot_id
 from gpuwatchd.clock import Clock
-from gpuwatchd.model import Event, GpuInventory, KmsgState, MetricSpec, Sample
+from gpuwatchd.model import (
+    Event,
+    GpuInventory,
+    KmsgState,
+    MetricSpec,
+    Sample,
+    XidAttribution,
+    XidFields,
+)
 from gpuwatchd.sources.kmsg import process_kills
 from gpuwatchd.sources.kmsg.filereader import FileReader
 from gpuwatchd.sources.kmsg.journal import JournalReader
@@ -36,11 +44,10 @@ from gpuwatchd.sources.kmsg.readers import (
 )
 from gpuwatchd.sources.workloads.cgroup import REUSED, UNVERIFIED, attribute
 from gpuwatchd.sources.workloads.environ import read_torch_env
-from gpuwatchd.xidfields import XidFields
 
 if TYPE_CHECKING:
     from gpuwatchd.config import Config
-    from gpuwatchd.sources import SourceContext
+    from gpuwatchd.sources.context import SourceContext
 
 __all__ = [
     "KmsgSource",
@@ -317,52 +324,27 @@ class KmsgSource:
     def _event(self, rec: KmsgRecord, now: float, index: GpuInventory) -> Event:
         when = self._time_of(rec, now)
         gpu = index.by_bus_id(rec.pci_bus_id)
-        attrs: dict[str, str] = {
-            "gpu": str(gpu.index) if gpu is not None else "",
-            "uuid": (gpu.uuid if gpu is not None else "") or self._uuids.get(rec.pci_bus_id, ""),
-            "process": rec.process,
-            "detail": rec.detail,
-            "raw": rec.message[:2048],
-            "cursor": rec.cursor,
-            "boot_id": self.boot_id,
-            "origin": rec.origin,
-            "stamp": rec.stamp,
-        }
-        if rec.sequence is not None and self.backend != "file":
-            attrs["sequence"] = str(rec.sequence)
-        if rec.boot_seconds is not None:
-            attrs["kernel_time"] = f"{rec.boot_seconds:.6f}"
-        for key, value in (
-            ("device", rec.device),
-            ("recovery_action", rec.recovery_action),
-            ("host", rec.host),
-        ):
-            if value:
-                attrs[key] = value
-        for key, num in (("link", rec.link), ("subcode", rec.subcode)):
-            if num is not None:
-                attrs[key] = str(num)
-        if rec.fatal is not None:
-            attrs["fatal"] = "true" if rec.fatal else "false"
-        if rec.synthetic:
-            attrs["inferred"] = "fallen off the bus text without an Xid number"
-        if rec.lines > 1:
-            attrs["lines"] = str(rec.lines)
-        attrs.update(rec.extras)
-        attrs.update(self._attribution(rec, when, now))
-        extras = dict(rec.extras)
         fields = XidFields(
             code=rec.code,
-            gpu=attrs["gpu"],
-            uuid=attrs["uuid"],
-            pid=rec.pid,
-            process=rec.process,
-            gpc=_digits(extras.get("gpc")),
-            tpc=_digits(extras.get("tpc")),
-            sm=_digits(extras.get("sm")),
+            gpu=str(gpu.index) if gpu is not None else "",
+            uuid=(gpu.uuid if gpu is not None else "") or self._uuids.get(rec.pci_bus_id, ""),
+            attribution=self._attribution(rec, when, now),
             recovery_action=rec.recovery_action,
             fatal=rec.fatal,
             detail=rec.detail,
+            device=rec.device,
+            host=rec.host,
+            link=rec.link,
+            subcode=rec.subcode,
+            lines=rec.lines,
+            raw=rec.message[:2048],
+            cursor=rec.cursor,
+            boot_id=self.boot_id,
+            origin=rec.origin,
+            stamp=rec.stamp,
+            sequence=rec.sequence if self.backend != "file" else None,
+            kernel_time="" if rec.boot_seconds is None else f"{rec.boot_seconds:.6f}",
+            inferred="fallen off the bus text without an Xid number" if rec.synthetic else "",
         )
         return Event(
             kind=rec.kind,
@@ -371,8 +353,7 @@ class KmsgSource:
             code=rec.code,
             pci_bus_id=rec.pci_bus_id,
             message=rec.detail,
-            attrs=tuple(sorted((k, v) for k, v in attrs.items() if v != "")),
-            fields=fields,  # typed, as parsed: no stage reads them back from the strings
+            payload=fields.with_facts(rec.extras),  # gpc/tpc/sm, MIG ids... typed, the rest kept
         )
 
     def _time_of(self, rec: KmsgRecord, now: float) -> float:
@@ -389,13 +370,17 @@ class KmsgSource:
         # a file may hold another boot's records: their kernel times say nothing of this boot
         return rec.boot_seconds if self.backend != "file" else None
 
-    def _attribution(self, rec: KmsgRecord, when: float, now: float) -> dict[str, str]:
+    def _attribution(self, rec: KmsgRecord, when: float, now: float) -> XidAttribution:
         if rec.pid is None:
-            return {"attribution": "no pid in the report"} if rec.kind == XID else {}
-        out = {"pid": str(rec.pid)}
+            return XidAttribution(
+                process=rec.process, verified="no pid in the report" if rec.kind == XID else ""
+            )
         if now - when > ATTRIBUTE_MAX_AGE:
-            out["attribution"] = "report too old to attribute (the pid may be reused)"
-            return out
+            return XidAttribution(
+                pid=rec.pid,
+                process=rec.process,
+                verified="report too old to attribute (the pid may be reused)",
+            )
         logged = self._since_boot(rec)
         if logged is None:
             # No time of its own (a bare line, or `dmesg -w > file`): it was logged after
@@ -404,14 +389,22 @@ class KmsgSource:
             who = attribute(self.cfg.paths.procfs, rec.pid, rec.process, window[1], window[0])
         else:
             who = attribute(self.cfg.paths.procfs, rec.pid, rec.process, logged)
-        out.update(who.attrs())
+        found = dict(who.attrs())
+        env: dict[str, str] = {}
         if self.cfg.sources.workloads.rank_env and who.status not in (
             "process gone",
             REUSED,
             UNVERIFIED,
         ):
-            out.update(read_torch_env(self.cfg.paths.procfs, rec.pid))  # only the rank names
-        return out
+            env = read_torch_env(self.cfg.paths.procfs, rec.pid)  # only the rank names
+        start = found.pop("pid_start", ""), found.pop("reused_pid_start", "")
+        return XidAttribution(
+            pid=rec.pid,
+            process=rec.process,
+            verified=found.pop("attribution", ""),
+            pid_start=start[0],
+            reused_pid_start=start[1],
+        ).with_job({**found, **env}.items(), keep=False)
 
     # --- outputs -------------------------------------------------------------------
 
@@ -468,8 +461,3 @@ class KmsgSource:
         if self._reader is not None:
             self._reader.close()
             self._reader = None
-
-
-def _digits(text: str | None) -> int | None:
-    """A number the parser matched as digits (gpc, tpc, sm)."""
-    return int(text) if text and text.isdigit() else None

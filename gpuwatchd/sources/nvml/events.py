@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 
 from gpuwatchd.errors import NvmlError
-from gpuwatchd.model import Event, Severity, labels_of
+from gpuwatchd.model import Event, Severity, XidFields
 from gpuwatchd.sources.nvml.client import XidEventSet
 
 __all__ = ["XidListener"]
@@ -71,7 +71,7 @@ class XidListener:
                     pci_bus_id=ev.pci_bus_id,
                     message=f"Xid {ev.code} reported by NVML's event API",
                     severity=Severity.WARNING,
-                    attrs=labels_of({"uuid": ev.uuid, "via": "nvml_event"}),
+                    payload=XidFields(code=ev.code, uuid=ev.uuid, via="nvml_event"),
                 )
             )
             self._nudge()

@@ -37,7 +37,7 @@ from gpuwatchd.sources.nvml.topology import GpuLinks, assemble, device_getter, r
 
 if TYPE_CHECKING:
     from gpuwatchd.config import Config
-    from gpuwatchd.sources import SourceContext
+    from gpuwatchd.sources.context import SourceContext
 
 __all__ = [
     "METRICS",
@@ -249,10 +249,11 @@ class NvmlSource:
         for ev in self._xid_listener.drain():
             gpu = self._gpu_map.get(ev.pci_bus_id, {})
             self._refresh_static(gpu.get("gpu"))  # an Xid may come with a reset: re-read
-            attrs = dict(ev.attrs)
-            attrs.setdefault("gpu", gpu.get("gpu", ""))
-            attrs["uuid"] = attrs.get("uuid") or gpu.get("uuid", "")
-            out.append(replace(ev, attrs=labels_of(attrs)))
+            xid = ev.xid
+            if xid is not None:
+                found = replace(xid, gpu=gpu.get("gpu", ""), uuid=gpu.get("uuid", ""))
+                ev = replace(ev, payload=xid.filled_from(found))
+            out.append(ev)
         return out
 
     def _system(self, name: str) -> object:

@@ -31,7 +31,7 @@ from gpuwatchd.sources.shm.holders import HoldScan, scan_holders
 
 if TYPE_CHECKING:
     from gpuwatchd.config import Config
-    from gpuwatchd.sources import SourceContext
+    from gpuwatchd.sources.context import SourceContext
 
 __all__ = ["METRICS", "Segment", "ShmSource"]
 

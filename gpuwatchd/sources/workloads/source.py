@@ -33,7 +33,7 @@ from gpuwatchd.sources.workloads.slurm import SlurmJobs
 
 if TYPE_CHECKING:
     from gpuwatchd.config import Config
-    from gpuwatchd.sources import SourceContext
+    from gpuwatchd.sources.context import SourceContext
 
 __all__ = [
     "METRICS",

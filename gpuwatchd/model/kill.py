@@ -2,9 +2,9 @@
 
 The kernel log source (sources/kmsg/process_kills.py) reads them from the
 OOM killer's, the fault handlers' and the hung-task detector's lines and
-puts them on the event's `attrs` as strings under the same names, as the
-store and the journal keep events; `ProcessKill.of(event)` (or `Event.kill`)
-reads them back typed. What a join with a job's ranks needs: the pid, the
+hands them on as the event's payload (`Event.kill`); `attrs()` is their
+string view, as the store and the journal keep events, and `from_attrs`
+reads a stored row back. What a join with a job's ranks needs: the pid, the
 process name, when (the event's time) and why; for an OOM kill also the
 memory cgroup, which names the pod or the Slurm step even after the
 process is gone.
@@ -13,11 +13,8 @@ process is gone.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from gpuwatchd.model import Event
 
 __all__ = ["KILL_KINDS", "ProcessKill"]
 
@@ -32,7 +29,7 @@ KILL_KINDS = ("oom_kill", "segfault", "trap", "hung_task")
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ProcessKill:
-    """One kernel report about a process, typed; `Event.attrs` holds the same as strings."""
+    """One kernel report about a process, typed (the event's payload)."""
 
     kind: str  # one of KILL_KINDS
     pid: int
@@ -54,28 +51,31 @@ class ProcessKill:
     cpu: int | None = None  # "likely on CPU N" (kernels from 6.1)
     # hung_task
     blocked_seconds: int | None = None
+    # the line
+    origin: str = ""  # kernel, user, unknown
+    stamp: str = ""  # the line's own time stamp, as printed
 
-    def attrs(self) -> dict[str, str]:
-        """The fields as the event's string attrs (empty ones left out)."""
+    def attrs(self) -> tuple[tuple[str, str], ...]:
+        """The fields as the event's string attrs (sorted, empty ones left out)."""
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if value is None or value == "":
                 continue
             out[f.name] = str(value).lower() if isinstance(value, bool) else str(value)
-        return out
+        return tuple(sorted(out.items()))
 
     @classmethod
-    def of(cls, ev: Event) -> ProcessKill | None:
-        """Read the fields from an event's attrs; None for another kind or without a pid."""
-        if ev.kind not in KILL_KINDS:
+    def from_attrs(cls, kind: str, attrs: Mapping[str, str]) -> ProcessKill | None:
+        """The fields `attrs()` wrote (a stored row read back); None without a pid."""
+        if kind not in KILL_KINDS:
             return None
-        a = dict(ev.attrs)
+        a = attrs
         pid = _int(a.get("pid", ""))
         if pid is None:
             return None
         return cls(
-            kind=ev.kind,
+            kind=kind,
             pid=pid,
             process=a.get("process", ""),
             signal=a.get("signal", ""),
@@ -92,6 +92,8 @@ class ProcessKill:
             object=a.get("object", ""),
             cpu=_int(a.get("cpu", "")),
             blocked_seconds=_int(a.get("blocked_seconds", "")),
+            origin=a.get("origin", ""),
+            stamp=a.get("stamp", ""),
         )
 
 

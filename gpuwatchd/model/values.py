@@ -1,4 +1,4 @@
-"""Value types passed between layers: sources -> state -> health -> sinks.
+"""Value types passed between layers (all but the event and its payloads).
 
 Everything here is immutable so a snapshot can be handed to any thread
 without copying or locking.
@@ -12,13 +12,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from gpuwatchd.pci import normalize_bus_id
-from gpuwatchd.processkill import ProcessKill
-from gpuwatchd.xidfields import XidFields
 
 __all__ = [
     "Action",
     "Clear",
-    "Event",
     "Finding",
     "Gpu",
     "GpuInventory",
@@ -26,6 +23,7 @@ __all__ = [
     "GpuProcess",
     "Health",
     "KmsgState",
+    "Labels",
     "MetricSpec",
     "MetricType",
     "Sample",
@@ -37,7 +35,6 @@ __all__ = [
     "Workload",
     "WorkloadProcess",
     "WorkloadSet",
-    "XidFields",
     "labels_of",
 ]
 
@@ -121,50 +118,6 @@ class Health(enum.IntEnum):
 
     def __str__(self) -> str:
         return self.name.lower()
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    """Something that happened once (an Xid, a GPU lost), as opposed to a state.
-
-    `attrs` carries the detail as strings, as the store and the journal keep
-    it (pid, process, attribution, raw line, ...); code reads an Xid's
-    fields typed through `xid`. De-duplication is the Xid tracker's, by
-    kind, bus id and code.
-    """
-
-    kind: str
-    source: str
-    time: float
-    code: int | None = None
-    pci_bus_id: str = ""
-    message: str = ""
-    severity: Severity = Severity.INFO
-    attrs: Labels = ()
-    count: int = 1
-    # The report's fields as its parser read them (the kernel log source sets them);
-    # the same as `attrs` says, so they take no part in equality.
-    fields: XidFields | None = field(default=None, compare=False)
-
-    def attr(self, key: str, default: str = "") -> str:
-        for k, v in self.attrs:
-            if k == key:
-                return v
-        return default
-
-    @property
-    def xid(self) -> XidFields | None:
-        """The typed fields of an Xid or SXid report (read from `attrs` for an event
-        that came without them: NVML's, the store's); None for other kinds."""
-        if self.kind not in ("xid", "sxid"):
-            return None
-        return self.fields if self.fields is not None else XidFields.of(self)
-
-    @property
-    def kill(self) -> ProcessKill | None:
-        """The typed fields of a kernel report of a killed, crashed or hung process
-        (processkill.KILL_KINDS); None for other kinds."""
-        return ProcessKill.of(self)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,80 @@
+"""The event: something that happened once, with one typed payload.
+
+An Xid or SXid report carries `XidFields`, a kernel report of a killed,
+crashed or hung process `ProcessKill`. Kinds without a payload type yet
+(job hangs, diag runs, remediation steps, the run marker, shared memory
+segments) carry their detail as strings in `attrs`; a hang report and a
+diag run join `Payload` as types of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gpuwatchd.model.kill import KILL_KINDS, ProcessKill
+from gpuwatchd.model.values import Labels, Severity
+from gpuwatchd.model.xid import XidFields
+
+__all__ = ["Event", "Payload", "XID_KINDS", "payload_of"]
+
+Payload = XidFields | ProcessKill
+XID_KINDS = ("xid", "sxid")
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """Something that happened once (an Xid, a GPU lost), as opposed to a state.
+
+    With a `payload`, `attrs` is its string view (`payload.attrs()`), set
+    here: the store writes it and the journal reads it; code reads the
+    payload (`xid`, `kill`). Without one, `attrs` is the event's detail; an
+    Xid or SXid always has one (given attrs only, they are read into it).
+    De-duplication is the Xid tracker's, by kind, bus id and code.
+    """
+
+    kind: str
+    source: str
+    time: float
+    code: int | None = None
+    pci_bus_id: str = ""
+    message: str = ""
+    severity: Severity = Severity.INFO
+    attrs: Labels = ()
+    count: int = 1
+    payload: Payload | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind in XID_KINDS and self.payload is None:
+            # written as strings (a stored row, a test's shorthand): read once, exactly
+            object.__setattr__(self, "payload", XidFields.from_attrs(self.code or 0, self.attrs))
+        if self.kind in XID_KINDS and not isinstance(self.payload, XidFields):
+            raise TypeError(f"an {self.kind} event carries XidFields, not {self.payload!r}")
+        if self.payload is not None:
+            object.__setattr__(self, "attrs", self.payload.attrs())
+
+    def attr(self, key: str, default: str = "") -> str:
+        for k, v in self.attrs:
+            if k == key:
+                return v
+        return default
+
+    @property
+    def xid(self) -> XidFields | None:
+        """The typed fields of an Xid or SXid report; None for other kinds."""
+        return self.payload if isinstance(self.payload, XidFields) else None
+
+    @property
+    def kill(self) -> ProcessKill | None:
+        """The typed fields of a kernel report of a killed, crashed or hung process
+        (KILL_KINDS); None for other kinds."""
+        return self.payload if isinstance(self.payload, ProcessKill) else None
+
+
+def payload_of(kind: str, code: int | None, attrs: Mapping[str, str]) -> Payload | None:
+    """The typed payload of a stored event, read from the attrs its payload wrote."""
+    if kind in XID_KINDS:
+        return XidFields.from_attrs(code or 0, attrs)
+    if kind in KILL_KINDS:
+        return ProcessKill.from_attrs(kind, attrs)
+    return None
