@@ -2,7 +2,7 @@
 
 GpuwatchdError
 ├── ConfigError           bad configuration: file, key path, problem (exit 78)
-│   └── ConfigErrors      several at once (config/validate.py)
+│   └── ConfigErrors      several at once (config/problems.py)
 ├── CatalogError          the Xid catalog does not validate
 ├── SourceError           a source could not poll at all
 │   ├── NvmlError         an NVML call failed; keeps NVML's error name and code

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gpuwatchd import config
-from gpuwatchd.cli import PLUGIN_USAGE, add_state_dir, plugin_command, seconds
+from gpuwatchd.cli.command import PLUGIN_USAGE, add_state_dir, plugin_command, seconds
 from gpuwatchd.clock import Clock, SystemClock
 from gpuwatchd.config import Config
 from gpuwatchd.config.overrides import node_name

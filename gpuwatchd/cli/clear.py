@@ -10,8 +10,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from gpuwatchd.bootid import read_boot_id
-from gpuwatchd.cli import EX_USAGE, add_state_dir
 from gpuwatchd.cli.check import collect
+from gpuwatchd.cli.command import EX_USAGE, add_state_dir
 from gpuwatchd.clock import SystemClock
 from gpuwatchd.config import Config
 from gpuwatchd.config.overrides import node_name

@@ -6,7 +6,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from gpuwatchd import config
-from gpuwatchd.cli import add_state_dir
+from gpuwatchd.cli.command import add_state_dir
 
 if TYPE_CHECKING:
     from gpuwatchd.app import CommandContext

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from gpuwatchd.cli import add_state_dir, plugin_command, seconds
+from gpuwatchd.cli.command import add_state_dir, plugin_command, seconds
 from gpuwatchd.config import Config
 from gpuwatchd.diagnose.run import DiagOptions, DiagReport, open_nvml, options_for, run_diag
 from gpuwatchd.errors import ConfigError, GpuwatchdError

@@ -10,7 +10,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from gpuwatchd.cli import add_state_dir
+from gpuwatchd.cli.command import add_state_dir
 from gpuwatchd.logs import escape_control
 
 if TYPE_CHECKING:

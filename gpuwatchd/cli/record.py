@@ -9,7 +9,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from gpuwatchd.cli import EX_USAGE, Parser
+from gpuwatchd.cli.command import EX_USAGE, Parser
 from gpuwatchd.errors import NvmlError
 from gpuwatchd.sources.nvml.client import NvmlClient, Pynvml
 from gpuwatchd.sources.nvml.record import record
@@ -135,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_arguments(parser)
     parser.set_defaults(func=_handle)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from gpuwatchd.cli import dispatch
+    from gpuwatchd.cli.command import dispatch
 
     return dispatch(parser.parse_args(argv))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gpuwatchd.cli import add_state_dir
+from gpuwatchd.cli.command import add_state_dir
 
 if TYPE_CHECKING:
     from gpuwatchd.app import CommandContext

@@ -12,6 +12,7 @@ import shutil
 import urllib.parse
 from collections.abc import Callable
 
+from gpuwatchd.config.problems import ConfigErrors, raise_all
 from gpuwatchd.config.schema import Config
 from gpuwatchd.errors import ConfigError
 
@@ -38,27 +39,6 @@ _AM_FILES = (
     "basic_auth_password_file",
     "bearer_token_file",
 )
-
-
-class ConfigErrors(ConfigError):
-    """Several configuration problems; `str()` gives one line per problem."""
-
-    def __init__(self, errors: list[ConfigError]) -> None:
-        self.errors = errors
-        first = errors[0]
-        super().__init__(first.path, first.key, first.problem)
-
-    def __str__(self) -> str:
-        return "\n".join(ConfigError.__str__(e) for e in getattr(self, "errors", [self]))
-
-
-def raise_all(errors: list[ConfigError]) -> None:
-    """Raise the one error, or all of them together; nothing when the list is empty."""
-    flat = [x for e in errors for x in (e.errors if isinstance(e, ConfigErrors) else [e])]
-    if len(flat) == 1:
-        raise flat[0]
-    if flat:
-        raise ConfigErrors(flat)
 
 
 def validate(cfg: Config, file: str) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from typing import IO, Any
 
-from gpuwatchd.config.validate import raise_all
+from gpuwatchd.config.problems import raise_all
 from gpuwatchd.errors import ConfigError
 from gpuwatchd.logs import escape_control
 
