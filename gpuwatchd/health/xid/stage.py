@@ -211,8 +211,8 @@ class XidStage:
             passed += self.merger.due(mono)
             records = []
             for ev in passed:
-                if ev.source == "nvml" and not ev.attr("boot_id"):
-                    ev = replace(ev, attrs=tuple(sorted((*ev.attrs, ("boot_id", self.nvml_boot)))))
+                if ev.source == "nvml" and ev.xid is not None and not ev.xid.boot_id:
+                    ev = replace(ev, payload=replace(ev.xid, boot_id=self.nvml_boot))
                 # its hold counts in monotonic time from when it was logged (its age at arrival)
                 obs = self.tracker.observe(ev, seen=mono - max(0.0, now - ev.time))
                 records.append((obs.event, obs.burst_id, obs.count))
