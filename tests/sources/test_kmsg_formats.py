@@ -151,8 +151,8 @@ def _event_fields(e: Event) -> dict[str, Any]:
         "kind": e.kind,
         "code": e.code,
         "pci_bus_id": e.pci_bus_id,
-        "pid": e.fields.pid if e.fields is not None else None,
-        "process": e.fields.process if e.fields is not None else "",
+        "pid": e.xid.attribution.pid if e.xid is not None else None,
+        "process": e.xid.attribution.process if e.xid is not None else "",
     }
 
 
