@@ -166,12 +166,13 @@ def test_an_nvml_xid_makes_the_next_poll_read_afresh(rigs: list[Rig]) -> None:
     r.poll()
     r.poll()  # poll 3: the Xid is due
     assert seen.wait(10.0)  # the event thread took it
-    r.poll()  # poll 4 hands the Xid over; poll 5 reads afresh
-    assert r.asked()["ecc_mode"] == 1
-    r.poll()
-    assert r.asked()["ecc_mode"] == 2
-    r.poll()
-    assert r.asked()["ecc_mode"] == 2
+    # The poll that drains the Xid (poll 3 itself when the event thread was quicker than
+    # the rest of that poll, else poll 4) marks the GPU; the poll after it reads afresh.
+    asked = []
+    for _ in range(3):
+        r.poll()
+        asked.append(r.asked()["ecc_mode"])
+    assert asked in ([1, 2, 2], [2, 2, 2]), asked  # once afresh, then static again
 
 
 def test_an_nvml_xid_event_carries_typed_fields_from_its_listener(rigs: list[Rig]) -> None:
