@@ -32,7 +32,7 @@ PHASES = tuple(range(10))
 def config(stacks: bool) -> Config:
     cfg = Config()
     return dataclasses.replace(
-        cfg, hangs=dataclasses.replace(cfg.hangs, stacks=stacks, stacks_confirm_seconds=0.0)
+        cfg, hangs=dataclasses.replace(cfg.hangs, stacks=stacks)
     )
 
 

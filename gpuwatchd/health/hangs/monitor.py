@@ -80,6 +80,7 @@ class HangMonitor:
         max_queue: int = 16,
         ras_workers: int = 2,
         ids: Iterator[int] | None = None,  # the daemon's outlive it (sinks/hang_ids.py)
+        probes: StackProbes | None = None,  # early stack evidence (the replay times it)
     ) -> None:
         self._clock = clock
         self._io = io
@@ -88,7 +89,7 @@ class HangMonitor:
         self._ras_query = ras_query
         # a hang record's id to analyse, or a job whose stacks the detector wants (early.py)
         self._queue: queue.Queue[int | JobView | None] = queue.Queue(maxsize=max_queue)
-        self._probes = StackProbes()
+        self._probes = probes if probes is not None else StackProbes()
         self._lock = threading.Lock()
         self._records: dict[int, HangRecord] = {}
         self._open: dict[str, int] = {}  # job -> record id
