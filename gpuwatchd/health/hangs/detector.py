@@ -80,6 +80,11 @@ class HangDetector:
         self._gpus: dict[str, GpuActivity] = {}
         self._verdicts: list[JobVerdict] = []
         self._own_io: Mapping[int, tuple[float, float]] = {}
+        self._due: float | None = None  # when the next early verdict may be decided
+
+    def due(self) -> float | None:
+        """When a held early verdict (stacks shown) may be decided; None: none held."""
+        return self._due
 
     def observe(
         self,
@@ -98,6 +103,7 @@ class HangDetector:
         (early.py), asked for by `wants_stacks`.
         """
         self._own_io = own_io or {}
+        self._due = None
         if gpus is not None:
             for g in gpus:
                 self._baseline.update(g, now)
@@ -193,6 +199,7 @@ class HangDetector:
                 cpu = _rate(now, r.cpu_seconds, pt, p.cpu_seconds)
                 if cpu is not None:
                     mem.cpu_ratio[r.pid] = cpu
+                    mem.cpu_from[r.pid] = pt
             # GPU work is a state as of the last NVML reading, not an event with a window.
             if fresh:
                 working = any(self._baseline.working(self._gpus.get(g), t) for g in r.gpus)
@@ -383,6 +390,11 @@ class HangDetector:
             "cpu_stall": t.decide_after_seconds,
             "straggler": t.straggler_after_seconds,
         }
+        # The early verdicts are due at a known time: the monitor probes then, not at
+        # the next probe of its cadence (up to probe_interval_seconds later).
+        for c in ("rank_missing", "kernel_stuck"):
+            if c in held and held[c] + need[c] > now and "stacks" in signals[c].split("+"):
+                self._due = min(self._due or float("inf"), held[c] + need[c])
         decided = tuple(
             c
             for c in CONDITIONS
@@ -438,7 +450,9 @@ class HangDetector:
         sitting = any(self._baseline.resident(g, t) for g in gpus)
         if short <= 0 and None not in here and world > len(here) and quiet and fresh:
             if not sitting:
-                held["rendezvous"] = mem.onset.get("rendezvous", now)
+                # quiet since the probe before, where the span the CPU ratio reads began
+                began = max(mem.cpu_from.get(r.pid, now) for r in alive)
+                held["rendezvous"] = mem.onset.get("rendezvous", began)
                 if shown("rendezvous"):
                     assert ev is not None
                     held["rank_missing"] = held["rendezvous"]
