@@ -211,9 +211,7 @@ class Replay:
             if rank in fr
         ]
         recorded = [float(p["seconds"]) for p in trace.doc.get("pyspy") or () if p.get("seconds")]
-        self.probes = TimedProbes(
-            self.clock, max(recorded) if recorded else DUMP_SECONDS, confirm
-        )
+        self.probes = TimedProbes(self.clock, max(recorded) if recorded else DUMP_SECONDS, confirm)
         self.monitor = HangMonitor(
             cfg,
             self.clock,

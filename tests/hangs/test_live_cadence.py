@@ -88,3 +88,22 @@ def test_the_monitor_is_told_when_an_early_verdict_falls_due() -> None:
     rdv = StackEvidence("torch:m:29500", "rendezvous", 103.5, 108.0, "init_process_group")
     (v,) = det.observe([_rank0(1.0)], None, 115.0, evidence={"torch:m:29500": rdv})
     assert v.conditions == ("rank_missing",) and det.due() is None
+
+
+def test_a_rank_named_after_the_nvml_poll_is_read_by_that_poll() -> None:
+    """The GPU reading is a state: a job first probed at the tick after the workloads poll
+    counts as started on it (RAS may be asked), not one NVML interval later."""
+    det = HangDetector(HangThresholds())
+    busy = GpuActivity("0", 1.0, 0.3, 600.0, 700.0, 0.9, 0.3)
+    det.observe([], [busy], 100.0)
+    det.observe([_rank0(1.0)], None, 101.0)
+    assert det.started() == ["torch:m:29500"]
+
+
+def test_a_rank_missing_here_dates_from_the_probe_that_began_its_quiet_span() -> None:
+    det = HangDetector(HangThresholds())
+    three = RankView(21, ("0",), 0, world_size=4, cpu_seconds=1.0)
+    job = JobView("torch:m:29501", (three,), expected_local=2, world_size=4)
+    det.observe([job], [IDLE], 100.0)
+    conditions = {now: det.observe([job], None, now)[0].conditions for now in (103.0, 110.0)}
+    assert conditions == {103.0: (), 110.0: ("rank_missing",)}  # 10 s from 100 s

@@ -83,7 +83,7 @@ class HangDetector:
         self._due: float | None = None  # when the next early verdict may be decided
 
     def due(self) -> float | None:
-        """When a held early verdict (stacks shown) may be decided; None: none held."""
+        """When the next held condition may be decided; None: none held."""
         return self._due
 
     def observe(
@@ -200,8 +200,9 @@ class HangDetector:
                 if cpu is not None:
                     mem.cpu_ratio[r.pid] = cpu
                     mem.cpu_from[r.pid] = pt
-            # GPU work is a state as of the last NVML reading, not an event with a window.
-            if fresh:
+            # GPU work is a state as of the last NVML reading, not an event with a window;
+            # a rank first seen between readings (named after the poll) is read by the last.
+            if fresh or r.pid not in mem.gpu_working:
                 working = any(self._baseline.working(self._gpus.get(g), t) for g in r.gpus)
                 mem.gpu_working[r.pid] = working
                 if working:
@@ -330,7 +331,9 @@ class HangDetector:
         known = len(set(mem.seen) | gone)
         short = (job.expected_local or 0) - max(known, len(job.ranks))
         if short > 0 and alive and not progressing and (quiet_cpu or resident):
-            held["rank_missing"] = mem.onset.get("rank_missing", now)
+            # a quiet CPU ratio covers the span since the probe before: quiet from there
+            began = max(mem.cpu_from.get(r.pid, now) for r in alive) if quiet_cpu else now
+            held["rank_missing"] = mem.onset.get("rank_missing", began)
             signals["rank_missing"] = "liveness+" + ("cpu" if quiet_cpu else "gpu")
         keep_decided(mem, held, signals, bool(gone or ras_dead), bool(ras_dead), short > 0)
         flat_for = ras.flat_for() if not gone else 0.0
@@ -390,10 +393,10 @@ class HangDetector:
             "cpu_stall": t.decide_after_seconds,
             "straggler": t.straggler_after_seconds,
         }
-        # The early verdicts are due at a known time: the monitor probes then, not at
+        # A held condition falls due at a known time: the monitor probes then, not at
         # the next probe of its cadence (up to probe_interval_seconds later).
-        for c in ("rank_missing", "kernel_stuck"):
-            if c in held and held[c] + need[c] > now and "stacks" in signals[c].split("+"):
+        for c in need.keys() & held.keys():
+            if held[c] + need[c] > now:
                 self._due = min(self._due or float("inf"), held[c] + need[c])
         decided = tuple(
             c
