@@ -100,6 +100,7 @@ class WorkloadSource:
     """Builds the `Workload`s of this node once per NVML poll."""
 
     name = "workloads"
+    follows = "nvml"  # the runner polls it right after each NVML poll (its processes)
 
     def __init__(
         self,
