@@ -119,3 +119,27 @@ def test_deadline_marks_key_stuck_until_the_call_returns() -> None:
     with pytest.raises(ZeroDivisionError):
         dr.call("gpu1", lambda: 1 // 0, 1.0)
     dr.close()
+
+
+class Follower(Counting):
+    """A source that reads another's payload (as the workloads read NVML's processes)."""
+
+    follows = "lead"
+
+
+def test_a_follower_polls_right_after_each_poll_of_the_source_it_reads() -> None:
+    """Not on its own timer: that one may fire just before the leader's poll, and name the
+    leader's new processes one interval late (the hang monitor then took them later still)."""
+    state = State()
+    lead, follower = Counting("lead", interval=3600.0), Follower("follower", interval=3600.0)
+    runner = Runner([lead, follower], state, FakeClock())
+    runner.start()
+    try:
+        assert follower.polled.wait(5.0)  # its own first poll at start
+        follower.polled.clear()
+        assert lead.polled.wait(5.0)
+        runner.poll_once("lead")  # a poll of the leader: the follower is woken at once
+        assert follower.polled.wait(5.0)
+        assert follower.polls >= 2
+    finally:
+        runner.stop()

@@ -42,6 +42,14 @@ class Runner:
         self._clock = clock
         self._stop = threading.Event()
         self._slots = {s.name: _Slot(s, threading.Event(), errors={}) for s in sources}
+        # A source that reads another's payload (`follows`: the workloads read NVML's
+        # processes) polls right after each of its polls, not on a timer of its own that
+        # may run just before (a new process named one interval late, or two).
+        self._followers: dict[str, list[str]] = {}
+        for s in sources:
+            leader = getattr(s, "follows", "")
+            if leader:
+                self._followers.setdefault(leader, []).append(s.name)
         self._first = threading.Condition()
 
     @property
@@ -189,6 +197,8 @@ class Runner:
             self._state.publish(snap, events)
         except Exception:
             log.exception("publishing %s", source.name)
+        for name in self._followers.get(source.name, ()):
+            self.nudge(name)
         slot.heartbeat = self._clock.monotonic()
         with self._first:
             slot.polls += 1

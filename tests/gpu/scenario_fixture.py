@@ -198,7 +198,7 @@ def draft_expect(trace: dict[str, Any], row: dict[str, Any] | None) -> dict[str,
             EARLY.get(s.get("mode", ""), "rank_missing" if alone else "rank_dead")
         ]
     if early:
-        out["hangs_config"] = {"stacks": True, "stacks_confirm_seconds": 0}
+        out["hangs_config"] = {"stacks": True}
     if row is not None and row.get("flagged"):
         after = row.get("detected_after_s")
         if after is not None:

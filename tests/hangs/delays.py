@@ -31,9 +31,7 @@ PHASES = tuple(range(10))
 
 def config(stacks: bool) -> Config:
     cfg = Config()
-    return dataclasses.replace(
-        cfg, hangs=dataclasses.replace(cfg.hangs, stacks=stacks, stacks_confirm_seconds=0.0)
-    )
+    return dataclasses.replace(cfg, hangs=dataclasses.replace(cfg.hangs, stacks=stacks))
 
 
 def one(directory: str, phase: int, stacks: bool) -> dict[str, Any]:

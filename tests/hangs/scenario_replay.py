@@ -38,14 +38,20 @@ from typing import Any
 from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import Config
 from gpuwatchd.forensics import NodeForensics
+from gpuwatchd.health.hangs.early import StackEvidence, StackProbes
 from gpuwatchd.health.hangs.monitor import HangMonitor
 from gpuwatchd.jobview import JobView, StackCapture
-from gpuwatchd.model import Finding, Severity
+from gpuwatchd.model import Finding, GpuInventory, Sample, Severity, SourceSnapshot
 from gpuwatchd.sources.hangs import flight, stacks
+from gpuwatchd.sources.workloads.source import WorkloadSource
+from gpuwatchd.state import NodeSnapshot
 from tests.hangs.ras_server import RasReplayServer, ras_server
 from tests.hangs.real_trace import FlightRank, ProcTree, Trace, nvml_snapshot
 
 NVML_INTERVAL = Config().sources.nvml.interval
+# A live `py-spy dump --native` of a PyTorch rank: 0.62-1.34 s in the recordings that kept
+# the figure (tests/fixtures/hangs/*/trace.json `pyspy[].seconds`); for those that did not.
+DUMP_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -135,8 +141,41 @@ class QuickFlight(NodeForensics):
         return super().flight(job, procfs, written)
 
 
+class TimedProbes(StackProbes):
+    """Early stack evidence as late as the daemon has it: after two dumps and the pause.
+
+    The replay's dumps answer at once and its monitor does not wait between them (no
+    wall time); the daemon's forensics thread takes `dump` seconds per `py-spy dump`
+    (as recorded) and waits `confirm` (hangs.stacks_confirm_seconds) between the two.
+    Evidence asked at T is dated as the daemon dates it (first dumps at T, second ones
+    at T + dump + confirm) and seen by the detector from T + 2 dump + confirm on.
+    """
+
+    def __init__(self, clock: FakeClock, dump: float, confirm: float) -> None:
+        super().__init__()
+        self._clock, self.dump, self.confirm = clock, dump, confirm
+        self._pending: list[tuple[float, StackEvidence]] = []
+
+    def put(self, evidence: StackEvidence) -> None:
+        at = evidence.first_at + self.dump + self.confirm
+        self._pending.append((at + self.dump, dataclasses.replace(evidence, at=at)))
+
+    def evidence(self) -> dict[str, StackEvidence]:
+        now = self._clock.time()
+        for ready, ev in [p for p in self._pending if p[0] <= now]:
+            self._pending.remove((ready, ev))
+            super().put(ev)
+        return super().evidence()
+
+
 class Replay:
-    """The monitor beside one recorded job: a fake clock, /proc tree, NVML, RAS, dumps."""
+    """The monitor beside one recorded job: a fake clock, /proc tree, NVML, RAS, dumps.
+
+    Cadences as the daemon has them: an NVML poll every `sources.nvml.interval` at the
+    given phase, the workloads source's poll just after each (it names the processes of
+    the NVML poll before it is published: jobs are the workloads' when it runs), the
+    consumer's tick every second, and early stack dumps as slow as recorded (TimedProbes).
+    """
 
     def __init__(
         self, tmp: str, trace: Trace, srv: RasReplayServer, cfg: Config, phase: float
@@ -144,7 +183,12 @@ class Replay:
         self.trace, self.srv = trace, srv
         self.origin = trace.origin
         self.proc = ProcTree(os.path.join(tmp, "proc"), trace.environ(srv.addr), trace.cmdlines())
-        cfg = dataclasses.replace(cfg, paths=dataclasses.replace(cfg.paths, procfs=self.proc.root))
+        confirm = cfg.hangs.stacks_confirm_seconds  # modelled by TimedProbes, not waited
+        cfg = dataclasses.replace(
+            cfg,
+            paths=dataclasses.replace(cfg.paths, procfs=self.proc.root),
+            hangs=dataclasses.replace(cfg.hangs, stacks_confirm_seconds=0.0),
+        )
         samples = trace.samples()
         self.clock = FakeClock(start=samples[0][0])
         self.launch = float(trace.doc["t_launch"])
@@ -166,9 +210,22 @@ class Replay:
             for rank, pid in trace.pids.items()
             if rank in fr
         ]
+        recorded = [float(p["seconds"]) for p in trace.doc.get("pyspy") or () if p.get("seconds")]
+        self.probes = TimedProbes(self.clock, max(recorded) if recorded else DUMP_SECONDS, confirm)
         self.monitor = HangMonitor(
-            cfg, self.clock, io=QuickFlight(self.flights), ras_workers=0, capture=capture
+            cfg,
+            self.clock,
+            io=QuickFlight(self.flights),
+            ras_workers=0,
+            capture=capture,
+            probes=self.probes,
         )
+        self.inventory = GpuInventory()
+        self.workloads = WorkloadSource(
+            lambda: self.inventory, procfs=self.proc.root, kubelet=None, slurm=None
+        )
+        self.workloads_snap: SourceSnapshot | None = None
+        self._poll_workloads(samples[0][0])  # the daemon ran before the recording began
         self.found: list[tuple[float, list[Finding]]] = []
         self.monitor.add_listener(lambda f, now: self.found.append((now - self.origin, list(f))))
         self.next_nvml = samples[0][0] + phase
@@ -183,8 +240,29 @@ class Replay:
         self.srv.text_answer = trace.ras_answer(t, "text") or trace.first_ras_answer("text")
         if t >= self.next_nvml:
             self.next_nvml += NVML_INTERVAL
-            self.monitor.on_publish(nvml_snapshot(trace.nvml_row(t), t))
+            nvml = nvml_snapshot(trace.nvml_row(t), t).sources["nvml"]
+            self.monitor.on_publish(self._node(nvml))  # the workloads' poll still to come
+            assert nvml.inventory is not None
+            self.inventory = nvml.inventory
+            self._poll_workloads(t)
+            self.monitor.on_publish(self._node(nvml))
         self.monitor.tick()
+
+    def _poll_workloads(self, t: float) -> None:
+        found = self.workloads.poll(t)
+        self.workloads_snap = SourceSnapshot(
+            "workloads",
+            tuple(s for s in found if isinstance(s, Sample)),
+            True,
+            timestamp=t,
+            payload=self.workloads.payload(),
+        )
+
+    def _node(self, nvml: SourceSnapshot) -> NodeSnapshot:
+        sources = {"nvml": nvml}
+        if self.workloads_snap is not None:
+            sources["workloads"] = self.workloads_snap
+        return NodeSnapshot(sources=sources)
 
     def run(self, forensics: bool = True) -> None:
         """The whole recording, second by second (forensics in this thread)."""

@@ -31,7 +31,7 @@ from tests.hangs.real_trace import Trace
 from tests.hangs.replay import FIXTURES, fixture, polls
 from tests.hangs.scenario_replay import Expect, check, replaying
 
-STACKS = {"stacks": True, "stacks_confirm_seconds": 0.0}
+STACKS = {"stacks": True}  # the pause between the dumps: modelled by the replay
 CONTROLS = [
     os.path.dirname(p)
     for p in sorted(glob.glob(os.path.join(FIXTURES, "*", "expect.json")))

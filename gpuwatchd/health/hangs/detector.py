@@ -80,6 +80,11 @@ class HangDetector:
         self._gpus: dict[str, GpuActivity] = {}
         self._verdicts: list[JobVerdict] = []
         self._own_io: Mapping[int, tuple[float, float]] = {}
+        self._due: float | None = None  # when the next early verdict may be decided
+
+    def due(self) -> float | None:
+        """When the next held condition may be decided; None: none held."""
+        return self._due
 
     def observe(
         self,
@@ -98,6 +103,7 @@ class HangDetector:
         (early.py), asked for by `wants_stacks`.
         """
         self._own_io = own_io or {}
+        self._due = None
         if gpus is not None:
             for g in gpus:
                 self._baseline.update(g, now)
@@ -193,8 +199,10 @@ class HangDetector:
                 cpu = _rate(now, r.cpu_seconds, pt, p.cpu_seconds)
                 if cpu is not None:
                     mem.cpu_ratio[r.pid] = cpu
-            # GPU work is a state as of the last NVML reading, not an event with a window.
-            if fresh:
+                    mem.cpu_from[r.pid] = pt
+            # GPU work is a state as of the last NVML reading, not an event with a window;
+            # a rank first seen between readings (named after the poll) is read by the last.
+            if fresh or r.pid not in mem.gpu_working:
                 working = any(self._baseline.working(self._gpus.get(g), t) for g in r.gpus)
                 mem.gpu_working[r.pid] = working
                 if working:
@@ -323,7 +331,9 @@ class HangDetector:
         known = len(set(mem.seen) | gone)
         short = (job.expected_local or 0) - max(known, len(job.ranks))
         if short > 0 and alive and not progressing and (quiet_cpu or resident):
-            held["rank_missing"] = mem.onset.get("rank_missing", now)
+            # a quiet CPU ratio covers the span since the probe before: quiet from there
+            began = max(mem.cpu_from.get(r.pid, now) for r in alive) if quiet_cpu else now
+            held["rank_missing"] = mem.onset.get("rank_missing", began)
             signals["rank_missing"] = "liveness+" + ("cpu" if quiet_cpu else "gpu")
         keep_decided(mem, held, signals, bool(gone or ras_dead), bool(ras_dead), short > 0)
         flat_for = ras.flat_for() if not gone else 0.0
@@ -383,6 +393,11 @@ class HangDetector:
             "cpu_stall": t.decide_after_seconds,
             "straggler": t.straggler_after_seconds,
         }
+        # A held condition falls due at a known time: the monitor probes then, not at
+        # the next probe of its cadence (up to probe_interval_seconds later).
+        for c in need.keys() & held.keys():
+            if held[c] + need[c] > now:
+                self._due = min(self._due or float("inf"), held[c] + need[c])
         decided = tuple(
             c
             for c in CONDITIONS
@@ -438,7 +453,9 @@ class HangDetector:
         sitting = any(self._baseline.resident(g, t) for g in gpus)
         if short <= 0 and None not in here and world > len(here) and quiet and fresh:
             if not sitting:
-                held["rendezvous"] = mem.onset.get("rendezvous", now)
+                # quiet since the probe before, where the span the CPU ratio reads began
+                began = max(mem.cpu_from.get(r.pid, now) for r in alive)
+                held["rendezvous"] = mem.onset.get("rendezvous", began)
                 if shown("rendezvous"):
                     assert ev is not None
                     held["rank_missing"] = held["rendezvous"]

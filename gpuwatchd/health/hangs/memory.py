@@ -30,6 +30,7 @@ class JobMemory:
     gpu_working: dict[int, bool] = field(default_factory=dict)  # as of the last reading
     worked: set[int] = field(default_factory=set)  # pids whose GPUs did real work once
     cpu_ratio: dict[int, float] = field(default_factory=dict)
+    cpu_from: dict[int, float] = field(default_factory=dict)  # start of cpu_ratio's span
     ras: JobRas = field(default_factory=JobRas)
     replaced: set[int] = field(default_factory=set)  # gone pids whose rank runs again
     # A decided rank_dead / rank_missing stays decided (keep_decided): its onset, the

@@ -34,7 +34,7 @@ from gpuwatchd.health.hangs.detector import (
 )
 from gpuwatchd.health.hangs.early import StackProbes, evidence_of
 from gpuwatchd.health.hangs.gpu import thresholds_from_config
-from gpuwatchd.health.hangs.members import JobMembers
+from gpuwatchd.health.hangs.members import JobMembers, ProbeCadence
 from gpuwatchd.health.hangs.poller import RasPoller
 from gpuwatchd.health.hangs.ports import METRICS, EventWriter, Listener, NodeIO, RasFn, StackFn
 from gpuwatchd.health.hangs.record import (
@@ -80,6 +80,7 @@ class HangMonitor:
         max_queue: int = 16,
         ras_workers: int = 2,
         ids: Iterator[int] | None = None,  # the daemon's outlive it (sinks/hang_ids.py)
+        probes: StackProbes | None = None,  # early stack evidence (the replay times it)
     ) -> None:
         self._clock = clock
         self._io = io
@@ -88,7 +89,7 @@ class HangMonitor:
         self._ras_query = ras_query
         # a hang record's id to analyse, or a job whose stacks the detector wants (early.py)
         self._queue: queue.Queue[int | JobView | None] = queue.Queue(maxsize=max_queue)
-        self._probes = StackProbes()
+        self._probes = probes if probes is not None else StackProbes()
         self._lock = threading.Lock()
         self._records: dict[int, HangRecord] = {}
         self._open: dict[str, int] = {}  # job -> record id
@@ -103,7 +104,7 @@ class HangMonitor:
         self._poller = RasPoller(self._query_ras, ras_workers)
         self._xids = XidMemory()
         self._members = JobMembers()
-        self._probed_at = -1e18
+        self._cadence = ProbeCadence()
         self._own_io: dict[int, tuple[float, float]] = {}  # pid -> (from, until)
         self.reconfigure(cfg)
 
@@ -172,14 +173,17 @@ class HangMonitor:
         if isinstance(events, tuple) and events:
             self._xids.note(events, self._clock.time())
         nvml = snap.sources.get("nvml")
-        if nvml is None or not nvml.ok or nvml.timestamp == self._seen_stamp:
+        if nvml is None or not nvml.ok:
+            return
+        if nvml.timestamp == self._seen_stamp:  # the workloads' names of the poll judged last
+            self._cadence.soon |= self._members.named(snap, self.jobs_of)
             return
         self._seen_stamp = nvml.timestamp
         if nvml.inventory is not None:
             self._xids.note_gpus(nvml.inventory)
         self._members.merge(self.jobs_of(snap))
         # The poll's own time, never before the last probe (time only moves forward here).
-        now = max(nvml.timestamp or self._clock.time(), self._probed_at)
+        now = max(nvml.timestamp or self._clock.time(), self._cadence.at)
         self._evaluate(now, activity_from_samples(nvml.samples))
 
     def tick(self) -> None:
@@ -187,11 +191,11 @@ class HangMonitor:
         if not self.cfg.hangs.enabled or not self._members:
             return
         now = self._clock.time()
-        if now - self._probed_at >= self.cfg.hangs.probe_interval_seconds:
+        if self._cadence.due(now, self.cfg.hangs.probe_interval_seconds, self.detector.due()):
             self._evaluate(now, None)
 
     def _evaluate(self, now: float, gpus: Sequence[GpuActivity] | None) -> None:
-        self._probed_at = now
+        self._cadence.probed(now)
         jobs = self._members.current(now)
         if self._io is not None:
             jobs = self._io.probe(jobs, self.cfg.paths.procfs)

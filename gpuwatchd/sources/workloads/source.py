@@ -1,6 +1,6 @@
 """The workloads source: which pod, Slurm job or process holds each GPU, with ranks.
 
-Polled at the NVML interval. Processes per GPU come from the NVML source's
+Polled right after each NVML poll (`follows`). Processes per GPU come from the NVML source's
 last poll (ctx.gpus, no second NVML client); each pid is placed by
 its cgroup (pod UID, Slurm job), named through the kubelet pod-resources
 API (one List per poll, matched by GPU/MIG UUID) or Slurm (cached per
@@ -100,6 +100,7 @@ class WorkloadSource:
     """Builds the `Workload`s of this node once per NVML poll."""
 
     name = "workloads"
+    follows = "nvml"  # the runner polls it right after each NVML poll (its processes)
 
     def __init__(
         self,
@@ -147,7 +148,7 @@ class WorkloadSource:
     def poll(self, now: float) -> Sequence[Sample | Event]:
         """Read processes, place and name them; samples: workload info and lookup errors.
 
-        Polled at the NVML interval, it works only when NVML has published a
+        Polled after each NVML poll (and at its interval), it works only when NVML has published a
         new poll since (a new inventory object): at most one kubelet call per
         NVML poll. (Polling faster would name new processes sooner but adds
         a publish, and a pass of the consumer chain, every time.)
