@@ -24,7 +24,7 @@ from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config
 from gpuwatchd.errors import ConfigError
 from gpuwatchd.health.hangs.alerts import finding_of, info_samples, severity_of
-from gpuwatchd.health.hangs.causes import XidMemory
+from gpuwatchd.health.hangs.causes import CauseMemory
 from gpuwatchd.health.hangs.detector import (
     GpuActivity,
     HangDetector,
@@ -137,7 +137,7 @@ class HangMonitor:
         self.dropped = 0
         self._site_catalog: tuple[Signature, ...] | None = None
         self._poller = RasPoller(self._query_ras, ras_workers)
-        self._xids = XidMemory()
+        self._causes = CauseMemory()
         self._members = JobMembers()
         self._probed_at = -1e18
         self._own_io: dict[int, tuple[float, float]] = {}  # pid -> (from, until)
@@ -205,14 +205,13 @@ class HangMonitor:
         """Rebuild the jobs and read the GPUs once per new NVML poll, then evaluate."""
         if not self.cfg.hangs.enabled:
             return
-        if isinstance(events, tuple) and events:
-            self._xids.note(events, self._clock.time())
+        self._causes.note(source, events if isinstance(events, tuple) else (), self._clock.time())
         nvml = snap.sources.get("nvml")
         if nvml is None or not nvml.ok or nvml.timestamp == self._seen_stamp:
             return
         self._seen_stamp = nvml.timestamp
         if nvml.inventory is not None:
-            self._xids.note_gpus(nvml.inventory)
+            self._causes.note_gpus(nvml.inventory)
         self._members.merge(self.jobs_of(snap))
         # The poll's own time, never before the last probe (time only moves forward here).
         now = max(nvml.timestamp or self._clock.time(), self._probed_at)
@@ -280,7 +279,7 @@ class HangMonitor:
                 known = self._open.get(job)
                 if known is None:
                     rid = self._new_record(by_job[job], v, now)
-                    self._records[rid].cause = self._xids.cause(by_job[job], v)
+                    self._records[rid].incident = self._causes.incident(by_job[job], v)
                     # The alert goes at once when the detector set its severity (a dead rank
                     # pages in seconds, stacks or not); else it waits for the signature.
                     queued = self._enqueue(rid)
@@ -292,6 +291,9 @@ class HangMonitor:
                     if _alert_key(v) != was:  # escalated, another cause, RAS confirmed
                         changed = True
                         log.warning("hang of job %s now: %s", job, v.reason)
+                    incident = self._causes.incident(by_job[job], v)
+                    changed |= incident != rec.incident  # a cause reported after the stall
+                    rec.incident = incident
                     interval = self.cfg.hangs.ras_interval_seconds
                     if self.cfg.hangs.ras and rec.ras_at and now - rec.ras_at >= interval:
                         rec.ras_at = now  # one re-query per interval
