@@ -53,6 +53,7 @@ SLOWDOWNS = frozenset({"hw_thermal_slowdown", "sw_thermal_slowdown", "hw_power_b
 NVLINK_BURST = 100  # data-link errors of one link between two polls that make a burst
 IB_SYMBOL_BURST = 10  # symbol errors between two polls (a healthy link counts a few a day)
 SHM_FULL_RATIO = 0.02  # /dev/shm available under this share of its size: full
+NEAR = ("pcie_switch", "host_bridge")  # a NIC NCCL would use for the GPU; not NUMA-only
 MAX_SIGNALS = 2048  # bounded: the oldest go first
 
 
@@ -234,7 +235,7 @@ class SignalReader:
     def _note_affinity(self, samples: Iterable[Sample]) -> None:
         near: dict[str, set[str]] = {}
         for s in samples:
-            if s.name == "gpuwatchd_infiniband_gpu_affinity_info":
+            if s.name == "gpuwatchd_infiniband_gpu_affinity_info" and s.label("affinity") in NEAR:
                 near.setdefault(s.label("device"), set()).add(s.label("gpu"))
         for dev, gpus in near.items():
             self._nic_gpus[dev] = frozenset(gpus)
@@ -306,7 +307,7 @@ class SignalReader:
         if full and was != 1.0:
             left, total = avail.value / 2**20, size.value / 2**30
             what = f"/dev/shm full ({left:.0f} MiB of {total:.1f} GiB left)"
-            self._add(NodeSignal("shm_full", what, "/dev/shm", t, node_wide=True))
+            self._add(NodeSignal("shm_full", what, "", t, node_wide=True))
 
     def _add(self, sig: NodeSignal) -> None:
         self.signals.append(sig)

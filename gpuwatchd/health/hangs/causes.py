@@ -59,7 +59,9 @@ class Cause:
         who = f"rank {self.rank}" if self.rank is not None else ""
         if self.pid is not None:
             who = f"{who} (pid {self.pid})" if who else f"pid {self.pid}"
-        on = "" if self.where.startswith("pid ") else f" on {self.where}"
+        on = "" if not self.where or self.where.startswith("pid ") else f" on {self.where}"
+        if self.affinity == "nvlink_peer":
+            on += ", an NVLink peer of its GPU"
         sep = " " if self.kind in KILLS else ": "
         head = f"{who}{sep}{self.what}{on}" if who else f"{self.what}{on}"
         off = self.offset_seconds
