@@ -148,7 +148,6 @@ class NodeFeed:
 
     def inject(self, kind: str, at: float, pid: int) -> float:
         """Schedule one fault of `kind` at wall time `at`; returns when a source publishes it."""
-        bus = self.bus[self.target_gpu]
         if kind in PID_CLASSES:
             if kind in KILL_CONTEXT:
                 name, index, pattern = KILL_CONTEXT[kind]
@@ -156,6 +155,7 @@ class NodeFeed:
             name, index, pattern = KILL_LINES[kind]
             return self._kernel(re.sub(pattern, str(pid), _line(name, index)), at)
         if kind in XID_LINES:
+            bus = self.bus[self.target_gpu]
             line = re.sub(r"PCI:[0-9a-fA-F:]+\)", f"PCI:{bus[:-2]})", xid_line(kind))
             line = re.sub(r"pid=\d+", f"pid={pid}", line)
             return self._kernel(line, at)

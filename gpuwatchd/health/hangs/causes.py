@@ -169,7 +169,7 @@ class CauseMemory:
                 at=sig.time,
                 offset_seconds=sig.time - t0,
                 rank=rank.rank if rank is not None else None,
-                pid=rank.pid if rank is not None and how in ("pid", "gpu") else sig.pid,
+                pid=rank.pid if rank is not None else sig.pid,
                 affinity=how,
                 evidence=sig.evidence,
                 incident=sig.incident,
