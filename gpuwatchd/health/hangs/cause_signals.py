@@ -172,6 +172,7 @@ class SignalReader:
             time=ev.time,
             gpus=frozenset({gpu}) if gpu else frozenset(),
             pid=int(pid) if pid.isdigit() else None,
+            node_wide=ev.kind == "sxid",  # an NVSwitch error reaches every GPU of the fabric
             evidence=ev.attr("raw") or ev.message,
             incident=xid_incident(bus, ev.code),
         )

@@ -104,7 +104,9 @@ class Incident:
     def headline(self) -> str:
         """One line: the cause, or why none is named."""
         if self.cause is not None:
-            return self.cause.text
+            there = ", ".join(self.elsewhere)
+            tail = f"; ranks lost on {there}: their daemon names what broke there" if there else ""
+            return self.cause.text + tail
         if self.elsewhere:
             return (
                 f"no cause seen on this node; the rank that stopped first runs on "
@@ -180,7 +182,7 @@ class CauseMemory:
         found.sort(key=lambda x: x[0])
         causes = tuple(c for _, c in found[: 1 + MAX_ALTERNATIVES])
         looked = tuple(LOOKED_AT[s] for s in LOOKED_AT if s in self.reader.sources)
-        return Incident(causes, looked, verdict.nodes if not causes else ())
+        return Incident(causes, looked, verdict.nodes)
 
     def _match(
         self, sig: NodeSignal, ranks: Iterable[RankView], dead: set[int]
