@@ -7,12 +7,19 @@ tests/fixtures/sys (benchmarks/cause_faults.NodeFeed, the benchmark's injector).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
+import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from benchmarks.cause_faults import KILL_CONTEXT, KILL_LINES, NEAR_BUS, NodeFeed, _line
 from gpuwatchd.cli.hang import render
+from gpuwatchd.clock import SystemClock
+from gpuwatchd.config import AlertmanagerConfig, Config
 from gpuwatchd.health.hangs.alerts import finding_of
 from gpuwatchd.health.hangs.causes import CauseMemory, Incident
 from gpuwatchd.health.hangs.detector import JobVerdict
@@ -27,7 +34,9 @@ from gpuwatchd.model import (
     SourceSnapshot,
     Topology,
 )
+from gpuwatchd.sinks.alertmanager.sink import AlertSink
 from gpuwatchd.sources.kmsg.process_kills import KillParser, to_event
+from tests.servers import AlertmanagerServer, alertmanager_server
 
 T0 = 1_800_000_000.0
 JOB = JobView(
@@ -202,3 +211,28 @@ def test_the_incident_is_in_the_alert_hang_show_and_the_record() -> None:
     assert "  cause: rank 1 (pid 4242) killed by the OOM killer" in text
     assert "  alternative: rank 0 (pid 4241) crashed" in text
     assert "  cause evidence: python3[4242] killed by the OOM killer" in text
+
+
+@pytest.fixture(scope="module")
+def am(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AlertmanagerServer]:
+    yield from alertmanager_server(tmp_path_factory)
+
+
+def test_the_alertmanager_alert_carries_the_cause_as_an_annotation(
+    tmp_path: Path, am: AlertmanagerServer
+) -> None:
+    now = time.time()  # Alertmanager takes no alert that starts after it ends
+    mem = memory()
+    mem.note(None, (kernel_event("oom_kill", 4242, now - 2.1),), now)
+    rec = HangRecord(8, JOB, dead(since=now))
+    rec.incident = mem.incident(JOB, dead(since=now))
+    cfg = dataclasses.replace(Config(), alertmanager=AlertmanagerConfig(urls=[am.url]))
+    sink = AlertSink(cfg, str(tmp_path / "alerts.db"), SystemClock(), "cause-node")
+    sink.update([finding_of(rec)])
+    assert sink.flush()
+    (alert,) = am.alerts(node="cause-node")
+    assert alert["labels"]["alertname"] == "JobHangSuspected" and "cause" not in alert["labels"]
+    assert alert["annotations"]["cause"].startswith(
+        "rank 1 (pid 4242) killed by the OOM killer (memory cgroup /lxc.payload"
+    )
+    assert "Cause: rank 1 (pid 4242) killed" in alert["annotations"]["description"]
