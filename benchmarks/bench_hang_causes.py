@@ -45,7 +45,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.cause_faults import CLASSES, PID_CLASSES, NodeFeed  # noqa: E402
+from benchmarks.cause_faults import CLASSES, PID_CLASSES, XID_LINES, NodeFeed  # noqa: E402
 from benchmarks.report import publish  # noqa: E402
 from gpuwatchd.model import Severity  # noqa: E402
 from gpuwatchd.state import NodeSnapshot  # noqa: E402
@@ -76,6 +76,7 @@ class Outcome:
     named: float | None = None  # first tick whose incident names the injected cause
     cause: str = ""  # the incident's first cause at the end (kind), "" if none
     right: bool = False
+    xid_only_right: bool = False  # what the previous release's join (Xids only) would name
     pages: int = 0  # critical JobHangSuspected alerts opened
     cpu: float = 0.0
     simulated: float = 0.0
@@ -176,6 +177,10 @@ def replay(
         out.cause = str(first.get("kind") or "")
         out.headline = str(inc.get("headline") or "")
         out.right = bool(kind) and out.named is not None and out.cause == kind
+        # The previous join: an Xid on the rank's GPU or from its pid, at most 5 s after
+        # the verdict's since; it named no other class.
+        since = float(docs[0].get("since") or 0.0)
+        out.xid_only_right = kind in XID_LINES and origin + offset <= since + 5.0
     return out
 
 
@@ -300,12 +305,14 @@ def summarize(cases: list[tuple[str, str, float, float, Outcome, bool]]) -> dict
             detect[bucket].append(o.detected)
     total = len(cases)
     right = sum(c[4].right for c in cases)
+    xid_only = sum(c[4].xid_only_right for c in cases)
     cpu = sum(c[4].cpu for c in cases)
     sim = sum(c[4].simulated for c in cases)
     return {
         "faults": total,
         "right": right,
         "right_share": right / total if total else 0.0,
+        "xid_only_right": xid_only,
         "classes": per,
         "detect_dead_p50_s": pct(detect["dead"], 0.5),
         "detect_dead_p90_s": pct(detect["dead"], 0.9),
@@ -335,6 +342,10 @@ def table(fig: dict[str, Any], days: float) -> list[str]:
     rows = [
         _row("faults (hang recordings x NVML phases x classes x offsets)", str(fig["faults"])),
         _row("cause named right", f"{fig['right']} of {fig['faults']} ({fig['right_share']:.1%})"),
+        _row(
+            "the same faults named right by the previous join (Xids only)",
+            f"{fig['xid_only_right']} ({fig['xid_only_right'] / max(1, fig['faults']):.1%})",
+        ),
         _row("hang detected, dead or killed rank: p50 / p90", dead),
         _row("hang detected, stalls: p50 / p90", stall),
     ]
