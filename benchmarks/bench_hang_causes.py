@@ -32,9 +32,11 @@ RAS server and the sources' own polls are not in it).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -45,8 +47,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.cause_faults import CLASSES, PID_CLASSES, XID_LINES, NodeFeed  # noqa: E402
+from benchmarks.cause_faults import (  # noqa: E402
+    CLASSES,
+    INTERVALS,
+    PID_CLASSES,
+    XID_LINES,
+    NodeFeed,
+    hgx_polls,
+)
 from benchmarks.report import publish  # noqa: E402
+from gpuwatchd.health.hangs.causes import CauseMemory  # noqa: E402
 from gpuwatchd.model import Severity  # noqa: E402
 from gpuwatchd.state import NodeSnapshot  # noqa: E402
 from tests.hangs.real_trace import Trace, nvml_snapshot  # noqa: E402
@@ -323,6 +333,26 @@ def summarize(cases: list[tuple[str, str, float, float, Outcome, bool]]) -> dict
     }
 
 
+def hgx_reader_cost(runs: int) -> dict[str, float]:
+    """The cause memory's thread CPU per poll of the 8-GPU HGX node's NVML and InfiniBand
+    sources (the real sources' samples), and per hour at their default intervals."""
+    with tempfile.TemporaryDirectory() as tmp:
+        nvml, ib = hgx_polls(Path(tmp))
+    mem = CauseMemory()
+    cost: dict[str, float] = {}
+    for snap in (nvml, ib):
+        took = []
+        for i in range(runs):
+            polled = dataclasses.replace(snap, timestamp=snap.timestamp + i + 1)
+            c0 = time.thread_time()
+            mem.note(polled, (), polled.timestamp)
+            took.append(time.thread_time() - c0)
+        cost[snap.source] = statistics.median(took)
+        cost[f"{snap.source}_samples"] = len(snap.samples)
+    cost["per_hour"] = sum(3600.0 / INTERVALS[s] * cost[s] for s in ("nvml", "infiniband"))
+    return cost
+
+
 def _row(name: str, value: str) -> str:
     return f"| {name} | {value} |"
 
@@ -359,6 +389,7 @@ def table(fig: dict[str, Any], days: float) -> list[str]:
             + (f" wrong as: {wrong} |" if wrong else "")
         )
     cpu_nf, cpu_f = nf["cpu_per_simulated_hour"], fig["cpu_per_simulated_hour_faults"]
+    hx = fig["hgx_reader"]
     rows += [
         _row(
             "no fault: simulated node-days",
@@ -372,6 +403,15 @@ def table(fig: dict[str, Any], days: float) -> list[str]:
         ),
         _row("hang path CPU / simulated hour, no fault", f"{cpu_nf:.2f} s ({cpu_nf / 36:.3f} %)"),
         _row("hang path CPU / simulated hour, faults", f"{cpu_f:.2f} s ({cpu_f / 36:.3f} %)"),
+        _row(
+            "cause memory on an 8-GPU HGX node: one NVML poll / one InfiniBand poll (p50)",
+            f"{hx['nvml'] * 1e3:.2f} ms ({hx['nvml_samples']:.0f} samples) / "
+            f"{hx['infiniband'] * 1e3:.2f} ms ({hx['infiniband_samples']:.0f} samples)",
+        ),
+        _row(
+            "the same per hour at the default intervals",
+            f"{hx['per_hour']:.2f} s ({hx['per_hour'] / 36:.3f} % of a core)",
+        ),
         _goal("dead or killed rank detected, p90", fig["detect_dead_p90_s"], 15.0),
         _goal("stall detected, p90", fig["detect_stall_p90_s"], 30.0),
         _goal("cause named wrong", 100.0 * (1 - fig["right_share"]), 10.0, " %"),
@@ -399,6 +439,7 @@ def main() -> None:
     fig = summarize(fault_cases)
     episodes = controls(args.quick, args.seed + 1, args.draws)
     fig["no_fault"] = node_days(episodes, args.node_days, args.seed + 2)
+    fig["hgx_reader"] = hgx_reader_cost(20 if args.quick else 200)
     fig["wall_seconds"] = time.monotonic() - wall
     rows = table(fig, args.node_days)
     section = "" if args.no_write or args.quick else "hang-causes"

@@ -329,3 +329,31 @@ class NodeFeed:
 
     def _set(self, name: str, value: float, gpu: int, **labels: str) -> None:
         self._nvml[self._key(name, gpu, **labels)] = value
+
+
+def hgx_polls(tmp: Path) -> tuple[SourceSnapshot, SourceSnapshot]:
+    """One NVML poll of the 8-GPU HGX capture (18 links a GPU) and one InfiniBand poll of
+    8 ConnectX ports, by the real sources: what the cause memory reads on a big node."""
+    import dataclasses
+
+    from benchmarks.hgx import write_hgx
+    from gpuwatchd.clock import FakeClock
+    from gpuwatchd.pipeline import SourceSet
+    from gpuwatchd.state import State
+
+    capture, sysfs = write_hgx(tmp / "hgx")
+    cfg = Config()
+    cfg = dataclasses.replace(
+        cfg,
+        paths=dataclasses.replace(cfg.paths, sysfs=str(sysfs)),
+        sources=dataclasses.replace(
+            cfg.sources, nvml=dataclasses.replace(cfg.sources.nvml, replay=str(capture))
+        ),
+    )
+    sources = SourceSet(cfg, State(), FakeClock())
+    try:
+        nvml = sources.runner.poll_once("nvml")
+        ib = sources.runner.poll_once("infiniband")
+    finally:
+        sources.stop()
+    return nvml, ib
