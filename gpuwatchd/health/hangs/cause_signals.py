@@ -66,6 +66,7 @@ class NodeSignal:
     where: str  # "GPU 1 (0000:06:00.0)", "mlx5_0 port 1", "pid 4242"
     time: float
     gpus: frozenset[str] = frozenset()  # GPU indexes it is near; empty with pid or node_wide
+    gpu: str = ""  # the GPU it happened on, when on one (an NVLink peer's link: the peer)
     pid: int | None = None  # the process it is about (kills; an Xid's pid)
     node_wide: bool = False  # touches every rank (/dev/shm)
     evidence: str = ""  # the kernel line, or the counter's values
@@ -171,6 +172,7 @@ class SignalReader:
             where=self.gpu_label(gpu) if gpu else (bus or "an NVSwitch"),
             time=ev.time,
             gpus=frozenset({gpu}) if gpu else frozenset(),
+            gpu=gpu,
             pid=int(pid) if pid.isdigit() else None,
             node_wide=ev.kind == "sxid",  # an NVSwitch error reaches every GPU of the fabric
             evidence=ev.attr("raw") or ev.message,
@@ -231,7 +233,7 @@ class SignalReader:
             if kind:
                 where = self.gpu_label(gpu)
                 near = self.near(gpu) if kind == "nvlink" else frozenset({gpu})
-                self._add(NodeSignal(kind, what, where, t, near, evidence=_ev(s)))
+                self._add(NodeSignal(kind, what, where, t, near, gpu=gpu, evidence=_ev(s)))
 
     def _note_affinity(self, samples: Iterable[Sample]) -> None:
         near: dict[str, set[str]] = {}

@@ -198,10 +198,7 @@ class CauseMemory:
             return None  # another process's: not this job's
         for r in ordered:
             if sig.gpus & set(r.gpus):
-                how = {"nvlink": "gpu", "infiniband": "nic", "pcie": "pcie_path"}.get(sig.kind)
-                if sig.kind == "nvlink" and not sig.where.startswith(
-                    tuple(self.reader.gpu_label(g) for g in r.gpus)
-                ):
-                    how = "nvlink_peer"
-                return r, how or "gpu"
+                if sig.kind == "nvlink" and sig.gpu not in r.gpus:
+                    return r, "nvlink_peer"
+                return r, {"infiniband": "nic", "pcie": "pcie_path"}.get(sig.kind, "gpu")
         return None
