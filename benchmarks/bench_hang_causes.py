@@ -144,7 +144,9 @@ def replay(
     gpus, gpu_of = _gpus_of(trace)
     rank, pid = _target(trace)
     target_gpu = gpu_of.get(pid, gpus[0] if gpus else 0)
-    feed = NodeFeed(Path(tmp), gpus or [0], target_gpu, t_first - 60.0, rng)
+    # the sources run from two minutes before the recording: every one has polled before
+    # the earliest fault (a counter already risen at a source's first poll is old news)
+    feed = NodeFeed(Path(tmp), gpus or [0], target_gpu, t_first - 120.0, rng)
     feed.noise(t_last + 1.0)
     if kind:
         feed.inject(kind, origin + offset, pid)
@@ -306,13 +308,15 @@ def summarize(cases: list[tuple[str, str, float, float, Outcome, bool]]) -> dict
             "wrong": dict(Counter(c[4].cause or "none" for c in got if not c[4].right)),
         }
     detect: dict[str, list[float]] = {"dead": [], "stall": []}
-    missed = Counter()
+    missed: Counter[str] = Counter()
+    by_rec: dict[str, list[float]] = {}
     for rec, _kind, _off, _ph, o, dead in cases:
         bucket = "dead" if dead else "stall"
         if o.detected is None:
             missed[rec] += 1
         else:
             detect[bucket].append(o.detected)
+            by_rec.setdefault(rec, []).append(o.detected)
     total = len(cases)
     right = sum(c[4].right for c in cases)
     xid_only = sum(c[4].xid_only_right for c in cases)
@@ -329,6 +333,9 @@ def summarize(cases: list[tuple[str, str, float, float, Outcome, bool]]) -> dict
         "detect_stall_p50_s": pct(detect["stall"], 0.5),
         "detect_stall_p90_s": pct(detect["stall"], 0.9),
         "not_detected": dict(missed),
+        "detect_by_recording": {
+            r: (min(v), pct(v, 0.5), max(v)) for r, v in sorted(by_rec.items())
+        },
         "cpu_per_simulated_hour_faults": cpu / sim * 3600 if sim else 0.0,
     }
 
@@ -379,15 +386,18 @@ def table(fig: dict[str, Any], days: float) -> list[str]:
         _row("hang detected, dead or killed rank: p50 / p90", dead),
         _row("hang detected, stalls: p50 / p90", stall),
     ]
+    for rec, (lo, mid, hi) in fig["detect_by_recording"].items():
+        rows.append(
+            _row(f"hang detected, {rec}: min / p50 / max", f"{_s(lo)} / {_s(mid)} / {_s(hi)}")
+        )
     for kind, c in fig["classes"].items():
         wrong = ", ".join(f"{k} {n}" for k, n in sorted(c["wrong"].items()))
         named = f"{_s(c['named_p50_s'])} / {_s(c['named_p90_s'])}"
         after = _s(c["named_after_detect_p90_s"])
         value = f"{c['right']}/{c['faults']} right; {named}; {after}"
-        rows.append(
-            _row(f"{kind}: right; named p50 / p90; p90 after detection", value)
-            + (f" wrong as: {wrong} |" if wrong else "")
-        )
+        if wrong:
+            value += f"; wrong as: {wrong}"
+        rows.append(_row(f"{kind}: right; named p50 / p90; p90 after detection", value))
     cpu_nf, cpu_f = nf["cpu_per_simulated_hour"], fig["cpu_per_simulated_hour_faults"]
     hx = fig["hgx_reader"]
     rows += [
@@ -414,7 +424,10 @@ def table(fig: dict[str, Any], days: float) -> list[str]:
         ),
         _goal("dead or killed rank detected, p90", fig["detect_dead_p90_s"], 15.0),
         _goal("stall detected, p90", fig["detect_stall_p90_s"], 30.0),
-        _goal("cause named wrong", 100.0 * (1 - fig["right_share"]), 10.0, " %"),
+        _row(
+            "goal: cause named right >= 90 %",
+            f"{'met' if fig['right_share'] >= 0.9 else 'NOT met'} ({fig['right_share']:.1%})",
+        ),
         _goal("false pages per node-day", nf["pages_per_node_day"], 0.001, ""),
         _row("wall time of the run", f"{fig['wall_seconds']:.0f} s"),
     ]
