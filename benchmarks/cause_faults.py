@@ -46,7 +46,8 @@ INTERVALS = {
 }
 
 
-def _line(name: str, index: int) -> str:
+def kernel_line(name: str, index: int) -> str:
+    """Line `index` of the kernel log fixture `name`."""
     return (KMSG / name).read_text().splitlines()[index]
 
 
@@ -151,9 +152,9 @@ class NodeFeed:
         if kind in PID_CLASSES:
             if kind in KILL_CONTEXT:
                 name, index, pattern = KILL_CONTEXT[kind]
-                self.kills.feed(re.sub(pattern, str(pid), _line(name, index)))
+                self.kills.feed(re.sub(pattern, str(pid), kernel_line(name, index)))
             name, index, pattern = KILL_LINES[kind]
-            return self._kernel(re.sub(pattern, str(pid), _line(name, index)), at)
+            return self._kernel(re.sub(pattern, str(pid), kernel_line(name, index)), at)
         if kind in XID_LINES:
             bus = self.bus[self.target_gpu]
             line = re.sub(r"PCI:[0-9a-fA-F:]+\)", f"PCI:{bus[:-2]})", xid_line(kind))

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.cause_faults import KILL_CONTEXT, KILL_LINES, _line
+from benchmarks.cause_faults import KILL_CONTEXT, KILL_LINES, kernel_line
 from tests.e2e.faults import Drill
 from tests.servers import AlertmanagerServer
 
@@ -39,9 +39,9 @@ def oom_lines(pid: int) -> str:
     out = []
     for kind in ("oom_kill",):
         name, index, pattern = KILL_CONTEXT[kind]
-        out.append(re.sub(pattern, str(pid), _line(name, index)))
+        out.append(re.sub(pattern, str(pid), kernel_line(name, index)))
         name, index, pattern = KILL_LINES[kind]
-        out.append(re.sub(pattern, str(pid), _line(name, index)))
+        out.append(re.sub(pattern, str(pid), kernel_line(name, index)))
     return "\n".join(out) + "\n"
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.cause_faults import KILL_CONTEXT, KILL_LINES, NEAR_BUS, NodeFeed, _line
+from benchmarks.cause_faults import KILL_CONTEXT, KILL_LINES, NEAR_BUS, NodeFeed, kernel_line
 from gpuwatchd.cli.hang import render
 from gpuwatchd.clock import SystemClock
 from gpuwatchd.config import AlertmanagerConfig, Config
@@ -35,6 +35,7 @@ from gpuwatchd.model import (
     Topology,
 )
 from gpuwatchd.sinks.alertmanager.sink import AlertSink
+from gpuwatchd.sources.kmsg.parse import parse_line
 from gpuwatchd.sources.kmsg.process_kills import KillParser, to_event
 from tests.servers import AlertmanagerServer, alertmanager_server
 
@@ -65,9 +66,9 @@ def kernel_event(kind: str, pid: int, at: float) -> Event:
     parser = KillParser()
     if kind in KILL_CONTEXT:
         name, index, pattern = KILL_CONTEXT[kind]
-        parser.feed(re.sub(pattern, str(pid), _line(name, index)))
+        parser.feed(re.sub(pattern, str(pid), kernel_line(name, index)))
     name, index, pattern = KILL_LINES[kind]
-    got = parser.feed(re.sub(pattern, str(pid), _line(name, index)))
+    got = parser.feed(re.sub(pattern, str(pid), kernel_line(name, index)))
     assert got is not None
     return to_event(got, at, 0.0, boot_times=False)
 
@@ -136,6 +137,24 @@ def test_ranked_kind_first_then_the_dead_rank_then_time_and_the_window_holds() -
         "40.0 s before the job stopped"
     )
     assert inc.lines()[1].startswith("alternative: rank 0 (pid 4241) crashed (invalid opcode")
+
+
+def test_an_sxid_reaches_every_rank_and_a_local_cause_keeps_the_nodes_ras_names() -> None:
+    """An NVSwitch error (the real SXid line of tests/fixtures/kmsg) sits on no GPU of the
+    job: it reaches every GPU of the fabric. RAS names another node too: both are said."""
+    line = kernel_line("dmesg-h100-nvswitch-sxid22013.txt", 2)
+    rec = parse_line(line)
+    assert rec is not None and rec.kind == "sxid", line
+    ev = Event("sxid", "kmsg", T0 - 4, code=rec.code, pci_bus_id=rec.pci_bus_id, message=rec.detail)
+    mem = memory()
+    mem.note(None, (ev,), T0)
+    inc = mem.incident(JOB, dead(nodes=("node-17",)))
+    assert inc.cause is not None and (inc.cause.kind, inc.cause.affinity) == ("xid", "node")
+    assert inc.cause.incident == f"xid-{rec.pci_bus_id}-{rec.code}"
+    assert inc.headline().startswith(f"SXid {rec.code} (")
+    assert inc.headline().endswith(
+        "4.0 s before the job stopped; ranks lost on node-17: their daemon names what broke there"
+    )
 
 
 def test_an_nvlink_peer_link_down_joins_through_the_topology() -> None:

@@ -168,7 +168,8 @@ class SignalReader:
         kind = xid_kind(ev.code) if ev.kind == "xid" else "xid"
         return NodeSignal(
             kind=kind,
-            what=f"{ev.kind.capitalize()} {ev.code}" + (f" ({ev.message})" if ev.message else ""),
+            what=f"{'SXid' if ev.kind == 'sxid' else 'Xid'} {ev.code}"
+            + (f" ({ev.message})" if ev.message else ""),
             where=self.gpu_label(gpu) if gpu else (bus or "an NVSwitch"),
             time=ev.time,
             gpus=frozenset({gpu}) if gpu else frozenset(),
