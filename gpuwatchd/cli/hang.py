@@ -71,11 +71,17 @@ def render(doc: Mapping[str, Any], full: bool) -> str:
         f"  signature: {doc.get('signature') or 'none yet'}   signals: {doc.get('signals', '')}"
         + (f"   severity: {doc['severity']}" if doc.get("severity") else ""),
     ]
+    inc = doc.get("causes") or {}
     if doc.get("cause"):
-        lines.append(f"  cause: {doc['cause']} (incident {doc.get('incident', '')})")
+        label = f" (incident {doc['incident']})" if doc.get("incident") else ""
+        lines.append(f"  cause: {doc['cause']}{label}")
+    for alt in inc.get("alternatives") or ():
+        lines.append(f"  alternative: {alt.get('text', '')}")
     if not full:
         return "\n".join(lines)
     lines.append(f"  where: {doc.get('where', '')}")
+    if (inc.get("cause") or {}).get("evidence"):
+        lines.append(f"  cause evidence: {inc['cause']['evidence']}")
     if doc.get("diverging_frame"):
         lines.append(f"  first diverging frame: {doc['diverging_frame']}")
     for m in doc.get("missing") or ():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -129,7 +130,9 @@ def test_a_rank_killed_after_an_xid_on_its_gpu_shares_the_xid_alerts_incident(
         monitor.tick()
         monitor.run_pending()
     (f,) = monitor.findings()
-    assert "Cause: rank 1 died after Xid 31 on GPU 1 at" in f.reason
+    pid = ranks[1].pid
+    cause = rf"Cause: rank 1 \(pid {pid}\): Xid 31 on GPU 1 \(0000:02:00.0\) [0-9.]+ s before "
+    assert re.search(cause + "the job stopped", f.reason), f.reason
     incident = dict(f.labels)["incident"]
     assert incident == "xid-0000:02:00.0-31"
     # the Xid alert of the same GPU carries the same label

@@ -50,8 +50,11 @@ def finding_of(rec: HangRecord) -> Finding:
     v = rec.verdict
     ranks = ", ".join(f"{r.rank if r.rank is not None else '?'}:{r.pid}" for r in rec.job.ranks)
     reason = f"Job {rec.job.job} hangs: {v.reason}."
-    if rec.cause is not None:
-        reason += f" Cause: {rec.cause.text}."
+    if rec.incident is not None:
+        reason += f" Cause: {rec.incident.headline()}."
+        alternatives = [c.text for c in rec.incident.causes[1:]]
+        if alternatives:
+            reason += f" Alternatives: {'; '.join(alternatives)}."
     reason += f" Ranks (rank:pid): {ranks}."
     if v.signals:
         reason += f" Decided by: {v.signals}."
@@ -65,8 +68,10 @@ def finding_of(rec: HangRecord) -> Finding:
         reason += f" Where: {where}."
     labels = [*rec.job.labels, ("ranks", ranks), ("where", where)]
     labels.append(("signature", sig.name if sig else "pending"))
-    if rec.cause is not None:
-        labels.append(("incident", rec.cause.incident))
+    if rec.incident is not None and rec.incident.label:
+        labels.append(("incident", rec.incident.label))
+    if rec.incident is not None:
+        labels.append(("cause", "\n".join(rec.incident.lines())))
     labels.append(("role", role_of(v)))
     return Finding(
         rule=RULE,

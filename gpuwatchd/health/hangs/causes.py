@@ -1,96 +1,204 @@
-"""Hardware causes of a hang: an Xid on a rank's GPU shortly before the rank died.
+"""Why a job hangs: a hang joined to what broke on the node, as one incident.
 
-The monitor runs on the consumer thread, which sees every Xid event as the
-sources publish it; `XidMemory` keeps those of the last `WINDOW_SECONDS`. When a
-hung job has a rank whose GPU (or whose pid) reported an Xid before the hang,
-the verdict names it and the hang alert carries the same `incident` label as
-the Xid alert (`xid_incident`), so a router can group the two.
+The monitor runs on the consumer thread, which sees every publish; its
+`CauseMemory` keeps the node signals of the last `WINDOW_SECONDS`
+(cause_signals.py: the kernel killing a rank, Xids, a GPU lost, ECC, NVLink,
+InfiniBand, PCIe AER, /dev/shm, slowdowns). When a job hangs it joins them to
+the job by affinity (the rank's pid; its GPU; the GPU's NVLink peers; the NICs
+near it; the PCIe functions from the GPU up to its root port; the node for
+/dev/shm) and by time, relative to the verdict's `since` (when the first rank
+stalled or died): from `LOOKBACK_SECONDS` before to `LATE_SECONDS` after
+(a counter polled every 10-30 s reports its change after the fact). The
+`Incident` ranks the causes (kind, then a rank that died before one that
+waits, then the nearest in time): the first is the cause, the rest are
+alternatives; with none it says which signals were looked at.
 """
 
 from __future__ import annotations
 
-import time as _time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from gpuwatchd.health.hangs.cause_signals import (
+    CAUSE_KINDS,
+    LOOKED_AT,
+    NodeSignal,
+    SignalReader,
+)
 from gpuwatchd.health.hangs.detector import JobVerdict
-from gpuwatchd.health.incident import xid_incident
-from gpuwatchd.jobview import JobView
-from gpuwatchd.model import Event, GpuInventory
-from gpuwatchd.pci import normalize_bus_id
+from gpuwatchd.jobview import JobView, RankView
+from gpuwatchd.model import Event, GpuInventory, SourceSnapshot
 
-__all__ = ["HardwareCause", "XidMemory"]
+__all__ = ["CAUSE_KINDS", "Cause", "CauseMemory", "Incident"]
 
-WINDOW_SECONDS = 600.0
-KINDS = ("xid", "sxid")
-
-
-@dataclass(frozen=True, slots=True)
-class HardwareCause:
-    """The Xid that a hang is put down to, as text and as the shared incident label."""
-
-    text: str
-    incident: str
+WINDOW_SECONDS = 900.0
+LOOKBACK_SECONDS = 600.0  # a kill or a fault up to this long before the stall
+LATE_SECONDS = 60.0  # reported up to this long after it (polled counters, kernel log lag)
+MAX_ALTERNATIVES = 4
+KILLS = ("oom_kill", "segfault", "trap", "hung_task")
 
 
 @dataclass(frozen=True, slots=True)
-class _Seen:
-    time: float
-    kind: str
-    code: int
-    bus: str
-    pid: int | None
+class Cause:
+    """One thing on this node that can explain the hang, and its evidence."""
+
+    kind: str  # one of CAUSE_KINDS
+    what: str  # "killed by the OOM killer (memory cgroup /kubepods/pod-x)"
+    where: str  # "pid 4242", "GPU 1 (0000:06:00.0)", "mlx5_0 port 1 (near GPU 0,1)"
+    at: float  # when (wall clock)
+    offset_seconds: float  # at - the verdict's since: < 0 before the first rank stopped
+    rank: int | None = None  # the rank it hit (None: the job's, not one rank's)
+    pid: int | None = None
+    affinity: str = ""  # how it joins: pid, gpu, nvlink_peer, nic, pcie_path, node
+    evidence: str = ""  # the kernel line or the counter's values
+    incident: str = ""  # the alert label it shares with its own alert (Xids)
+
+    @property
+    def text(self) -> str:
+        """'rank 3 (pid 4242) killed by the OOM killer (...) 2.1 s before the job stopped'."""
+        who = f"rank {self.rank}" if self.rank is not None else ""
+        if self.pid is not None:
+            who = f"{who} (pid {self.pid})" if who else f"pid {self.pid}"
+        on = "" if not self.where or self.where.startswith("pid ") else f" on {self.where}"
+        if self.affinity == "nvlink_peer":
+            on += ", an NVLink peer of its GPU"
+        sep = " " if self.kind in KILLS else ": "
+        head = f"{who}{sep}{self.what}{on}" if who else f"{self.what}{on}"
+        off = self.offset_seconds
+        when = f"{abs(off):.1f} s {'before' if off <= 0 else 'after'} the job stopped"
+        return f"{head} {when}"
+
+    def json(self) -> dict[str, object]:
+        return {
+            "kind": self.kind,
+            "text": self.text,
+            "what": self.what,
+            "where": self.where,
+            "at": self.at,
+            "offset_seconds": round(self.offset_seconds, 3),
+            "rank": self.rank,
+            "pid": self.pid,
+            "affinity": self.affinity,
+            "evidence": self.evidence,
+            "incident": self.incident,
+        }
 
 
-class XidMemory:
-    """Recent Xid/SXid events, and the GPU index -> bus id map of the last NVML poll."""
+@dataclass(frozen=True, slots=True)
+class Incident:
+    """One hang's causes on this node: the first is the cause, then the alternatives."""
+
+    causes: tuple[Cause, ...] = ()
+    looked_at: tuple[str, ...] = ()  # the signals looked at (LOOKED_AT's texts)
+    elsewhere: tuple[str, ...] = ()  # nodes where a rank died or lags (RAS): theirs to name
+
+    @property
+    def cause(self) -> Cause | None:
+        return self.causes[0] if self.causes else None
+
+    @property
+    def label(self) -> str:
+        """The `incident` label: the cause's own alert's, else ''."""
+        return self.cause.incident if self.cause is not None else ""
+
+    def headline(self) -> str:
+        """One line: the cause, or why none is named."""
+        if self.cause is not None:
+            there = ", ".join(self.elsewhere)
+            tail = f"; ranks lost on {there}: their daemon names what broke there" if there else ""
+            return self.cause.text + tail
+        if self.elsewhere:
+            return (
+                f"no cause seen on this node; the rank that stopped first runs on "
+                f"{', '.join(self.elsewhere)}: its daemon names the cause"
+            )
+        return "no cause seen on this node (looked at: " + "; ".join(self.looked_at) + ")"
+
+    def lines(self) -> list[str]:
+        """The headline, then each alternative."""
+        out = [self.headline()]
+        out += [f"alternative: {c.text}" for c in self.causes[1:]]
+        return out
+
+    def json(self) -> dict[str, object]:
+        return {
+            "cause": self.cause.json() if self.cause is not None else None,
+            "alternatives": [c.json() for c in self.causes[1:]],
+            "headline": self.headline(),
+            "looked_at": list(self.looked_at),
+            "elsewhere": list(self.elsewhere),
+        }
+
+
+class CauseMemory:
+    """Recent node signals and the join of a hung job with them."""
 
     def __init__(self) -> None:
-        self._seen: list[_Seen] = []
-        self._bus_of: dict[str, str] = {}
+        self.reader = SignalReader()
 
     def note_gpus(self, gpus: GpuInventory) -> None:
-        """The GPUs of NVML's last poll (index -> bus id)."""
-        for g in gpus:
-            self._bus_of[str(g.index)] = g.pci_bus_id
+        """The GPUs of NVML's last poll (index -> bus id, NVLink peers)."""
+        self.reader.note_inventory(gpus)
 
-    def note(self, events: Iterable[Event], now: float) -> None:
-        """Keep the Xid/SXid events of a publish."""
-        for ev in events:
-            if ev.kind not in KINDS or ev.code is None:
-                continue
-            pid = ev.attr("pid")
-            self._seen.append(
-                _Seen(
-                    ev.time,
-                    ev.kind,
-                    ev.code,
-                    normalize_bus_id(ev.pci_bus_id) if ev.pci_bus_id else "",
-                    int(pid) if pid.isdigit() else None,
-                )
-            )
-        self._seen = [s for s in self._seen if now - s.time <= WINDOW_SECONDS]
+    def note(self, source: SourceSnapshot | None, events: Iterable[Event], now: float) -> None:
+        """One publish: its events, and its source's samples when they are new."""
+        if source is not None:
+            self.reader.note_source(source)
+        self.reader.note_events(events)
+        self.reader.forget(now - WINDOW_SECONDS)
 
-    def cause(self, job: JobView, verdict: JobVerdict) -> HardwareCause | None:
-        """The first Xid on a GPU (or pid) of the job's dead, then other, ranks before the hang."""
+    def incident(self, job: JobView, verdict: JobVerdict) -> Incident:
+        """The causes of `verdict`'s hang on this node, ranked."""
+        t0 = verdict.since
         dead = set(verdict.dead_pids)
-        ordered = sorted(job.ranks, key=lambda r: (r.pid not in dead, r.pid))
-        for r in ordered:
-            buses = {self._bus_of.get(g, "") for g in r.gpus} - {""}
-            hits = [
-                s
-                for s in self._seen
-                if (s.bus in buses or s.pid == r.pid) and s.time <= verdict.since + 5.0
-            ]
-            if not hits:
+        found: list[tuple[tuple[int, int, float], Cause]] = []
+        taken: set[tuple[str, str, float]] = set()
+        for sig in self.reader.signals:
+            if not -LOOKBACK_SECONDS <= sig.time - t0 <= LATE_SECONDS:
                 continue
-            s = hits[0]
-            who = f"rank {r.rank}" if r.rank is not None else f"pid {r.pid}"
-            what = "died" if r.pid in dead else "stalled"
-            gpu = next((g for g in r.gpus if self._bus_of.get(g) == s.bus), s.bus or "?")
-            at = _time.strftime("%H:%M:%S", _time.gmtime(s.time))
-            return HardwareCause(
-                f"{who} {what} after {s.kind.capitalize()} {s.code} on GPU {gpu} at {at} UTC",
-                xid_incident(s.bus, s.code),
+            hit = self._match(sig, job.ranks, dead)
+            if hit is None:
+                continue
+            rank, how = hit
+            key = (sig.kind, sig.where, sig.time)
+            if key in taken:
+                continue
+            taken.add(key)
+            cause = Cause(
+                kind=sig.kind,
+                what=sig.what,
+                where=sig.where,
+                at=sig.time,
+                offset_seconds=sig.time - t0,
+                rank=rank.rank if rank is not None else None,
+                pid=rank.pid if rank is not None else sig.pid,
+                affinity=how,
+                evidence=sig.evidence,
+                incident=sig.incident,
             )
+            first = rank is not None and rank.pid in dead
+            order = (CAUSE_KINDS.index(sig.kind), 0 if first else 1, abs(sig.time - t0))
+            found.append((order, cause))
+        found.sort(key=lambda x: x[0])
+        causes = tuple(c for _, c in found[: 1 + MAX_ALTERNATIVES])
+        looked = tuple(LOOKED_AT[s] for s in LOOKED_AT if s in self.reader.sources)
+        return Incident(causes, looked, verdict.nodes)
+
+    def _match(
+        self, sig: NodeSignal, ranks: Iterable[RankView], dead: set[int]
+    ) -> tuple[RankView | None, str] | None:
+        """The rank a signal is near (a dead one first) and how; None if none is."""
+        ordered = sorted(ranks, key=lambda r: (r.pid not in dead, r.pid))
+        if sig.node_wide:
+            return (ordered[0] if len(ordered) == 1 else None), "node"
+        for r in ordered:
+            if sig.pid is not None and sig.pid == r.pid:
+                return r, "pid"
+        if sig.kind in KILLS:
+            return None  # another process's: not this job's
+        for r in ordered:
+            if sig.gpus & set(r.gpus):
+                if sig.kind == "nvlink" and sig.gpu not in r.gpus:
+                    return r, "nvlink_peer"
+                return r, {"infiniband": "nic", "pcie": "pcie_path"}.get(sig.kind, "gpu")
         return None

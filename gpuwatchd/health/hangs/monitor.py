@@ -25,7 +25,7 @@ from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config
 from gpuwatchd.errors import ConfigError
 from gpuwatchd.health.hangs.alerts import alert_key, finding_of, info_samples, severity_of
-from gpuwatchd.health.hangs.causes import XidMemory
+from gpuwatchd.health.hangs.causes import CauseMemory
 from gpuwatchd.health.hangs.detector import (
     GpuActivity,
     HangDetector,
@@ -102,7 +102,7 @@ class HangMonitor:
         self.dropped = 0
         self._site_catalog: tuple[Signature, ...] | None = None
         self._poller = RasPoller(self._query_ras, ras_workers)
-        self._xids = XidMemory()
+        self._causes = CauseMemory()
         self._members = JobMembers()
         self._cadence = ProbeCadence()
         self._own_io: dict[int, tuple[float, float]] = {}  # pid -> (from, until)
@@ -170,8 +170,7 @@ class HangMonitor:
         """Rebuild the jobs and read the GPUs once per new NVML poll, then evaluate."""
         if not self.cfg.hangs.enabled:
             return
-        if isinstance(events, tuple) and events:
-            self._xids.note(events, self._clock.time())
+        self._causes.note(source, events if isinstance(events, tuple) else (), self._clock.time())
         nvml = snap.sources.get("nvml")
         if nvml is None or not nvml.ok:
             return
@@ -180,7 +179,7 @@ class HangMonitor:
             return
         self._seen_stamp = nvml.timestamp
         if nvml.inventory is not None:
-            self._xids.note_gpus(nvml.inventory)
+            self._causes.note_gpus(nvml.inventory)
         self._members.merge(self.jobs_of(snap))
         # The poll's own time, never before the last probe (time only moves forward here).
         now = max(nvml.timestamp or self._clock.time(), self._cadence.at)
@@ -254,7 +253,7 @@ class HangMonitor:
                 known = self._open.get(job)
                 if known is None:
                     rid = self._new_record(by_job[job], v, now)
-                    self._records[rid].cause = self._xids.cause(by_job[job], v)
+                    self._records[rid].incident = self._causes.incident(by_job[job], v)
                     self._seed_stacks(self._records[rid])
                     # The alert goes at once when the detector set its severity (a dead rank
                     # pages in seconds, stacks or not); else it waits for the signature.
@@ -267,6 +266,9 @@ class HangMonitor:
                     if alert_key(v) != was:  # escalated, another cause, RAS confirmed
                         changed = True
                         log.warning("hang of job %s now: %s", job, v.reason)
+                    incident = self._causes.incident(by_job[job], v)
+                    changed |= incident != rec.incident  # a cause reported after the stall
+                    rec.incident = incident
                     interval = self.cfg.hangs.ras_interval_seconds
                     if self.cfg.hangs.ras and rec.ras_at and now - rec.ras_at >= interval:
                         rec.ras_at = now  # one re-query per interval

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from gpuwatchd.health.hangs.causes import HardwareCause
+from gpuwatchd.health.hangs.causes import Incident
 from gpuwatchd.health.hangs.detector import JobVerdict
 from gpuwatchd.health.hangs.summary import HangSummary
 from gpuwatchd.jobview import GroupProgress, JobView, StackCapture
@@ -48,7 +48,7 @@ class HangRecord:
     ras_error: str = ""
     ras_at: float = 0.0
     resolved_at: float | None = None
-    cause: HardwareCause | None = None  # an Xid on a rank's GPU before the hang
+    incident: Incident | None = None  # what broke on this node, joined to the hang
     stacks_confirmed: bool = False  # two dumps seconds apart: every rank in the same call
     flight: list[GroupProgress] = field(default_factory=list)  # PyTorch's flight recorder
     flight_errors: list[str] = field(default_factory=list)
@@ -66,8 +66,9 @@ class HangRecord:
             "signals": self.verdict.signals,
             "reason": self.verdict.reason,
             "severity": self.verdict.severity,
-            "cause": self.cause.text if self.cause else "",
-            "incident": self.cause.incident if self.cause else "",
+            "cause": self.incident.headline() if self.incident else "",
+            "incident": self.incident.label if self.incident else "",
+            "causes": self.incident.json() if self.incident else None,
             "stacks_confirmed": self.stacks_confirmed,
             "flight_recorder": [g.line() for g in self.flight],
             "flight_recorder_errors": list(self.flight_errors),

@@ -2,7 +2,7 @@
 
 Findings become alerts (labels: alertname, severity, node, the subject's
 gpu/uuid/pci_bus_id, xid, static labels; annotations: summary,
-description, remediation, action, runbook_url). Their state lives in the
+description, remediation, action, runbook_url; a job hang's cause). Their state lives in the
 durable outbox, and one sender thread per Alertmanager POSTs what is due:
 changes at once, and every firing or recently resolved alert again each
 resend interval, with endsAt = now + 4 x max(poll, resend interval) so
@@ -220,6 +220,9 @@ class AlertSink:
                 "remediation": f.remediation,
                 "action": str(f.action),
             }
+        if f.alertname == "JobHangSuspected":
+            # the incident: its cause, alternatives, or what was looked at
+            ann.update((k, v) for k, v in f.labels if k == "cause" and v)
         if self._am.runbook_base_url:
             ann["runbook_url"] = f"{self._am.runbook_base_url.rstrip('/')}/{f.alertname}.md"
         # Text from kernel log lines and process names can carry undecodable bytes and

@@ -1,0 +1,257 @@
+"""The hang's incident: node signals joined to the job by affinity and time, ranked.
+
+Kernel lines are real ones (tests/fixtures/kmsg) read by the kernel log source's
+parsers; InfiniBand and AER signals come from the real sources polling a copy of
+tests/fixtures/sys (benchmarks/cause_faults.NodeFeed, the benchmark's injector).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from benchmarks.cause_faults import KILL_CONTEXT, KILL_LINES, NEAR_BUS, NodeFeed, kernel_line
+from gpuwatchd.cli.hang import render
+from gpuwatchd.clock import SystemClock
+from gpuwatchd.config import AlertmanagerConfig, Config
+from gpuwatchd.health.hangs.alerts import finding_of
+from gpuwatchd.health.hangs.causes import CauseMemory, Incident
+from gpuwatchd.health.hangs.detector import JobVerdict
+from gpuwatchd.health.hangs.record import HangRecord
+from gpuwatchd.jobview import JobView, RankView
+from gpuwatchd.model import (
+    Event,
+    Gpu,
+    GpuInventory,
+    GpuPlace,
+    Sample,
+    SourceSnapshot,
+    Topology,
+)
+from gpuwatchd.sinks.alertmanager.sink import AlertSink
+from gpuwatchd.sources.kmsg.parse import parse_line
+from gpuwatchd.sources.kmsg.process_kills import KillParser, to_event
+from tests.servers import AlertmanagerServer, alertmanager_server
+
+T0 = 1_800_000_000.0
+JOB = JobView(
+    "torch:127.0.0.1:29500",
+    (RankView(4241, ("0",), 0, 2, 0), RankView(4242, ("1",), 1, 2, 1)),
+    2,
+    2,
+    (("job", "train"),),
+)
+
+
+def dead(pid: int = 4242, since: float = T0, nodes: tuple[str, ...] = ()) -> JobVerdict:
+    return JobVerdict(
+        JOB.job,
+        ("rank_dead",),
+        since,
+        "liveness",
+        dead_pids=(pid,),
+        reason="rank 1 died",
+        nodes=nodes,
+    )
+
+
+def kernel_event(kind: str, pid: int, at: float) -> Event:
+    """The kill report of a real kernel line (and its oom-kill context line), for `pid`."""
+    parser = KillParser()
+    if kind in KILL_CONTEXT:
+        name, index, pattern = KILL_CONTEXT[kind]
+        parser.feed(re.sub(pattern, str(pid), kernel_line(name, index)))
+    name, index, pattern = KILL_LINES[kind]
+    got = parser.feed(re.sub(pattern, str(pid), kernel_line(name, index)))
+    assert got is not None
+    return to_event(got, at, 0.0, boot_times=False)
+
+
+def memory() -> CauseMemory:
+    mem = CauseMemory()
+    gpus = tuple(Gpu(index=i, pci_bus_id=f"0000:{0x19 + 2 * i:02x}:00.0") for i in range(4))
+    places = tuple(
+        GpuPlace(i, "", peers=tuple((o, "NV18") for o in range(4) if o != i)) for i in range(4)
+    )
+    inv = GpuInventory(gpus, Topology(places))
+    mem.note(SourceSnapshot("nvml", (), True, timestamp=T0 - 100, payload=inv), (), T0 - 100)
+    mem.note(SourceSnapshot("kmsg", (), True, timestamp=T0 - 100), (), T0 - 100)
+    return mem
+
+
+def test_the_oom_kill_of_the_dead_rank_is_the_cause_with_its_memory_cgroup() -> None:
+    mem = memory()
+    mem.note(None, (kernel_event("oom_kill", 4242, T0 - 2.1),), T0)
+    inc = mem.incident(JOB, dead())
+    assert inc.cause is not None and inc.cause.kind == "oom_kill"
+    assert (inc.cause.rank, inc.cause.pid, inc.cause.affinity) == (1, 4242, "pid")
+    assert inc.headline() == (
+        "rank 1 (pid 4242) killed by the OOM killer (memory cgroup /lxc.payload....-lxc/"
+        "kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod"
+        "eded8c65_6e8e_4c6e_a889_3e427565c740.slice) 2.1 s before the job stopped"
+    )
+
+
+def test_a_kill_of_a_process_that_is_no_rank_is_not_joined() -> None:
+    mem = memory()
+    mem.note(None, (kernel_event("segfault", 999, T0 - 1),), T0)
+    inc = mem.incident(JOB, dead())
+    assert inc.cause is None
+    assert inc.headline().startswith("no cause seen on this node (looked at: kernel log")
+    assert "NVML (GPU lost" in inc.headline()
+
+
+def test_a_cause_on_another_node_is_that_nodes_daemon_to_name() -> None:
+    inc = memory().incident(JOB, dead(nodes=("node-17",)))
+    assert inc.headline() == (
+        "no cause seen on this node; the rank that stopped first runs on node-17: "
+        "its daemon names the cause"
+    )
+
+
+def test_ranked_kind_first_then_the_dead_rank_then_time_and_the_window_holds() -> None:
+    mem = memory()
+    thermal = Sample.of("gpuwatchd_gpu_clock_event_active", 0, gpu=1, reason="hw_thermal_slowdown")
+    mem.note(SourceSnapshot("nvml", (thermal,), True, timestamp=T0 - 50), (), T0)
+    hot = Sample(thermal.name, 1.0, thermal.labels)
+    mem.note(SourceSnapshot("nvml", (hot,), True, timestamp=T0 - 40), (), T0)
+    # a trap of the live rank, a segfault of the dead one, an old one out of the window
+    mem.note(None, (kernel_event("trap", 4241, T0 - 3),), T0)
+    mem.note(None, (kernel_event("segfault", 4242, T0 - 1),), T0)
+    mem.note(None, (kernel_event("oom_kill", 4242, T0 - 700),), T0)
+    mem.note(None, (kernel_event("segfault", 4242, T0 + 120),), T0 + 120)
+    inc = mem.incident(JOB, dead())
+    assert [(c.kind, c.pid) for c in inc.causes] == [
+        ("segfault", 4242),
+        ("trap", 4241),
+        ("thermal", 4242),
+    ]
+    assert inc.causes[2].text == (
+        "rank 1 (pid 4242): hw thermal slowdown on GPU 1 (0000:1b:00.0) "
+        "40.0 s before the job stopped"
+    )
+    assert inc.lines()[1].startswith("alternative: rank 0 (pid 4241) crashed (invalid opcode")
+
+
+def test_an_sxid_reaches_every_rank_and_a_local_cause_keeps_the_nodes_ras_names() -> None:
+    """An NVSwitch error (the real SXid line of tests/fixtures/kmsg) sits on no GPU of the
+    job: it reaches every GPU of the fabric. RAS names another node too: both are said."""
+    line = kernel_line("dmesg-h100-nvswitch-sxid22013.txt", 2)
+    rec = parse_line(line)
+    assert rec is not None and rec.kind == "sxid", line
+    ev = Event("sxid", "kmsg", T0 - 4, code=rec.code, pci_bus_id=rec.pci_bus_id, message=rec.detail)
+    mem = memory()
+    mem.note(None, (ev,), T0)
+    inc = mem.incident(JOB, dead(nodes=("node-17",)))
+    assert inc.cause is not None and (inc.cause.kind, inc.cause.affinity) == ("xid", "node")
+    assert inc.cause.incident == f"xid-{rec.pci_bus_id}-{rec.code}"
+    assert inc.headline().startswith(f"SXid {rec.code} (")
+    assert inc.headline().endswith(
+        "4.0 s before the job stopped; ranks lost on node-17: their daemon names what broke there"
+    )
+
+
+def test_an_nvlink_peer_link_down_joins_through_the_topology() -> None:
+    mem = memory()
+    up = Sample.of("gpuwatchd_nvlink_up", 1, gpu=3, link="4")
+    mem.note(SourceSnapshot("nvml", (up,), True, timestamp=T0 - 20), (), T0)
+    down = Sample(up.name, 0.0, up.labels)
+    mem.note(SourceSnapshot("nvml", (down,), True, timestamp=T0 - 10), (), T0)
+    cause = mem.incident(JOB, dead()).cause
+    assert cause is not None and (cause.kind, cause.affinity) == ("nvlink", "nvlink_peer")
+    assert cause.text.startswith("rank 1 (pid 4242): NVLink link 4 down on GPU 3")
+
+
+def _feed(tmp: Path, kind: str, target_gpu: int) -> NodeFeed:
+    feed = NodeFeed(tmp, [0, 1], target_gpu, T0 - 120, random.Random(3))
+    feed.inject(kind, T0 - 5, 4242)
+    return feed
+
+
+def _joined(feed: NodeFeed, job: JobView) -> Incident:
+    mem = CauseMemory()
+    for src, events in feed.due(T0 + 60):
+        mem.note(src, events, T0)
+    return mem.incident(job, dead())
+
+
+def test_an_infiniband_port_down_near_the_ranks_gpu_is_the_cause(tmp_path: Path) -> None:
+    """mlx5_0 shares a PCIe switch with the GPU at NEAR_BUS: the rank on it is hit."""
+    feed = _feed(tmp_path, "infiniband", target_gpu=1)
+    assert feed.bus[1] == NEAR_BUS
+    cause = _joined(feed, JOB).cause
+    assert cause is not None and (cause.kind, cause.rank, cause.affinity) == (
+        "infiniband",
+        1,
+        "nic",
+    )
+    assert "port left ACTIVE (state 1) on mlx5_0 port 1 (near GPU 1)" in cause.text
+
+
+def test_an_infiniband_port_down_far_from_the_job_is_not_its_cause(tmp_path: Path) -> None:
+    """The job's GPUs sit under other root ports than mlx5_0 (fixture GPUs 2 and 3)."""
+    feed = _feed(tmp_path, "infiniband", target_gpu=7)  # job GPUs 0, 1: on the far buses
+    assert NEAR_BUS not in feed.bus.values()
+    inc = _joined(feed, JOB)
+    assert inc.cause is None, inc.headline()
+
+
+def test_a_fatal_aer_error_on_the_switch_above_the_gpu_is_the_cause(tmp_path: Path) -> None:
+    feed = _feed(tmp_path, "pcie", target_gpu=1)
+    cause = _joined(feed, JOB).cause
+    assert cause is not None and (cause.kind, cause.rank, cause.affinity) == (
+        "pcie",
+        1,
+        "pcie_path",
+    )
+    assert "PCIe AER fatal errors 0->1 on 0000:18:00.0 (bridge)" in cause.text
+
+
+def test_the_incident_is_in_the_alert_hang_show_and_the_record() -> None:
+    mem = memory()
+    mem.note(None, (kernel_event("oom_kill", 4242, T0 - 2.1),), T0)
+    mem.note(None, (kernel_event("trap", 4241, T0 - 1),), T0)
+    rec = HangRecord(7, JOB, dead())
+    rec.incident = mem.incident(JOB, dead())
+    f = finding_of(rec)
+    assert "Cause: rank 1 (pid 4242) killed by the OOM killer" in f.reason
+    assert "Alternatives: rank 0 (pid 4241) crashed" in f.reason
+    assert dict(f.labels)["cause"].splitlines()[0].startswith("rank 1 (pid 4242) killed")
+    doc = rec.json()
+    assert doc["causes"]["cause"]["kind"] == "oom_kill"
+    assert doc["causes"]["alternatives"][0]["kind"] == "trap"
+    text = render({**doc, "event_id": 1}, full=True)
+    assert "  cause: rank 1 (pid 4242) killed by the OOM killer" in text
+    assert "  alternative: rank 0 (pid 4241) crashed" in text
+    assert "  cause evidence: python3[4242] killed by the OOM killer" in text
+
+
+@pytest.fixture(scope="module")
+def am(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AlertmanagerServer]:
+    yield from alertmanager_server(tmp_path_factory)
+
+
+def test_the_alertmanager_alert_carries_the_cause_as_an_annotation(
+    tmp_path: Path, am: AlertmanagerServer
+) -> None:
+    now = time.time()  # Alertmanager takes no alert that starts after it ends
+    mem = memory()
+    mem.note(None, (kernel_event("oom_kill", 4242, now - 2.1),), now)
+    rec = HangRecord(8, JOB, dead(since=now))
+    rec.incident = mem.incident(JOB, dead(since=now))
+    cfg = dataclasses.replace(Config(), alertmanager=AlertmanagerConfig(urls=[am.url]))
+    sink = AlertSink(cfg, str(tmp_path / "alerts.db"), SystemClock(), "cause-node")
+    sink.update([finding_of(rec)])
+    assert sink.flush()
+    (alert,) = am.alerts(node="cause-node")
+    assert alert["labels"]["alertname"] == "JobHangSuspected" and "cause" not in alert["labels"]
+    assert alert["annotations"]["cause"].startswith(
+        "rank 1 (pid 4242) killed by the OOM killer (memory cgroup /lxc.payload"
+    )
+    assert "Cause: rank 1 (pid 4242) killed" in alert["annotations"]["description"]
