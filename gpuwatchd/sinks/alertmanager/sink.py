@@ -220,8 +220,7 @@ class AlertSink:
                 "remediation": f.remediation,
                 "action": str(f.action),
             }
-        if f.alertname == "JobHangSuspected":
-            # the incident: its cause, alternatives, or what was looked at
+        if f.alertname == "JobHangSuspected":  # the incident's cause, or what was looked at
             ann.update((k, v) for k, v in f.labels if k == "cause" and v)
         if self._am.runbook_base_url:
             ann["runbook_url"] = f"{self._am.runbook_base_url.rstrip('/')}/{f.alertname}.md"
