@@ -17,11 +17,12 @@ from dataclasses import dataclass
 
 from gpuwatchd.model.values import Labels
 
-__all__ = ["JOB_KEYS", "MIG_KEYS", "XidAttribution", "XidFields"]
+__all__ = ["JOB_KEYS", "MIG_KEYS", "PROCESS_JOB_KEYS", "XidAttribution", "XidFields"]
 
 # Where the reporting process runs, as strings: its cgroup (read when the line
-# arrived), its torch.distributed environment, and the workload the stage matched.
-JOB_KEYS = frozenset(
+# arrived) and its torch.distributed environment; what the line naming the process
+# brings to a joined report (health/xid/bursts.py).
+PROCESS_JOB_KEYS = frozenset(
     {
         # the cgroup (sources/workloads/cgroup.py Attribution)
         "pod_uid",
@@ -39,16 +40,18 @@ JOB_KEYS = frozenset(
         "master_port",
         "torchelastic_run_id",
         "slurm_procid",
-        # the matched workload (Workload.attrs)
-        "workload",
-        "workload_id",
-        "namespace",
-        "pod",
-        "container",
-        "slurm_user",
-        "slurm_job_name",
     }
 )
+# ... and the workload the stage matched (Workload.attrs).
+JOB_KEYS = PROCESS_JOB_KEYS | {
+    "workload",
+    "workload_id",
+    "namespace",
+    "pod",
+    "container",
+    "slurm_user",
+    "slurm_job_name",
+}
 MIG_KEYS = ("gpu_instance", "compute_instance", "mig_uuid")
 # attrs name -> XidAttribution field
 _WHO = {

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from gpuwatchd.model import Event
+from gpuwatchd.model.xid import PROCESS_JOB_KEYS
 
 __all__ = [
     "Burst",
@@ -37,26 +38,6 @@ MULTILINE_XIDS = frozenset({13})  # codes the driver reports over several lines
 # a few spare for driver versions that add one.
 MAX_REPORT_LINES = 6
 MAX_MESSAGE_CHARS = 8192  # the kernel's record cap (PRINTK_MESSAGE_MAX)
-# What the line that names the process brings to the joined event's job (the report's
-# pid, process and how it was placed come with it).
-_PROCESS_KEYS = frozenset(
-    {
-        "pod_uid",
-        "container_id",
-        "slurm_job",
-        "slurm_step",
-        "slurm_uid",
-        "unit",
-        "cgroup",
-        "rank",
-        "local_rank",
-        "world_size",
-        "master_addr",
-        "master_port",
-        "torchelastic_run_id",
-        "slurm_procid",
-    }
-)
 
 
 @dataclass
@@ -117,7 +98,7 @@ def _where(event: Event) -> str:
 
 
 def _is_process_key(key: str) -> bool:
-    return key in _PROCESS_KEYS or key.startswith("workload")
+    return key in PROCESS_JOB_KEYS or key.startswith("workload")
 
 
 def join_lines(first: Event, line: Event) -> Event:
