@@ -158,3 +158,33 @@ def test_the_one_gpu_hang_recorder_runs_its_scenario_beside_a_daemon_and_writes_
     assert expect["conditions_any"] == ["rank_missing"] and expect["within_s"] == 30
     assert expect["hangs_config"]["stacks"] is True
     assert (out / "daemon.log").stat().st_size > 0
+
+
+def test_the_cause_kills_script_faults_each_victim_beside_a_daemon_and_reports_per_scenario(
+    tmp_path: Path,
+) -> None:
+    """cause_kills.py --dry-run: the daemon (replayed NVML) starts, each scenario's fake
+    job steps, its rank 1 faults (a real SIGSEGV, host memory touched, an exit as after a
+    CUDA error) and the harness reports per scenario; nothing is flagged without a GPU."""
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "gpu" / "cause_kills.py"), "--dry-run"]
+        + ["--out-dir", str(out), "--warm", "0.2", "--deadline", "1", "--resolve-timeout", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    result = json.loads(done.stdout)
+    assert result == json.loads((out / "result.json").read_text())
+    assert done.returncode == 1 and result["ok"] is False, done.stderr
+    assert result["daemon_exit"] == 0 and list(result["scenarios"]) == ["oom", "segfault", "xid31"]
+    keys = {"seconds_to_verdict", "seconds_to_cause", "seconds_to_alert", "seconds_to_resolved"}
+    for name, row in result["scenarios"].items():
+        assert keys | {"cause", "cause_kind", "alert_cause", "named_right", "in_time"} <= set(row)
+        assert row["error"] == "no /hangs record within 1.0 s of the fault", row
+        assert row["fault_at"] and not row["named_right"]
+        assert "fault " in (out / f"{name}-rank1.log").read_text()
+        assert (out / f"{name}-daemon.log").exists()
+    victims = {name: row["victim_exit"] for name, row in result["scenarios"].items()}
+    assert victims == {"oom": -9, "segfault": -11, "xid31": 1}  # oom: no cgroup, killed at the end
