@@ -255,8 +255,15 @@ def run_scenario(
             return out
         time.sleep(args.warm)
         if name == "oom" and not args.dry_run:
-            group = make_cgroup(ranks[1].pid, args.memory_max)
+            try:
+                group = make_cgroup(ranks[1].pid, args.memory_max)
+            except (OSError, RuntimeError) as exc:
+                out["error"] = f"no memory cgroup: {type(exc).__name__}: {exc}"
+                return out
             out["cgroup"] = str(group)
+        early = [d for d in get(port, "/hangs").get("hangs", []) if d.get("id") not in before]
+        out["hangs_before_fault"] = [f"{d.get('id')}: {d.get('reason')}" for d in early]
+        before |= {d.get("id") for d in early}
         t0 = time.time()
         (run_dir / "fault").touch()
         out["fault_at"] = t0

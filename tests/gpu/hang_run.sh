@@ -4,7 +4,9 @@
 # `remote-rank-missing` or `kernel-never-ends`: that hang beside the daemon (stacks on),
 # JSON with seconds to verdict and alert on stdout and in OUTDIR/result.json, the
 # recording in OUTDIR/run and as a fixture in OUTDIR/fixture (hang_daemon_e2e.py).
-#   bash tests/gpu/hang_run.sh record|ras|healthy|remote-rank-missing|kernel-never-ends OUTDIR
+# `cause-kills`: a rank OOM-killed, segfaulting, hitting Xid 31, and the cause the daemon
+# names (cause_kills.py; JSON on stdout and in OUTDIR/result.json, logs in OUTDIR).
+#   bash tests/gpu/hang_run.sh record|ras|healthy|remote-rank-missing|kernel-never-ends|cause-kills OUTDIR
 set -u
 mode=$1
 out=$2
@@ -39,7 +41,7 @@ ras_phase() {
   wait
 }
 
-if [ "$mode" = remote-rank-missing ] || [ "$mode" = kernel-never-ends ]; then
+if [ "$mode" = remote-rank-missing ] || [ "$mode" = kernel-never-ends ] || [ "$mode" = cause-kills ]; then
   repo=$(cd "$here/../.." && pwd)
   out=$(cd "$out" && pwd)
   if ls "$repo"/.whl/*.whl >/dev/null 2>&1 && [ ! -e /tmp/site/.installed ]; then
@@ -50,7 +52,11 @@ if [ "$mode" = remote-rank-missing ] || [ "$mode" = kernel-never-ends ]; then
   if [ -d /tmp/site ]; then
     export PYTHONPATH=/tmp/site:$repo${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
   fi
-  cd "$repo" && exec $py "$here/hang_daemon_e2e.py" --scenario "$mode" --record "$out" \
+  cd "$repo" || exit 1
+  if [ "$mode" = cause-kills ]; then  # OOM kill, segfault, Xid 31: the cause named (cause_kills.py)
+    exec $py "$here/cause_kills.py" --out-dir "$out"
+  fi
+  exec $py "$here/hang_daemon_e2e.py" --scenario "$mode" --record "$out" \
     ${FIXTURE_SUFFIX:+--fixture-suffix "$FIXTURE_SUFFIX"}
 elif [ "$mode" = ras ]; then
   ras_phase
