@@ -181,7 +181,14 @@ def test_the_cause_kills_script_faults_each_victim_beside_a_daemon_and_reports_p
     assert result["daemon_exit"] == 0 and list(result["scenarios"]) == ["oom", "segfault", "xid31"]
     keys = {"seconds_to_verdict", "seconds_to_cause", "seconds_to_alert", "seconds_to_resolved"}
     for name, row in result["scenarios"].items():
-        assert keys | {"cause", "cause_kind", "alert_cause", "named_right", "in_time"} <= set(row)
+        assert keys | {
+            "cause",
+            "cause_kind",
+            "alert_cause",
+            "named_right",
+            "names_victim",
+            "in_time",
+        } <= set(row)
         assert row["error"] == "no /hangs record within 1.0 s of the fault", row
         assert row["fault_at"] and not row["named_right"] and row["hangs_before_fault"] == []
         assert "fault " in (out / f"{name}-rank1.log").read_text()
