@@ -77,6 +77,7 @@ def fault(scenario: str, dry_run: bool) -> None:
     elif scenario == "segfault":
         import ctypes
 
+        signal.signal(signal.SIGSEGV, signal.SIG_DFL)  # no handler of any library either
         ctypes.string_at(0)  # SIGSEGV with no handler: the kernel logs it
     elif dry_run:
         sys.exit(1)
