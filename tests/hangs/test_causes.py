@@ -255,3 +255,19 @@ def test_the_alertmanager_alert_carries_the_cause_as_an_annotation(
         "rank 1 (pid 4242) killed by the OOM killer (memory cgroup /lxc.payload"
     )
     assert "Cause: rank 1 (pid 4242) killed" in alert["annotations"]["description"]
+
+
+@pytest.mark.parametrize("nvml_first", [True, False])
+def test_an_xid_seen_by_nvml_and_the_kernel_log_is_one_cause_the_logs(nvml_first: bool) -> None:
+    """Live on H200 a rank's Xid 31 was named twice: NVML's event copy first, the kernel
+    log's (with its line and pid) as the alternative. One report, the log's words."""
+    bus = "0000:1b:00.0"  # GPU 1, rank 1's
+    nvml = Event("xid", "nvml", T0 - 0.2, 31, bus, message="Xid 31 reported by NVML's event API")
+    log = Event("xid", "kmsg", T0 - 0.1, 31, bus, message="MMU Fault", attrs=(("pid", "4242"),))
+    mem = memory()
+    for ev in (nvml, log) if nvml_first else (log, nvml):
+        mem.note(None, (ev,), T0)
+    inc = mem.incident(JOB, dead())
+    assert inc.cause is not None and inc.cause.kind == "xid"
+    assert "MMU Fault" in inc.cause.what
+    assert len(inc.causes) == 1, inc.causes

@@ -54,6 +54,7 @@ IB_SYMBOL_BURST = 10  # symbol errors between two polls (a healthy link counts a
 SHM_FULL_RATIO = 0.02  # /dev/shm available under this share of its size: full
 NEAR = ("pcie_switch", "host_bridge")  # a NIC NCCL would use for the GPU; not NUMA-only
 MAX_SIGNALS = 2048  # bounded: the oldest go first
+SAME_REPORT_SECONDS = 10.0  # two witnesses of one Xid (NVML and the kernel log) this close
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +71,7 @@ class NodeSignal:
     node_wide: bool = False  # touches every rank (/dev/shm)
     evidence: str = ""  # the kernel line, or the counter's values
     incident: str = ""  # the `incident` label of the alert it shares (Xids)
+    nvml_event: bool = False  # an Xid from NVML's event API (the kernel log reports it too)
 
 
 def xid_kind(code: int) -> str:
@@ -109,7 +111,7 @@ class SignalReader:
         """Kills, Xids and SXids of a publish."""
         for ev in events:
             sig = self._of_event(ev)
-            if sig is not None:
+            if sig is not None and self._first_report(sig):
                 self._add(sig)
             if ev.source == "kmsg":
                 self.sources.add("kmsg")
@@ -177,6 +179,7 @@ class SignalReader:
             node_wide=ev.kind == "sxid",  # an NVSwitch error reaches every GPU of the fabric
             evidence=ev.attr("raw") or ev.message,
             incident=xid_incident(bus, ev.code),
+            nvml_event=ev.source == "nvml",
         )
 
     # --- samples ------------------------------------------------------------------
@@ -311,6 +314,21 @@ class SignalReader:
             left, total = avail.value / 2**20, size.value / 2**30
             what = f"/dev/shm full ({left:.0f} MiB of {total:.1f} GiB left)"
             self._add(NodeSignal("shm_full", what, "", t, node_wide=True))
+
+    def _first_report(self, sig: NodeSignal) -> bool:
+        """Whether `sig` is new, not a second witness of an Xid already held.
+
+        NVML's event API and the kernel log each report the same Xid (measured on H200:
+        the incident listed it twice). The log's copy carries the line and the pid, so
+        it replaces NVML's; any later copy of the same incident adds nothing."""
+        if not sig.incident:
+            return True
+        for i, old in enumerate(self.signals):
+            if old.incident == sig.incident and abs(old.time - sig.time) <= SAME_REPORT_SECONDS:
+                if old.nvml_event and not sig.nvml_event:
+                    self.signals[i] = sig
+                return False
+        return True
 
     def _add(self, sig: NodeSignal) -> None:
         self.signals.append(sig)
