@@ -39,7 +39,6 @@ import faulthandler
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,10 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/gpu: its sibling scripts
+from hang_daemon_e2e import free_port, get, no_gpu  # noqa: E402
+from hang_daemon_e2e import job_env as shared_job_env  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -126,17 +129,6 @@ def rank_main(scenario: str, run_dir: Path, dry_run: bool) -> int:
 # --- the harness --------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def get(port: int, path: str) -> Any:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
-        return json.loads(r.read())
-
-
 def start_daemon(tmp: Path, port: int, dry_run: bool) -> subprocess.Popen[bytes]:
     cfg = tmp / "config.yaml"
     cfg.write_text(f"daemon: {{state_dir: {tmp / 'state'}}}\nhangs: {{stacks: false}}\n")
@@ -185,16 +177,10 @@ def remove_cgroup(group: Path) -> str:
 
 
 def job_env(rank: int, port: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONFAULTHANDLER"}
-    env.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        WORLD_SIZE="2",
-        LOCAL_WORLD_SIZE="2",
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        PYTHONUNBUFFERED="1",
-    )
+    """The 2-rank job's environment (hang_daemon_e2e's), faulthandler off: a rank's
+    own SIGSEGV handler would keep the kernel from logging its segfault."""
+    env = shared_job_env(rank, port)
+    env.pop("PYTHONFAULTHANDLER", None)
     return env
 
 
@@ -351,17 +337,6 @@ def run_scenario(
                 f.seek(log_at)
                 (out_dir / f"{name}-daemon.log").write_bytes(f.read())
         print(f"{name} done", file=sys.stderr)
-
-
-def no_gpu() -> str:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        pynvml.nvmlShutdown()
-    except Exception as exc:
-        return f"no GPU: {type(exc).__name__}: {exc}"
-    return ""
 
 
 def read(path: str) -> str | None:
