@@ -26,7 +26,12 @@ on a machine with an NVIDIA GPU and PyTorch:
     python3 tests/gpu/cause_kills.py [--scenario oom --scenario segfault ...] [--out-dir DIR]
 
 Prints one JSON object (also DIR/result.json); DIR/<scenario>-daemon.log holds the
-daemon's log during the scenario, DIR/<scenario>-rank{0,1}.log the ranks' output.
+daemon's log during the scenario, DIR/<scenario>-rank{0,1}.log the ranks' output,
+DIR/<scenario>-kmsg.raw the raw /dev/kmsg records from just before the fault until the
+alert. With --out-dir the run is also a CI fixture: DIR/fixture/cause-kills-1xh200
+holds those records and live.json (the pids, the fault's kernel timestamp, what the
+daemon named), which tests/hangs/test_live_cause_recordings.py replays through the
+kernel log source and the cause join.
 Exit 0 when every scenario's cause names the right class within --within (30) s of the
 fault, 1 otherwise, 2 when there is no GPU. --dry-run: fake ranks (no CUDA, no gloo, no
 cgroup) beside the daemon on a replayed NVML capture: the plumbing only.
@@ -58,6 +63,104 @@ KIND = {"oom": "oom_kill", "segfault": "segfault", "xid31": "xid"}
 REPLAYED_CAPTURE = ROOT / "tests" / "fixtures" / "nvml" / "h200x2-record.json"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 POLL = 0.5
+KMSG = Path("/dev/kmsg")
+FIXTURE = "cause-kills-1xh200"
+
+
+# --- the kernel log, as the daemon reads it -----------------------------------------------
+
+
+class KmsgTap:
+    """Raw /dev/kmsg records from the moment it opens (positioned at the log's end)."""
+
+    def __init__(self, path: Path = KMSG) -> None:
+        self.records: list[str] = []
+        self.error = ""
+        self._fd = -1
+        try:
+            self._fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+            os.lseek(self._fd, 0, os.SEEK_END)
+        except OSError as exc:
+            self.error = f"{path}: {exc}"
+
+    def drain(self) -> list[str]:
+        while self._fd >= 0:
+            try:
+                chunk = os.read(self._fd, 8192)
+            except BlockingIOError:
+                break
+            except BrokenPipeError:  # records overwritten before we read them: go on
+                continue
+            except OSError as exc:
+                self.error = str(exc)
+                break
+            if not chunk:
+                break
+            self.records.append(chunk.decode("utf-8", "replace").rstrip("\n"))
+        return self.records
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def kernel_usec() -> int:
+    """Now on the kernel log's clock (CLOCK_MONOTONIC in microseconds)."""
+    return time.monotonic_ns() // 1000
+
+
+def gpu_bus_id() -> str:
+    """GPU 0's PCI bus id as NVML gives it (the Xid line names it), '' without one."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            bus = pynvml.nvmlDeviceGetPciInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).busId
+            return bus.decode() if isinstance(bus, bytes) else str(bus)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return ""
+
+
+def write_fixture(out_dir: Path, result: dict[str, Any]) -> Path:
+    """The run as a CI fixture: each scenario's raw kernel records and what was named."""
+    fixture = out_dir / "fixture" / FIXTURE
+    fixture.mkdir(parents=True, exist_ok=True)
+    live: dict[str, Any] = {
+        "date": result["date"],
+        "gpu_bus_id": result.get("gpu_bus_id", ""),
+        "exception_trace": result.get("exception_trace"),
+        "scenarios": {},
+    }
+    keep = (
+        "victim_pid",
+        "peer_pid",
+        "fault_at",
+        "fault_usec",
+        "seconds_to_verdict",
+        "seconds_to_cause",
+        "seconds_to_alert",
+        "cause",
+        "cause_kind",
+        "cause_pid",
+        "alert_cause",
+        "named_right",
+        "victim_exit",
+        "job",
+        "causes",
+    )
+    for name, got in result["scenarios"].items():
+        src = out_dir / f"{name}-kmsg.raw"
+        if not src.exists() or "fault_usec" not in got:
+            continue
+        (fixture / f"{name}.kmsg").write_bytes(src.read_bytes())
+        live["scenarios"][name] = {k: got.get(k) for k in keep}
+    (fixture / "live.json").write_text(json.dumps(live, indent=1, default=str) + "\n")
+    return fixture
+
 
 # --- a rank -------------------------------------------------------------------------------
 
@@ -238,6 +341,7 @@ def run_scenario(
     out.update(cause="", cause_kind=None, alert_cause="", named_right=False, in_time=False)
     out["names_victim"] = False
     group: Path | None = None
+    tap: KmsgTap | None = None
     try:
         ready = wait_for(
             time.time() + args.start_timeout,
@@ -257,7 +361,9 @@ def run_scenario(
         early = [d for d in get(port, "/hangs").get("hangs", []) if d.get("id") not in before]
         out["hangs_before_fault"] = [f"{d.get('id')}: {d.get('reason')}" for d in early]
         before |= {d.get("id") for d in early}
+        tap = KmsgTap()
         t0 = time.time()
+        out["fault_usec"] = kernel_usec()
         (run_dir / "fault").touch()
         out["fault_at"] = t0
         end = t0 + args.deadline
@@ -286,6 +392,7 @@ def run_scenario(
             full = dict(get(port, f"/hangs?id={doc['id']}"))
         cause = (full.get("causes") or {}).get("cause") or {}
         out.update(cause=full.get("cause", ""), cause_kind=cause.get("kind"))
+        out["causes"] = full.get("causes")
         out.update(incident=full.get("incident", ""), cause_pid=cause.get("pid"))
         out.update({k: full.get(k) for k in ("job", "conditions", "signature", "reason")})
         out["alternatives"] = [
@@ -314,6 +421,8 @@ def run_scenario(
             out[k] is not None and out[k] <= args.within
             for k in ("seconds_to_verdict", "seconds_to_cause", "seconds_to_alert")
         )
+        tap.drain()
+        tap.close()  # the records end here: what the job's own end logs is no fault
         for p in ranks:
             if p.poll() is None:
                 p.kill()
@@ -325,12 +434,20 @@ def run_scenario(
         out["seconds_to_resolved"] = round(time.time() - t1, 1) if resolved else None
         return out
     finally:
+        if tap is not None:
+            out["kmsg_records"] = len(tap.drain())
+            out["kmsg_error"] = tap.error or None
+            (log_dir / f"{name}-kmsg.raw").write_text("".join(r + "\n" for r in tap.records))
+            tap.close()
         for p in ranks:
             if p.poll() is None:
                 p.kill()
             p.wait(10)
         out["victim_exit"] = ranks[1].returncode
         if group is not None:
+            # the kernel's own words for the kill, for the memory-pressure readers' tests
+            files = ("memory.events", "memory.events.local", "memory.pressure", "memory.max")
+            out["cgroup_files"] = {f: read(str(group / f)) for f in files}
             out["cgroup_cleanup_error"] = remove_cgroup(group) or None
         if out_dir is not None:
             with open(tmp / "daemon.log", "rb") as f:
@@ -369,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "dry_run": args.dry_run,
         "exception_trace": read("/proc/sys/debug/exception-trace"),
+        "gpu_bus_id": "" if args.dry_run else gpu_bus_id(),
         "scenarios": {},
     }
     problem = "" if args.dry_run else no_gpu()
@@ -401,6 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     result["ok"] = all(
         s.get("named_right") and s.get("in_time") for s in result["scenarios"].values()
     )
+    if out_dir is not None:
+        result["fixture"] = str(write_fixture(out_dir, result))
     text = json.dumps(result, indent=1, default=str)
     if out_dir is not None:
         (out_dir / "result.json").write_text(text + "\n")
