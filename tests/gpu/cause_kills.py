@@ -150,6 +150,8 @@ def write_fixture(out_dir: Path, result: dict[str, Any]) -> Path:
         "named_right",
         "victim_exit",
         "job",
+        "conditions",
+        "reason",
         "causes",
     )
     for name, got in result["scenarios"].items():
