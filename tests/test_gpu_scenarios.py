@@ -195,3 +195,28 @@ def test_the_cause_kills_script_faults_each_victim_beside_a_daemon_and_reports_p
         assert (out / f"{name}-daemon.log").exists()
     victims = {name: row["victim_exit"] for name, row in result["scenarios"].items()}
     assert victims == {"oom": -9, "segfault": -11, "xid31": 1}  # oom: no cgroup, killed at the end
+    assert (out / "fixture" / "cause-kills-1xh200" / "live.json").exists()
+    for name in result["scenarios"]:  # the kernel's records of each fault are kept
+        assert (out / "fixture" / "cause-kills-1xh200" / f"{name}.kmsg").exists()
+
+
+def test_the_job_cpu_script_measures_the_daemon_idle_training_and_hung(tmp_path: Path) -> None:
+    """job_cpu.py --dry-run: the daemon (replayed NVML) is measured in three phases beside
+    fake ranks, the last one stopped; nothing is flagged without a GPU."""
+    out = tmp_path / "job-cpu.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "gpu" / "job_cpu.py"), "--dry-run", "--ranks", "2"]
+        + ["--seconds", "1", "--settle", "0.5", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    result = json.loads(done.stdout)
+    assert result == json.loads(out.read_text())
+    assert done.returncode == 1 and result["ok"] is False, done.stderr  # no GPU: no hang
+    assert result["daemon_exit"] == 0 and result["stopped_pid"] > 0
+    for name in ("idle", "training", "hung"):
+        row = result[name]
+        assert row["seconds"] >= 1 and row["scrapes"] >= 1 and row["rss_mib"] > 0
+        assert 0 <= row["cpu_percent_of_one_core"] < 100 and row["hangs"] == []

@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+"""On a real GPU: the daemon's CPU while an N-rank job trains and while it hangs.
+
+Starts `gpuwatchd run` on its defaults (only the listen address and the state
+directory set; real NVML, the real kernel log) and measures its CPU (user + system
+from /proc/PID/stat) over --seconds in three phases, scraping /metrics every 15 s as
+Prometheus would:
+
+1. idle: no job on the node;
+2. training: an N-rank torch.distributed job (default 8), `gloo` because one GPU
+   cannot hold two NCCL ranks, every rank with a CUDA context on cuda:0 (a 512x512
+   matmul per step, so NVML lists all N as the job's ranks) and an all_reduce of a
+   CPU tensor every ~0.2 s (the ranks of tests/gpu/cause_kills.py);
+3. hung: the last rank stopped with SIGSTOP, the others blocked in their all_reduce,
+   the daemon's hang path (probes, verdict, alert) at work.
+
+What it cannot show: NCCL RAS polls (gloo has none) and multi-GPU NVML polls. Run from
+the repository root, as root, on a machine with an NVIDIA GPU and PyTorch:
+
+    python3 tests/gpu/job_cpu.py [--ranks 8] [--seconds 90] [--out result.json]
+
+Prints one JSON object: per phase the daemon's CPU in % of one core, its RSS, the
+/hangs records and firing JobHangSuspected alerts seen, and whether the job was seen
+(gpuwatchd_job_hang_ranks or the hang record's ranks). Exit 0 when the healthy phases
+raised no hang and the hung phase did, 1 otherwise, 2 without a GPU. --dry-run: fake
+ranks beside the daemon on a replayed NVML capture, short phases: the plumbing only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/gpu: its sibling scripts
+from cause_kills import firing_hang_alerts, start_daemon, wait_for  # noqa: E402
+from hang_daemon_e2e import free_port, get, no_gpu  # noqa: E402
+from hang_daemon_e2e import job_env as shared_job_env  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+TICK = os.sysconf("SC_CLK_TCK")
+SCRAPE_EVERY = 15.0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def scrape(port: int) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return len(r.read())
+
+
+def phase(daemon: int, port: int, seconds: float) -> dict[str, Any]:
+    """The daemon's CPU over `seconds`, scraped every SCRAPE_EVERY s."""
+    t0, c0 = time.monotonic(), cpu_seconds(daemon)
+    scrapes = 0
+    while (left := seconds - (time.monotonic() - t0)) > 0:
+        try:
+            scrape(port)
+            scrapes += 1
+        except OSError:
+            pass
+        time.sleep(min(SCRAPE_EVERY, max(left, 0.0)))
+    wall, cpu = time.monotonic() - t0, cpu_seconds(daemon) - c0
+    hangs = get(port, "/hangs").get("hangs", [])
+    return {
+        "seconds": round(wall, 1),
+        "cpu_percent_of_one_core": round(100 * cpu / wall, 3),
+        "rss_mib": round(rss_mib(daemon), 1),
+        "scrapes": scrapes,
+        "hangs": [f"{d.get('id')}: {d.get('reason')}" for d in hangs if not d.get("resolved_at")],
+        "firing_hang_alerts": len(firing_hang_alerts(port)),
+    }
+
+
+def job_env(rank: int, ranks: int, port: int) -> dict[str, str]:
+    env = shared_job_env(rank, port)
+    env.update(WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks))
+    env.pop("PYTHONFAULTHANDLER", None)
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--seconds", type=float, default=90.0, help="each phase")
+    ap.add_argument("--settle", type=float, default=20.0, help="after the job starts stepping")
+    ap.add_argument("--start-timeout", type=float, default=180.0)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--dry-run", action="store_true", help="fake ranks, replayed NVML")
+    args = ap.parse_args(argv)
+    result: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "ranks": args.ranks,
+        "dry_run": args.dry_run,
+    }
+    problem = "" if args.dry_run else no_gpu()
+    if problem:
+        result["error"] = problem
+        print(json.dumps(result, indent=1))
+        return 2
+    procs: list[subprocess.Popen[bytes]] = []
+    with tempfile.TemporaryDirectory(prefix="gpuwatchd-job-cpu-") as tmp_name:
+        tmp = Path(tmp_name)
+        port = free_port()
+        daemon = start_daemon(tmp, port, args.dry_run)
+        try:
+            time.sleep(args.settle)  # past start-up: the first polls cost more
+            result["idle"] = phase(daemon.pid, port, args.seconds)
+            run_dir = tmp / "job"
+            run_dir.mkdir()
+            master = free_port()
+            cmd = [sys.executable, str(HERE / "cause_kills.py"), "--rank", "none", str(run_dir)]
+            cmd += ["--dry-run"] if args.dry_run else []
+            for r in range(args.ranks):
+                log = open(tmp / f"rank{r}.log", "wb")  # noqa: SIM115
+                env = job_env(r, args.ranks, master)
+                procs.append(
+                    subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+                )
+                log.close()
+            ready = wait_for(
+                time.time() + args.start_timeout,
+                lambda: all((run_dir / f"ready-{r}").exists() for r in range(args.ranks)),
+            )
+            if not ready:
+                result["error"] = f"the ranks did not step within {args.start_timeout} s"
+                return 1
+            time.sleep(args.settle)
+            result["training"] = phase(daemon.pid, port, args.seconds)
+            os.kill(procs[-1].pid, signal.SIGSTOP)
+            result["stopped_pid"] = procs[-1].pid
+            result["hung"] = phase(daemon.pid, port, args.seconds)
+            os.kill(procs[-1].pid, signal.SIGCONT)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait(10)
+            daemon.send_signal(signal.SIGTERM)
+            try:
+                daemon.wait(30)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait(10)
+            result["daemon_exit"] = daemon.returncode
+            tail = (tmp / "daemon.log").read_text(errors="replace").splitlines()[-20:]
+            result["daemon_log_tail"] = tail
+    healthy = [result.get(k, {}) for k in ("idle", "training")]
+    result["ok"] = bool(
+        all(h and not h["hangs"] and not h["firing_hang_alerts"] for h in healthy)
+        and result.get("hung", {}).get("hangs")
+    )
+    text = json.dumps(result, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
