@@ -8,9 +8,10 @@ Prometheus would:
 
 1. idle: no job on the node;
 2. training: an N-rank torch.distributed job (default 8), `gloo` because one GPU
-   cannot hold two NCCL ranks, every rank with a CUDA context on cuda:0 (a 512x512
-   matmul per step, so NVML lists all N as the job's ranks) and an all_reduce of a
-   CPU tensor every ~0.2 s (the ranks of tests/gpu/cause_kills.py);
+   cannot hold two NCCL ranks, every rank on cuda:0 stepping as training does, with
+   no pause: --matmuls bf16 matmuls of --size (the GPU busy), then an all_reduce of a
+   4 MiB CPU tensor (`--light`: the ranks of tests/gpu/cause_kills.py instead, a
+   512x512 matmul and a tiny all_reduce every 0.2 s, under 5 % of a core each);
 3. hung: the last rank stopped with SIGSTOP, the others blocked in their all_reduce,
    the daemon's hang path (probes, verdict, alert) at work.
 
@@ -92,6 +93,36 @@ def phase(daemon: int, port: int, seconds: float) -> dict[str, Any]:
     }
 
 
+def worker(run_dir: Path, size: int, matmuls: int, dry_run: bool) -> int:
+    """One rank: steps of GPU matmuls and a CPU all_reduce, as fast as they go."""
+    rank = int(os.environ["RANK"])
+    step: Any = lambda: time.sleep(0.05)  # noqa: E731
+    if not dry_run:
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", timeout=timedelta(minutes=10))
+        a = torch.randn(size, size, device="cuda:0", dtype=torch.bfloat16)
+        grads = torch.ones(1 << 20)
+
+        def step() -> None:
+            for _ in range(matmuls):
+                b = a @ a
+            b.sum().item()
+            dist.all_reduce(grads)
+
+    n, t0 = 0, time.monotonic()
+    while True:
+        step()
+        n += 1
+        if n == 1:
+            (run_dir / f"ready-{rank}").touch()
+        if n % 50 == 0:
+            print(f"rank {rank} step {n} at {time.monotonic() - t0:.1f} s", flush=True)
+
+
 def job_env(rank: int, ranks: int, port: int) -> dict[str, str]:
     env = shared_job_env(rank, port)
     env.update(WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks))
@@ -106,11 +137,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle", type=float, default=20.0, help="after the job starts stepping")
     ap.add_argument("--start-timeout", type=float, default=180.0)
     ap.add_argument("--out", default="")
+    ap.add_argument("--size", type=int, default=8192, help="the matmuls' side")
+    ap.add_argument("--matmuls", type=int, default=8, help="matmuls per step")
+    ap.add_argument("--light", action="store_true", help="cause_kills.py's light ranks")
+    ap.add_argument("--logs", default="", help="copy the ranks' and daemon's logs here")
     ap.add_argument("--dry-run", action="store_true", help="fake ranks, replayed NVML")
+    ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.worker:
+        return worker(Path(args.worker), args.size, args.matmuls, args.dry_run)
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "ranks": args.ranks,
+        "job": "light" if args.light else f"{args.matmuls} bf16 matmuls of {args.size}/step",
         "dry_run": args.dry_run,
     }
     problem = "" if args.dry_run else no_gpu()
@@ -129,7 +168,11 @@ def main(argv: list[str] | None = None) -> int:
             run_dir = tmp / "job"
             run_dir.mkdir()
             master = free_port()
-            cmd = [sys.executable, str(HERE / "cause_kills.py"), "--rank", "none", str(run_dir)]
+            if args.light:
+                cmd = [sys.executable, str(HERE / "cause_kills.py"), "--rank", "-", str(run_dir)]
+            else:
+                cmd = [sys.executable, __file__, "--worker", str(run_dir)]
+                cmd += ["--size", str(args.size), "--matmuls", str(args.matmuls)]
             cmd += ["--dry-run"] if args.dry_run else []
             for r in range(args.ranks):
                 log = open(tmp / f"rank{r}.log", "wb")  # noqa: SIM115
@@ -146,7 +189,12 @@ def main(argv: list[str] | None = None) -> int:
                 result["error"] = f"the ranks did not step within {args.start_timeout} s"
                 return 1
             time.sleep(args.settle)
+            ranks_cpu = sum(cpu_seconds(p.pid) for p in procs)
             result["training"] = phase(daemon.pid, port, args.seconds)
+            used = sum(cpu_seconds(p.pid) for p in procs) - ranks_cpu
+            result["training"]["ranks_cpu_percent_of_one_core_each"] = round(
+                100 * used / result["training"]["seconds"] / args.ranks, 2
+            )
             os.kill(procs[-1].pid, signal.SIGSTOP)
             result["stopped_pid"] = procs[-1].pid
             result["hung"] = phase(daemon.pid, port, args.seconds)
@@ -165,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
             result["daemon_exit"] = daemon.returncode
             tail = (tmp / "daemon.log").read_text(errors="replace").splitlines()[-20:]
             result["daemon_log_tail"] = tail
+            if args.logs:
+                Path(args.logs).mkdir(parents=True, exist_ok=True)
+                for f in tmp.glob("*.log"):
+                    (Path(args.logs) / f.name).write_bytes(f.read_bytes())
     healthy = [result.get(k, {}) for k in ("idle", "training")]
     result["ok"] = bool(
         all(h and not h["hangs"] and not h["firing_hang_alerts"] for h in healthy)
