@@ -103,27 +103,30 @@ def _flood_rss(g: dict[str, Any]) -> str:
 def report(fig: dict[str, dict[str, Any]], args: Any) -> str:
     rows = ["| figure | epoll (http/server.py) | asyncio candidate |", "| --- | --- | --- |"]
 
-    def row(label: str, get: Callable[[dict[str, Any]], Any], fmt: Callable[[Any], str]) -> None:
-        rows.append(f"| {label} | {fmt(get(fig['epoll']))} | {fmt(get(fig['asyncio']))} |")
+    def row(label: str, path: tuple[str, ...], fmt: Callable[[Any], str]) -> None:
+        cells = []
+        for server in SERVERS:
+            value: Any = fig[server]
+            for key in path:
+                value = value[key]
+            cells.append(fmt(value))
+        rows.append(f"| {label} | {' | '.join(cells)} |")
 
+    g = "gpuwatchd"
     for key, label in (("slow", "1,000 slow clients"), ("stalled", "4,500 stalled TLS hellos")):
-        row(f"{label}: scrape p50 alone", lambda f, k=key: f[k]["gpuwatchd"],
-            lambda g: f"{g['baseline_p50_ms']:.1f} ms")  # fmt: skip
-        row(f"{label}: scrape p50 / p99", lambda f, k=key: f[k]["gpuwatchd"], _latency)
-        row(f"{label}: scrapes over 100 ms / failed", lambda f, k=key: f[k], _slow_failed)
-        row(f"{label}: RSS before / under attack / 2 s after",
-            lambda f, k=key: f[k]["gpuwatchd"], _slow_rss)  # fmt: skip
+        row(f"{label}: scrape p50 alone", (key, g), lambda v: f"{v['baseline_p50_ms']:.1f} ms")
+        row(f"{label}: scrape p50 / p99", (key, g), _latency)
+        row(f"{label}: scrapes over 100 ms / failed", (key,), _slow_failed)
+        row(f"{label}: RSS before / under attack / 2 s after", (key, g), _slow_rss)
     for attack in ("scrape+idle", "bad-password", "json-route"):
-        row(f"flood {attack}: scrapes OK, p50 / p99",
-            lambda f, k=attack: f["floods"][k]["gpuwatchd"], _flood_scrapes)  # fmt: skip
-        row(f"flood {attack}: RSS before / peak / 2 s after",
-            lambda f, k=attack: f["floods"][k]["gpuwatchd"], _flood_rss)  # fmt: skip
-    row("scrape latency, 8-GPU replay, p50 / p99", lambda f: f["scrape"],
-        lambda g: f"{g['p50_ms']:.2f} / {g['p99_ms']:.2f} ms")  # fmt: skip
-    row("idle RSS (footprint run) / above a bare pynvml process", lambda f: f["footprint"],
-        lambda g: f"{g['daemon_rss_mib']:.1f} / {g['rss_above_floor_mib']:.1f} MiB")  # fmt: skip
-    row("idle CPU, share of one core", lambda f: f["footprint"],
-        lambda g: f"{g['daemon_cpu_percent_of_one_core']:.2f} %")  # fmt: skip
+        row(f"flood {attack}: scrapes OK, p50 / p99", ("floods", attack, g), _flood_scrapes)
+        row(f"flood {attack}: RSS before / peak / 2 s after", ("floods", attack, g), _flood_rss)
+    row("scrape latency, 8-GPU replay, p50 / p99", ("scrape",),
+        lambda v: f"{v['p50_ms']:.2f} / {v['p99_ms']:.2f} ms")  # fmt: skip
+    row("idle RSS (footprint run) / above a bare pynvml process", ("footprint",),
+        lambda v: f"{v['daemon_rss_mib']:.1f} / {v['rss_above_floor_mib']:.1f} MiB")  # fmt: skip
+    row("idle CPU, share of one core", ("footprint",),
+        lambda v: f"{v['daemon_cpu_percent_of_one_core']:.2f} %")  # fmt: skip
     note = (
         "\n\nBoth servers run the same app, dispatcher, pools, web config and limits; "
         "each benchmark ran against one then the other, back to back, gpuwatchd only "
