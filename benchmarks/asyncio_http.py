@@ -6,8 +6,13 @@ connections, 128 TLS handshakes past the ClientHello, 32 MiB of held
 responses, deadlines spread over the second half of IO_TIMEOUT); what
 differs is underneath: one asyncio loop and a task per connection, and
 asyncio's SSL protocol running the TLS state machine (the handshake,
-close_notify) instead of the hand-written one. Kept here, outside the package,
-so that docs/benchmarks.md ("http-servers") can be measured again:
+close_notify) instead of the hand-written one. Where it falls short of the
+epoll loop, besides what the figures show: TLS first flights get no time
+slice of their own (asyncio runs each handshake step as its bytes arrive),
+and a client that hangs up while the app runs is noticed only when its
+answer is written. Measured and not taken (docs/architecture.md); not part
+of the package, kept so that docs/benchmarks.md ("http-servers") can be
+measured again:
 
     .venv/bin/python benchmarks/asyncio_http.py run ...   # `gpuwatchd run`, served by this
     GPUWATCHD_BENCH_HTTP=asyncio .venv/bin/python benchmarks/bench_http_floods.py ...

@@ -67,10 +67,11 @@ def main() -> int:
             ["--replay", REPLAY, "--seconds", str(args.footprint_seconds)],
         ),
     }
-    fig: dict[str, dict[str, Any]] = {s: {} for s in SERVERS}
+    fig: dict[str, Any] = {s: {} for s in SERVERS}
     for name, (script, bench_args) in benches.items():
         for server in SERVERS:
             fig[server][name] = run(server, script, bench_args)
+    fig["load_average"] = os.getloadavg()[0]
     if args.json:
         Path(args.json).write_text(json.dumps(fig, indent=1))
     print(json.dumps(fig, indent=1))
@@ -100,7 +101,7 @@ def _flood_rss(g: dict[str, Any]) -> str:
     return f"{g['rss_before_mb']:.1f} / {g['rss_peak_mb']:.1f} / {g['rss_after_mb']:.1f} MB"
 
 
-def report(fig: dict[str, dict[str, Any]], args: Any) -> str:
+def report(fig: dict[str, Any], args: Any) -> str:
     rows = ["| figure | epoll (http/server.py) | asyncio candidate |", "| --- | --- | --- |"]
 
     def row(label: str, path: tuple[str, ...], fmt: Callable[[Any], str]) -> None:
@@ -121,6 +122,8 @@ def report(fig: dict[str, dict[str, Any]], args: Any) -> str:
     for attack in ("scrape+idle", "bad-password", "json-route"):
         row(f"flood {attack}: scrapes OK, p50 / p99", ("floods", attack, g), _flood_scrapes)
         row(f"flood {attack}: RSS before / peak / 2 s after", ("floods", attack, g), _flood_rss)
+        row(f"flood {attack}: attack requests answered (any status)", ("floods", attack, g),
+            lambda v: f"{v['attack_requests']:,.0f}")  # fmt: skip
     row("scrape latency, 8-GPU replay, p50 / p99", ("scrape",),
         lambda v: f"{v['p50_ms']:.2f} / {v['p99_ms']:.2f} ms")  # fmt: skip
     row("idle RSS (footprint run) / above a bare pynvml process", ("footprint",),
@@ -132,7 +135,7 @@ def report(fig: dict[str, dict[str, Any]], args: Any) -> str:
         "each benchmark ran against one then the other, back to back, gpuwatchd only "
         f"(node_exporter's figures are in the sections above). Floods {args.flood_seconds:.0f} s "
         f"each; footprint {args.footprint_seconds:.0f} s with a Prometheus-style scrape every "
-        f"15 s. Load average at the end: {os.getloadavg()[0]:.1f}."
+        f"15 s. Load average at the end: {fig['load_average']:.1f}."
     )
     title = "## HTTP server: epoll loop beside the asyncio candidate (http-servers)\n\n"
     return title + "\n".join(rows) + note
