@@ -41,6 +41,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.asyncio_http import daemon_command  # noqa: E402
 from benchmarks.report import publish, update_section  # noqa: E402
 
 PASSWORD = "bench-password"
@@ -280,7 +281,7 @@ def main() -> int:
                 (f"http:\n  web_config_file: {web}\n" if auth else "")
                 + "sources:\n  kmsg: {enabled: false}\n  udev: {enabled: false}\n"
             )
-            cmd = [sys.executable, "-m", "gpuwatchd", "run", "--config", str(run / "config.yaml"),
+            cmd = [*daemon_command(), "run", "--config", str(run / "config.yaml"),
                    "--listen", f"127.0.0.1:{port}", "--state-dir", str(run / "state"),
                    "--nvml-replay", str(REPLAY), "--log-level", "warning"]  # fmt: skip
             with started(cmd, port, header) as pid:

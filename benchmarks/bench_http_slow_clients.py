@@ -40,6 +40,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.asyncio_http import daemon_command  # noqa: E402
 from benchmarks.report import publish  # noqa: E402
 
 PASSWORD = "bench-password"
@@ -254,7 +255,7 @@ def main() -> int:
         f"http:\n  web_config_file: {web}\nsources:\n  nvml: {{replay: {REPLAY}}}\n"
         "  kmsg: {enabled: false}\n  udev: {enabled: false}\n"
     )
-    cmd = [sys.executable, "-m", "gpuwatchd", "run", "--config", str(tmp / "config.yaml"),
+    cmd = [*daemon_command(), "run", "--config", str(tmp / "config.yaml"),
            "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp / "state"),
            "--log-level", "warning"]  # fmt: skip
     if args.only != "node_exporter":

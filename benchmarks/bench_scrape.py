@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.asyncio_http import daemon_command  # noqa: E402
 from benchmarks.report import publish  # noqa: E402
 
 # The fields nvidia_gpu_exporter asks nvidia-smi for (a representative subset of its default).
@@ -67,9 +68,7 @@ def running_daemon(
     port = free_port()
     state = tempfile.mkdtemp(prefix="gpuwatchd-bench-")
     cmd = [
-        sys.executable,
-        "-m",
-        "gpuwatchd",
+        *daemon_command(),
         "run",
         "--listen",
         f"127.0.0.1:{port}",
