@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                     install(set(f.read().split()))
             else:
                 install(allowed_syscalls())
-        sys.argv = ["gpuwatchd.cli.record", "--out", args.child, "--polls", "2", "--interval", "0.5"]
+        sys.argv = ["gpuwatchd.cli.record", "--out", args.child]
+        sys.argv += ["--polls", "2", "--interval", "0.5"]
         sys.argv += replay
         runpy.run_module("gpuwatchd.cli.record", run_name="__main__")  # exits with record's status
         return 0
