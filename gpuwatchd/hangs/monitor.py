@@ -216,6 +216,10 @@ class HangMonitor:
         self._loop.stop(timeout)
         self._worker.stop(timeout)
 
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until the probe loop handled every publish and tick handed to it."""
+        return self._loop.wait_idle(timeout)
+
     def run_pending(self) -> None:
         """Analyse every queued hang in the caller's thread (tests, one-shot use)."""
         self._worker.run_pending()

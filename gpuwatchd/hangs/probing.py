@@ -61,6 +61,7 @@ class ProbeLoop:
         self._pending: deque[NodeSnapshot | None] = deque()  # None: a tick
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._busy = False  # the thread is handling an item
         self.coalesced = 0  # publishes dropped while the probe was slow
 
     # --- the consumer thread ----------------------------------------------------------
@@ -90,7 +91,7 @@ class ProbeLoop:
                 self._pending.popleft()
                 self.coalesced += 1
             self._pending.append(item)
-            self._cond.notify()
+            self._cond.notify_all()
 
     # --- the probe thread -------------------------------------------------------------
 
@@ -102,9 +103,14 @@ class ProbeLoop:
         """Stop the thread (a /proc read in flight is left to end by itself)."""
         with self._cond:
             self._stopping = True
-            self._cond.notify()
+            self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until everything handed over so far was handled (tests, start-up)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending and not self._busy, timeout)
 
     def _run(self) -> None:
         while True:
@@ -114,10 +120,15 @@ class ProbeLoop:
                 if self._stopping:
                     return
                 item = self._pending.popleft()
+                self._busy = True
             try:
                 self._handle(item)
             except Exception:  # a bug in one probe must not end the hang path
                 log.exception("hang probe")
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
 
     def _handle(self, item: NodeSnapshot | None) -> None:
         if item is None:

@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config
-from gpuwatchd.health.hangs.early import StackProbes, evidence_of
 from gpuwatchd.hangs.poller import RasPoller
+from gpuwatchd.health.hangs.early import StackProbes, evidence_of
 from gpuwatchd.health.hangs.ports import NodeIO, RasFn, StackFn
 from gpuwatchd.health.hangs.provider import Forensics, HangFindings
 from gpuwatchd.health.hangs.signatures import Signature
