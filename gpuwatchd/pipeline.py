@@ -287,9 +287,10 @@ class Pipeline(Consumers):
 
     def _publish_samples(self) -> None:
         # State.publish_extra skips an unchanged publish (the tick mostly finds nothing new).
+        errors = {**self._errors, "hangs": self._errors["hangs"] + self.hangs.errors}
         out = [
             Sample.of("gpuwatchd_consumer_errors_total", n, step=name)
-            for name, n in self._errors.items()
+            for name, n in errors.items()
         ]
         out.append(Sample.of("gpuwatchd_consumer_coalesced_total", self.queue.coalesced))
         self._state.publish_extra("consumer", out)

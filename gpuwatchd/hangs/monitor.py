@@ -96,6 +96,11 @@ class HangMonitor:
         return self.findings_source.dropped
 
     @property
+    def errors(self) -> int:
+        """Probes that raised on the probe thread (the consumer counts them as step hangs)."""
+        return self._loop.errors
+
+    @property
     def catalog(self) -> tuple[Signature, ...]:
         """The signatures in use: the site file's with ours, or ours alone."""
         return self._site_catalog if self._site_catalog is not None else builtin_catalog()

@@ -63,6 +63,7 @@ class ProbeLoop:
         self._stopping = False
         self._busy = False  # the thread is handling an item
         self.coalesced = 0  # publishes dropped while the probe was slow
+        self.errors = 0  # probes that raised on the thread (a bug; the log has the traceback)
 
     # --- the consumer thread ----------------------------------------------------------
 
@@ -124,6 +125,7 @@ class ProbeLoop:
             try:
                 self._handle(item)
             except Exception:  # a bug in one probe must not end the hang path
+                self.errors += 1
                 log.exception("hang probe")
             finally:
                 with self._cond:

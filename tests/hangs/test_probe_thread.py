@@ -118,3 +118,30 @@ def test_the_probe_thread_finds_a_killed_rank(ranks: list[subprocess.Popen[bytes
         assert dict(monitor.findings()[0].labels)["signature"] == "dead_peer"
     finally:
         monitor.stop()
+
+
+class BrokenProc(BlockedProc):
+    """NodeIO whose probe raises (a bug): counted, and the next probe still runs."""
+
+    def jobs(self, snap: NodeSnapshot, procfs: str) -> list[JobView]:
+        return [JOB]
+
+    def probe(self, jobs: Sequence[JobView], procfs: str) -> list[JobView]:
+        self.threads.add(threading.current_thread().name)
+        raise RuntimeError("a bug in a reader")
+
+
+def test_a_probe_that_raises_is_counted_and_the_loop_goes_on() -> None:
+    io = BrokenProc()
+    clock = FakeClock(start=1_800_000_000.0)
+    monitor = HangMonitor(Config(), clock, io=io, ras_workers=0)
+    monitor.start()
+    try:
+        monitor.on_publish(_nvml(clock.time()))
+        assert monitor.wait_idle(10.0)
+        clock.advance(5.0)
+        monitor.tick()  # due: the probe interval passed
+        assert monitor.wait_idle(10.0)
+        assert monitor.errors == 2 and io.threads == {"hang-probe"}
+    finally:
+        monitor.stop()
