@@ -289,8 +289,7 @@ class Pipeline(Consumers):
         # State.publish_extra skips an unchanged publish (the tick mostly finds nothing new).
         errors = {**self._errors, "hangs": self._errors["hangs"] + self.hangs.errors}
         out = [
-            Sample.of("gpuwatchd_consumer_errors_total", n, step=name)
-            for name, n in errors.items()
+            Sample.of("gpuwatchd_consumer_errors_total", n, step=name) for name, n in errors.items()
         ]
         out.append(Sample.of("gpuwatchd_consumer_coalesced_total", self.queue.coalesced))
         self._state.publish_extra("consumer", out)
