@@ -214,7 +214,7 @@ class Pipeline(Consumers):
         # the engine, so they leave through the one sink (reload, for_seconds, disabled_rules).
         ids = HangIds(self.store)  # unique for the store's life, not the run's
         self.hangs: HangMonitor = HangMonitor(cfg, clock, self.store, io=NodeForensics(), ids=ids)
-        self.engine.add_provider("job_hang", self.hangs.findings_source)
+        self.engine.add_provider("job_hang", self.hangs.provider)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._heartbeat = clock.monotonic()

@@ -62,10 +62,10 @@ class HangMonitor:
         self._probes = probes if probes is not None else StackProbes()
         self._listeners: list[Listener] = []
         self._site_catalog: tuple[Signature, ...] | None = None
-        self.findings_source = HangFindings(cfg, ids if ids is not None else itertools.count(1))
+        self.provider = HangFindings(cfg, ids if ids is not None else itertools.count(1))
         self._poller = RasPoller(self._query_ras, ras_workers)
         self._worker = ForensicsWorker(
-            self.findings_source,
+            self.provider,
             clock,
             io,
             self._poller,
@@ -74,7 +74,7 @@ class HangMonitor:
             self._analysed,
             max_queue,
         )
-        self._loop = ProbeLoop(cfg, clock, io, self.findings_source, self._poller, self.observe)
+        self._loop = ProbeLoop(cfg, clock, io, self.provider, self._poller, self.observe)
         self.cfg = cfg
         self._configure(cfg, first=True)
 
@@ -85,15 +85,15 @@ class HangMonitor:
 
     @property
     def detector(self) -> HangDetector:
-        return self.findings_source.detector
+        return self.provider.detector
 
     @property
     def version(self) -> int:
-        return self.findings_source.version
+        return self.provider.version
 
     @property
     def dropped(self) -> int:
-        return self.findings_source.dropped
+        return self.provider.dropped
 
     @property
     def errors(self) -> int:
@@ -124,7 +124,7 @@ class HangMonitor:
         self.cfg = cfg
         self._site_catalog = catalog
         if not first:  # the detector's memory (onsets, ranks seen) survives a reload
-            self.findings_source.reconfigure(cfg)
+            self.provider.reconfigure(cfg)
         self._loop.cfg = self._worker.cfg = cfg
         io = self._io
         if io is not None and (self._capture is None or getattr(self._capture, "_default", False)):
@@ -171,7 +171,7 @@ class HangMonitor:
         self, jobs: Sequence[JobView], gpus: Iterable[GpuActivity] | None, now: float
     ) -> None:
         """Feed one poll or probe (also from tests and benchmarks); gpus None: no new reading."""
-        seen = self.findings_source.observe(
+        seen = self.provider.observe(
             jobs,
             gpus,
             now,
@@ -180,7 +180,7 @@ class HangMonitor:
             self._probes.evidence(),
         )
         self._worker.ask_stacks(
-            {j.job: j for j in jobs}, self.findings_source.detector.wants_stacks(), now
+            {j.job: j for j in jobs}, self.provider.detector.wants_stacks(), now
         )
         changed = seen.changed
         for rid in seen.analyse:
@@ -201,7 +201,7 @@ class HangMonitor:
             self._store.write([(ev, _burst(ev), 1) for ev in events])
 
     def _notify(self, now: float) -> None:
-        found = self.findings_source.changed()
+        found = self.provider.changed()
         for listener in list(self._listeners):
             try:
                 listener(found, now)
@@ -235,14 +235,14 @@ class HangMonitor:
     # --- reading ----------------------------------------------------------------------
 
     def findings(self) -> list[Finding]:
-        return self.findings_source.findings()
+        return self.provider.findings()
 
     def samples(self) -> list[Sample]:
-        return self.findings_source.samples()
+        return self.provider.samples()
 
     def reports(self) -> list[HangReport]:
         """Every kept hang, newest first."""
-        return self.findings_source.reports()
+        return self.provider.reports()
 
     def records(self) -> list[dict[str, Any]]:
         """Every kept hang as /hangs serves it (its report's JSON), newest first."""
