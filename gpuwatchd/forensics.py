@@ -23,7 +23,7 @@ __all__ = ["NodeForensics"]
 
 
 class NodeForensics:
-    """`health.hangs.monitor.NodeIO` over the real node."""
+    """`health.hangs.ports.NodeIO` over the real node."""
 
     def jobs(self, snap: NodeSnapshot, procfs: str) -> list[JobView]:
         """Jobs from the workloads source when it runs, else from NVML's processes."""

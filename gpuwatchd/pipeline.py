@@ -27,10 +27,10 @@ from gpuwatchd.diagnose import scheduler as diag_scheduler
 from gpuwatchd.diagnose.scheduler import DiagScheduler
 from gpuwatchd.errors import GpuwatchdError, StoreError
 from gpuwatchd.forensics import NodeForensics
+from gpuwatchd.hangs.monitor import HangMonitor
 from gpuwatchd.health import engine as engine_mod
 from gpuwatchd.health.engine import HealthEngine
-from gpuwatchd.health.hangs.monitor import METRICS as HANG_METRICS
-from gpuwatchd.health.hangs.monitor import HangMonitor
+from gpuwatchd.health.hangs.ports import METRICS as HANG_METRICS
 from gpuwatchd.health.xid.stage import METRICS as XID_METRICS
 from gpuwatchd.health.xid.stage import XidStage
 from gpuwatchd.http.app import Route
@@ -145,7 +145,7 @@ class Consumers:
         self.queue = PublishQueue()
         self._lock = threading.Lock()  # one step at a time: the consumer or a reload
         self._errors = dict.fromkeys((*self.STEPS, "hangs", "tick"), 0)
-        self.hangs: HangMonitor | None = None  # the daemon's job hang detector (Pipeline)
+        self.hangs: HangMonitor | None = None  # the daemon's job hang monitor (Pipeline)
         state.subscribe(self.queue.offer)
 
     def drain(self) -> None:
@@ -210,12 +210,11 @@ class Pipeline(Consumers):
         self.evidence = EvidenceRecorder(cfg, self.store, state, clock)
         self.engine.add_listener(self.evidence.update)
         self.remediation.before_act = self._evidence_before_act
-        # Job hangs: their own detector and forensics thread; their findings are pulled by
+        # Job hangs: their own probe and forensics threads; their findings are pulled by
         # the engine, so they leave through the one sink (reload, for_seconds, disabled_rules).
         ids = HangIds(self.store)  # unique for the store's life, not the run's
-        self.hang_monitor = HangMonitor(cfg, clock, self.store, io=NodeForensics(), ids=ids)
-        self.hangs = self.hang_monitor
-        self.engine.add_provider("job_hang", self.hang_monitor)
+        self.hangs: HangMonitor = HangMonitor(cfg, clock, self.store, io=NodeForensics(), ids=ids)
+        self.engine.add_provider("job_hang", self.hangs.provider)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._heartbeat = clock.monotonic()
@@ -234,7 +233,7 @@ class Pipeline(Consumers):
         return {
             "/events": events_route(self.store),
             "/alerts": self.sink.route_alerts,
-            "/hangs": self.hang_monitor.route,
+            "/hangs": self.hangs.route,
             "/evidence": evidence_route(self.cfg),
         }
 
@@ -262,7 +261,7 @@ class Pipeline(Consumers):
         self.sink.start()
         self.remediation.start()
         self.diag.start()
-        self.hang_monitor.start()
+        self.hangs.start()
         self.evidence.start()
         self._heartbeat = self._clock.monotonic()
         self._thread = threading.Thread(target=self._run, name="consumer", daemon=True)
@@ -282,19 +281,19 @@ class Pipeline(Consumers):
     def tick(self) -> None:
         """About once a second on the consumer thread: expiries, hold times, operator clears."""
         self._guarded("tick", self.xids.tick)
-        self._guarded("hangs", self.hang_monitor.tick)  # before the engine pulls its findings
+        self._guarded("hangs", self.hangs.tick)  # before the engine pulls its findings
         self._guarded("tick", self.engine.tick)
         self._guarded("tick", self._publish_samples)
 
     def _publish_samples(self) -> None:
         # State.publish_extra skips an unchanged publish (the tick mostly finds nothing new).
+        errors = {**self._errors, "hangs": self._errors["hangs"] + self.hangs.errors}
         out = [
-            Sample.of("gpuwatchd_consumer_errors_total", n, step=name)
-            for name, n in self._errors.items()
+            Sample.of("gpuwatchd_consumer_errors_total", n, step=name) for name, n in errors.items()
         ]
         out.append(Sample.of("gpuwatchd_consumer_coalesced_total", self.queue.coalesced))
         self._state.publish_extra("consumer", out)
-        self._state.publish_extra("hangs", self.hang_monitor.samples())
+        self._state.publish_extra("hangs", self.hangs.samples())
         # Sinks only count; their samples are cheap copies, published here.
         self._state.publish_extra("alertmanager", self.sink.samples())
         self._state.publish_extra("remediation", self.remediation.samples())
@@ -317,7 +316,7 @@ class Pipeline(Consumers):
         with self._lock:
             self.xids.reconfigure(cfg)
             self.engine.reconfigure(cfg)
-            self.hang_monitor.reconfigure(cfg)
+            self.hangs.reconfigure(cfg)
             old = self.sink
             old.stop(flush_timeout=2.0)
             self.engine.remove_listener(old.update)
@@ -350,7 +349,7 @@ class Pipeline(Consumers):
                 log.error("consumer thread did not stop in %.0fs", timeout)
         self.remediation.stop()
         self.diag.stop(timeout)
-        self.hang_monitor.stop(timeout)
+        self.hangs.stop(timeout)
         self.evidence.stop(timeout)
         self.sink.stop(flush_timeout=timeout, close=False)
         # One checkpoint per database (the last connection's close), in parallel and bounded:

@@ -29,7 +29,7 @@ PRODUCERS: tuple[tuple[str, str, str], ...] = (
     ("gpuwatchd.sources", "registry", "sources"),
     ("gpuwatchd.health.engine", "METRICS", "health"),
     ("gpuwatchd.health.xid.stage", "METRICS", "xid"),
-    ("gpuwatchd.health.hangs.monitor", "METRICS", "hangs"),
+    ("gpuwatchd.health.hangs.ports", "METRICS", "hangs"),
     ("gpuwatchd.sinks.store", "METRICS", "store"),
     ("gpuwatchd.sinks.evidence", "METRICS", "evidence"),
     ("gpuwatchd.sinks.alertmanager.sink", "METRICS", "alerts"),

@@ -141,7 +141,7 @@ _NO_YAML = """
 import sys
 from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import Config
-from gpuwatchd.health.hangs.monitor import HangMonitor
+from gpuwatchd.hangs.monitor import HangMonitor
 monitor = HangMonitor(Config(), FakeClock())
 assert "yaml" not in sys.modules, "the hang monitor parsed its catalog at start"
 assert monitor.catalog and "yaml" in sys.modules

@@ -30,6 +30,7 @@ LAYER_OF_TOP = {
     "app": "daemon",
     "pipeline": "daemon",
     "forensics": "daemon",
+    "hangs": "daemon",  # the hang monitor's threads, store writes and route (health: decisions)
     "preflight": "daemon",
     "diagnose": "daemon",
     "daemon": "daemon",

@@ -30,7 +30,7 @@ from gpuwatchd.config import Config
 from gpuwatchd.config.overrides import node_name
 from gpuwatchd.errors import GpuwatchdError
 from gpuwatchd.health import alerts
-from gpuwatchd.health.hangs.monitor import open_hangs
+from gpuwatchd.health.hangs.record import open_hangs
 from gpuwatchd.health.rollup import finding_json
 from gpuwatchd.model import Finding, Severity, SourceSnapshot
 from gpuwatchd.runmarker import EVENT_KIND as RESTART

@@ -1,8 +1,8 @@
 """`gpuwatchd hang show [ID]`: the job hangs the daemon recorded, with stacks and RAS.
 
 Reads the daemon's event store (daemon.state_dir): every `job_hang` event
-carries the forensics document (ranks, where each is stuck, signature and
-remediation, py-spy dumps, NCCL RAS answer).
+carries a typed `HangReport` (ranks, where each is stuck, signature and
+remediation, py-spy dumps, NCCL RAS answer), read back from its stored row.
 """
 
 from __future__ import annotations
@@ -10,16 +10,16 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from gpuwatchd.cli.command import add_state_dir
+from gpuwatchd.model import HANG_KIND, HangReport
 from gpuwatchd.sinks.store import EventStore
 
 if TYPE_CHECKING:
     from gpuwatchd.app import CommandContext
 
-__all__ = ["hang_documents", "register", "render"]
+__all__ = ["hang_reports", "register", "render"]
 
 
 def register(subparsers: Any) -> None:
@@ -40,73 +40,63 @@ def register(subparsers: Any) -> None:
     show.set_defaults(func=_run_show)
 
 
-def hang_documents(store: EventStore, limit: int = 20) -> list[dict[str, Any]]:
-    """The forensics documents of the newest `job_hang` events, newest first."""
+def hang_reports(store: EventStore, limit: int = 20) -> list[tuple[int, HangReport]]:
+    """(event id, report) of the newest `job_hang` events, newest first."""
     out = []
-    for row in store.recent(limit, kind="job_hang"):
-        attrs = row.get("attrs") or {}
-        try:
-            doc = json.loads(attrs.get("forensics", "{}"))
-        except ValueError:
-            continue
-        if isinstance(doc, dict):
-            doc["event_id"] = row.get("id")
-            out.append(doc)
+    for row in store.recent(limit, kind=HANG_KIND):
+        report = HangReport.from_attrs(row.get("attrs") or {})
+        if report is not None:
+            out.append((int(row.get("id") or 0), report))
     return out
 
 
-def _when(t: Any) -> str:
-    if not isinstance(t, int | float) or not t:
+def _when(t: float | None) -> str:
+    if not t:
         return "-"
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
-def render(doc: Mapping[str, Any], full: bool) -> str:
+def render(doc: HangReport, event_id: int, full: bool) -> str:
     """Text for one hang: the headline, and with `full` the ranks, stacks and RAS answer."""
-    state = "resolved " + _when(doc.get("resolved_at")) if doc.get("resolved_at") else "OPEN"
+    state = "resolved " + _when(doc.resolved_at) if doc.resolved_at else "OPEN"
     lines = [
-        f"hang {doc.get('id')} (event {doc.get('event_id')}) job {doc.get('job')}: "
-        f"since {_when(doc.get('since'))}, {state}",
-        f"  {doc.get('reason', '')}",
-        f"  signature: {doc.get('signature') or 'none yet'}   signals: {doc.get('signals', '')}"
-        + (f"   severity: {doc['severity']}" if doc.get("severity") else ""),
+        f"hang {doc.id} (event {event_id}) job {doc.job}: since {_when(doc.since)}, {state}",
+        f"  {doc.reason}",
+        f"  signature: {doc.signature or 'none yet'}   signals: {doc.signals}"
+        + (f"   severity: {doc.severity}" if doc.severity else ""),
     ]
-    inc = doc.get("causes") or {}
-    if doc.get("cause"):
-        label = f" (incident {doc['incident']})" if doc.get("incident") else ""
-        lines.append(f"  cause: {doc['cause']}{label}")
-    for alt in inc.get("alternatives") or ():
-        lines.append(f"  alternative: {alt.get('text', '')}")
+    inc = doc.causes
+    if doc.cause:
+        label = f" (incident {doc.incident})" if doc.incident else ""
+        lines.append(f"  cause: {doc.cause}{label}")
+    for alt in inc.alternatives if inc is not None else ():
+        lines.append(f"  alternative: {alt.text}")
     if not full:
         return "\n".join(lines)
-    lines.append(f"  where: {doc.get('where', '')}")
-    if (inc.get("cause") or {}).get("evidence"):
-        lines.append(f"  cause evidence: {inc['cause']['evidence']}")
-    if doc.get("diverging_frame"):
-        lines.append(f"  first diverging frame: {doc['diverging_frame']}")
-    for m in doc.get("missing") or ():
-        lines.append(f"  missing: {m}")
-    if doc.get("stacks_confirmed"):
+    lines.append(f"  where: {doc.where}")
+    if inc is not None and inc.cause is not None and inc.cause.evidence:
+        lines.append(f"  cause evidence: {inc.cause.evidence}")
+    if doc.diverging_frame:
+        lines.append(f"  first diverging frame: {doc.diverging_frame}")
+    lines += [f"  missing: {m}" for m in doc.missing]
+    if doc.stacks_confirmed:
         lines.append("  stacks: every rank in the same call in two dumps seconds apart")
-    for g in doc.get("flight_recorder") or ():
-        lines.append(f"  flight recorder: {g}")
-    for e in doc.get("flight_recorder_errors") or ():
-        lines.append(f"  flight recorder: {e}")
-    for r in doc.get("ranks") or ():
-        counts = ", ".join(f"{k} {v}" for k, v in (r.get("collective_counts") or {}).items())
+    lines += [f"  flight recorder: {g}" for g in doc.flight_recorder]
+    lines += [f"  flight recorder: {e}" for e in doc.flight_recorder_errors]
+    for r in doc.ranks:
+        counts = ", ".join(f"{k} {v}" for k, v in r.collective_counts)
         lines.append(
-            f"  rank {r.get('rank')} pid {r.get('pid')} gpus {','.join(r.get('gpus') or [])}:"
-            f" {r.get('where') or r.get('state')}" + (f" [{counts}]" if counts else "")
+            f"  rank {r.rank} pid {r.pid} gpus {','.join(r.gpus)}:"
+            f" {r.where or r.state}" + (f" [{counts}]" if counts else "")
         )
-        if r.get("stack_error"):
-            lines.append(f"    no stack: {r['stack_error']}")
-    if doc.get("remediation"):
-        lines += ["", "remediation:", f"  {doc['remediation']}"]
-    for pid, st in (doc.get("stacks") or {}).items():
-        lines += ["", f"--- stack of pid {pid} ---", st.get("dump") or st.get("error", "")]
-    ras = doc.get("ras") or {}
-    if ras.get("answer") or ras.get("error"):
-        lines += ["", "--- NCCL RAS ---", ras.get("answer") or f"error: {ras.get('error')}"]
+        if r.stack_error:
+            lines.append(f"    no stack: {r.stack_error}")
+    if doc.remediation:
+        lines += ["", "remediation:", f"  {doc.remediation}"]
+    for st in doc.stacks:
+        lines += ["", f"--- stack of pid {st.pid} ---", st.dump or st.error]
+    if doc.ras_answer or doc.ras_error:
+        lines += ["", "--- NCCL RAS ---", doc.ras_answer or f"error: {doc.ras_error}"]
     return "\n".join(lines)
 
 
@@ -115,16 +105,17 @@ def _run_show(ctx: CommandContext) -> int:
     if not ctx.has_store():
         print(f"no event store in {ctx.state_dir}", file=sys.stderr)
         return 1
-    docs = hang_documents(ctx.store(), max(args.limit, 1) if args.id is None else 1000)
+    found = hang_reports(ctx.store(), max(args.limit, 1) if args.id is None else 1000)
     if args.id is not None:
-        docs = [d for d in docs if d.get("id") == args.id or d.get("event_id") == args.id][:1]
-        if not docs:
+        found = [(e, r) for e, r in found if args.id in (r.id, e)][:1]
+        if not found:
             print(f"no hang {args.id}", file=sys.stderr)
             return 1
+    docs = [{**r.json(), "event_id": e} for e, r in found]
     if args.json:
         print(json.dumps(docs if args.id is None else docs[0], indent=1))
-    elif not docs:
+    elif not found:
         print("no job hang recorded")
     else:
-        print("\n\n".join(render(d, full=args.id is not None) for d in docs))
+        print("\n\n".join(render(r, e, full=args.id is not None) for e, r in found))
     return 0

@@ -226,7 +226,7 @@ ALERTS: dict[str, AlertInfo] = {
     "GpuStuckSuspected": AlertInfo(
         _W, "nvml", Action.RESTART_APP, "GPU {gpu} looks stuck (suspected NCCL hang)", ""
     ),
-    # Raised by health/hangs/monitor.py, one per job (its own text, severity and remediation).
+    # Raised by health/hangs/provider.py, one per job (its own text, severity and remediation).
     "JobHangSuspected": AlertInfo(
         _W,
         "nvml",

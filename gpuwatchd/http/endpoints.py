@@ -14,6 +14,7 @@ from typing import Any
 from gpuwatchd.health.rollup import finding_json
 from gpuwatchd.http.app import Route
 from gpuwatchd.sinks.store import EventStore
+from gpuwatchd.sinks.store_schema import hang_report_json
 from gpuwatchd.state import NodeSnapshot
 
 __all__ = ["events_route", "healthz_route", "status_document", "summary_line"]
@@ -149,10 +150,5 @@ def _one_event(store: EventStore, ident: str) -> tuple[int, str, bytes]:
     event = store.event(event_id)
     if event is None:
         return 404, "text/plain", b"no such event\n"
-    attrs = event.get("attrs") or {}
-    if isinstance(attrs.get("forensics"), str):
-        try:
-            attrs["forensics"] = json.loads(attrs["forensics"])
-        except ValueError:
-            pass  # served as stored
+    event = hang_report_json(event)  # a hang's report as an object, not a string
     return 200, "application/json", json.dumps(event, indent=1).encode() + b"\n"

@@ -2,12 +2,20 @@
 
 Everything here is immutable so a snapshot can be handed to any thread
 without copying or locking. `values` holds the snapshot's types, `event`
-the event and its payload union, `xid` and `kill` the payload types.
+the event and its payload union, `xid`, `kill` and `hang` the payload types.
 """
 
 from __future__ import annotations
 
 from gpuwatchd.model.event import XID_KINDS, Event, Payload, payload_of
+from gpuwatchd.model.hang import (
+    HANG_KIND,
+    HangCause,
+    HangCauses,
+    HangRank,
+    HangReport,
+    HangStack,
+)
 from gpuwatchd.model.kill import KILL_KINDS, ProcessKill
 from gpuwatchd.model.values import (
     WORKLOAD_ALERT_LABELS,
@@ -44,6 +52,12 @@ __all__ = [
     "GpuInventory",
     "GpuPlace",
     "GpuProcess",
+    "HANG_KIND",
+    "HangCause",
+    "HangCauses",
+    "HangRank",
+    "HangReport",
+    "HangStack",
     "Health",
     "KILL_KINDS",
     "KmsgState",

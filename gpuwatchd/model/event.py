@@ -1,10 +1,10 @@
 """The event: something that happened once, with one typed payload.
 
 An Xid or SXid report carries `XidFields`, a kernel report of a killed,
-crashed or hung process `ProcessKill`. Kinds without a payload type yet
-(job hangs, diag runs, remediation steps, the run marker, shared memory
-segments) carry their detail as strings in `attrs`; a hang report and a
-diag run join `Payload` as types of their own.
+crashed or hung process `ProcessKill`, a suspected job hang `HangReport`.
+Kinds without a payload type yet (diag runs, remediation steps, the run
+marker, shared memory segments) carry their detail as strings in `attrs`;
+a diag run joins `Payload` as a type of its own.
 """
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from gpuwatchd.model.hang import HANG_KIND, HangReport
 from gpuwatchd.model.kill import KILL_KINDS, ProcessKill
 from gpuwatchd.model.values import Labels, Severity
 from gpuwatchd.model.xid import XidFields
 
 __all__ = ["Event", "Payload", "XID_KINDS", "payload_of"]
 
-Payload = XidFields | ProcessKill
+Payload = XidFields | ProcessKill | HangReport
 XID_KINDS = ("xid", "sxid")
 
 
@@ -70,6 +71,11 @@ class Event:
         (KILL_KINDS); None for other kinds."""
         return self.payload if isinstance(self.payload, ProcessKill) else None
 
+    @property
+    def hang(self) -> HangReport | None:
+        """The report of a suspected job hang (kind `job_hang`); None for other kinds."""
+        return self.payload if isinstance(self.payload, HangReport) else None
+
 
 def payload_of(kind: str, code: int | None, attrs: Mapping[str, str]) -> Payload | None:
     """The typed payload of a stored event, read from the attrs its payload wrote."""
@@ -77,4 +83,6 @@ def payload_of(kind: str, code: int | None, attrs: Mapping[str, str]) -> Payload
         return XidFields.from_attrs(code or 0, attrs)
     if kind in KILL_KINDS:
         return ProcessKill.from_attrs(kind, attrs)
+    if kind == HANG_KIND:
+        return HangReport.from_attrs(attrs)
     return None

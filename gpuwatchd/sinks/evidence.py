@@ -50,6 +50,7 @@ from gpuwatchd.sinks.bundles import (
 )
 from gpuwatchd.sinks.durability import quarantine
 from gpuwatchd.sinks.store import EventStore
+from gpuwatchd.sinks.store_schema import hang_report_json
 from gpuwatchd.state import State
 
 __all__ = [
@@ -369,7 +370,8 @@ class EvidenceRecorder:
         km = self.cfg.sources.kmsg
         path = km.file if km.backend == "file" and km.file else self.cfg.paths.kmsg
         kmsg = "\n".join(read_kmsg(path, ev.kmsg_records, ev.max_bundle_bytes)) + "\n"
-        events = self._store.recent(ev.events) if self._store is not None and ev.events else []
+        rows = self._store.recent(ev.events) if self._store is not None and ev.events else []
+        events = [hang_report_json(row) for row in rows]  # a hang's report as an object
         texts = {
             **parts,
             "kmsg.txt": kmsg,

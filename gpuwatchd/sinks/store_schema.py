@@ -8,7 +8,16 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from gpuwatchd.model import Clear, Event, MetricSpec, Severity, XidFields, payload_of
+from gpuwatchd.model import (
+    HANG_KIND,
+    Clear,
+    Event,
+    HangReport,
+    MetricSpec,
+    Severity,
+    XidFields,
+    payload_of,
+)
 
 __all__ = [
     "ATTRIBUTION_KEYS",
@@ -18,6 +27,7 @@ __all__ = [
     "STORE_OPS",
     "clear_of",
     "event_of",
+    "hang_report_json",
     "row_json",
     "upsert_event",
 ]
@@ -204,6 +214,17 @@ def row_json(row: dict[str, Any]) -> dict[str, Any]:
     row["time_iso"] = _iso(row["time"])
     row["last_time_iso"] = _iso(row["last_time"])
     row.pop("burst_id", None)
+    return row
+
+
+def hang_report_json(row: dict[str, Any]) -> dict[str, Any]:
+    """A `row_json` row with a job hang's report read back typed and served as an object
+    (/events/ID, evidence bundles); a report that does not parse stays as stored."""
+    attrs = row.get("attrs")
+    if row.get("kind") == HANG_KIND and isinstance(attrs, dict):
+        report = HangReport.from_attrs(attrs)
+        if report is not None:
+            row["attrs"] = {**attrs, "forensics": report.json()}
     return row
 
 

@@ -45,7 +45,7 @@ def _store_every_kind(path: Path) -> None:
             (Event("xid", "nvml", now, 79, "0000:00:07.0", "Xid 79", attrs=boot), "b2", 1),
             # kmsg source: an NVSwitch SXid
             (Event("sxid", "kmsg", now, 12028, "0000:84:00.0", "SXid", attrs=boot), "b3", 1),
-            # the hang monitor (health/hangs/monitor.py) stores each job hang
+            # the hang monitor (hangs/monitor.py) stores each job hang
             (
                 Event(
                     JOB_HANG,

@@ -38,8 +38,8 @@ from typing import Any
 from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import Config
 from gpuwatchd.forensics import NodeForensics
+from gpuwatchd.hangs.monitor import HangMonitor
 from gpuwatchd.health.hangs.early import StackEvidence, StackProbes
-from gpuwatchd.health.hangs.monitor import HangMonitor
 from gpuwatchd.jobview import JobView, StackCapture
 from gpuwatchd.model import Finding, GpuInventory, Sample, Severity, SourceSnapshot
 from gpuwatchd.sources.hangs import flight, stacks

@@ -223,10 +223,11 @@ def test_the_incident_is_in_the_alert_hang_show_and_the_record() -> None:
     assert "Cause: rank 1 (pid 4242) killed by the OOM killer" in f.reason
     assert "Alternatives: rank 0 (pid 4241) crashed" in f.reason
     assert dict(f.labels)["cause"].splitlines()[0].startswith("rank 1 (pid 4242) killed")
-    doc = rec.json()
+    report = rec.report()
+    doc = report.json()
     assert doc["causes"]["cause"]["kind"] == "oom_kill"
     assert doc["causes"]["alternatives"][0]["kind"] == "trap"
-    text = render({**doc, "event_id": 1}, full=True)
+    text = render(report, 1, full=True)
     assert "  cause: rank 1 (pid 4242) killed by the OOM killer" in text
     assert "  alternative: rank 0 (pid 4241) crashed" in text
     assert "  cause evidence: python3[4242] killed by the OOM killer" in text

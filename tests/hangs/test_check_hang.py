@@ -13,7 +13,7 @@ from gpuwatchd import config
 from gpuwatchd.cli.check import check
 from gpuwatchd.clock import FakeClock
 from gpuwatchd.config.schema import HangsConfig
-from gpuwatchd.health.hangs.monitor import HangMonitor
+from gpuwatchd.hangs.monitor import HangMonitor
 from gpuwatchd.sinks.store import EventStore
 from tests.check_config import write_check_config
 from tests.hangs.replay import polls

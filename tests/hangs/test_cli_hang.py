@@ -12,7 +12,7 @@ from gpuwatchd.cli import main
 from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import Config
 from gpuwatchd.config.schema import DaemonConfig, HangsConfig
-from gpuwatchd.health.hangs.monitor import HangMonitor
+from gpuwatchd.hangs.monitor import HangMonitor
 from gpuwatchd.sinks.store import EventStore
 from gpuwatchd.sources.hangs.stacks import StackCapture, parse_dump
 from tests.hangs.replay import fixture, polls
@@ -110,12 +110,12 @@ def test_hang_ids_stay_unique_across_daemon_restarts(
         try:
             start = 1_800_000_000.0 + run * 10_000
             for t, jobs, gpus in polls("peerdeath-polls.jsonl"):
-                pipeline.hang_monitor.observe(jobs, gpus, start + t)
-                pipeline.hang_monitor.run_pending()
-            pipeline.hang_monitor.observe([], [], start + 200)  # the job ends
+                pipeline.hangs.observe(jobs, gpus, start + t)
+                pipeline.hangs.run_pending()
+            pipeline.hangs.observe([], [], start + 200)  # the job ends
             if run == 1:
-                assert pipeline.hang_monitor.route({"id": ["1"]})[0] == 404  # not in memory
-                status, _, body = pipeline.hang_monitor.route({"id": ["2"]})
+                assert pipeline.hangs.route({"id": ["1"]})[0] == 404  # not in memory
+                status, _, body = pipeline.hangs.route({"id": ["2"]})
                 assert status == 200 and json.loads(body)["since"] >= start
         finally:
             pipeline.stop()

@@ -21,9 +21,9 @@ import pytest
 from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import Config
 from gpuwatchd.config.schema import HangsConfig
+from gpuwatchd.hangs.monitor import HangMonitor
 from gpuwatchd.health.hangs.detector import GpuActivity, HangDetector, HangThresholds
 from gpuwatchd.health.hangs.early import StackEvidence, evidence_of
-from gpuwatchd.health.hangs.monitor import HangMonitor
 from gpuwatchd.jobview import JobView, RankView, StackCapture
 from gpuwatchd.sources.hangs.stacks import parse_dump
 from tests.hangs import synth

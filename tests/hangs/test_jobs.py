@@ -11,7 +11,7 @@ from gpuwatchd.config import Config
 from gpuwatchd.config.hangs import HangsConfig
 from gpuwatchd.config.schema import PathsConfig
 from gpuwatchd.forensics import NodeForensics
-from gpuwatchd.health.hangs.monitor import HangMonitor
+from gpuwatchd.hangs.monitor import HangMonitor
 from gpuwatchd.model import (
     Gpu,
     GpuInventory,

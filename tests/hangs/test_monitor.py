@@ -14,7 +14,7 @@ import pytest
 from gpuwatchd.clock import FakeClock, SystemClock
 from gpuwatchd.config import AlertmanagerConfig, Config
 from gpuwatchd.config.schema import HangsConfig
-from gpuwatchd.health.hangs.monitor import HangMonitor
+from gpuwatchd.hangs.monitor import HangMonitor
 from gpuwatchd.model import Event, Severity
 from gpuwatchd.sinks.alertmanager.sink import AlertSink
 from gpuwatchd.sources.hangs import ras

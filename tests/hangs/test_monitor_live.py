@@ -18,7 +18,7 @@ import pytest
 from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import Config
 from gpuwatchd.config.schema import HangsConfig
-from gpuwatchd.health.hangs.monitor import HangMonitor
+from gpuwatchd.hangs.monitor import HangMonitor
 from gpuwatchd.jobview import JobView, RankView, RasAnswer, RasError, StackCapture
 from gpuwatchd.model import Finding, Gpu, GpuInventory, GpuProcess, SourceSnapshot
 from gpuwatchd.sources.hangs.proc import probe_jobs
@@ -184,13 +184,13 @@ def test_the_pipeline_tick_drives_the_hang_path_on_real_ranks(tmp_path: Path) ->
         procs[1].kill()
         procs[1].wait()
         killed = clock.time()
-        while clock.time() - killed < 30 and not pipeline.hang_monitor.findings():
+        while clock.time() - killed < 30 and not pipeline.hangs.findings():
             clock.advance(1.0)
             pipeline.tick()
-            pipeline.hang_monitor.run_pending()
+            pipeline.hangs.run_pending()
         # Found within the loop's 30 s of ticks; how soon is the replays' and the device's
         # figure (tests/hangs/delays.py), not a bound for a test sharing 2 cores.
-        (f,) = pipeline.hang_monitor.findings()
+        (f,) = pipeline.hangs.findings()
         assert dict(f.subject) == {"job": "torch:127.0.0.1:29581"}
         assert dict(f.labels)["job_id"] == "torch:127.0.0.1:29581"
         assert dict(f.labels)["role"] == "culprit" and "rank 1 died" in f.reason

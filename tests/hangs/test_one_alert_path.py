@@ -65,9 +65,9 @@ def _hang(pipeline: Pipeline) -> None:
     """Replay the dead-peer recording (the fault 150 s ago) into the daemon's monitor."""
     base = time.time() - 150
     for t, jobs, gpus in polls("peerdeath-polls.jsonl"):
-        pipeline.hang_monitor.observe(jobs, gpus, base + t)
-        pipeline.hang_monitor.run_pending()
-    assert pipeline.hang_monitor.findings()
+        pipeline.hangs.observe(jobs, gpus, base + t)
+        pipeline.hangs.run_pending()
+    assert pipeline.hangs.findings()
 
 
 def _sinks(pipeline: Pipeline) -> list[AlertSink]:
@@ -125,7 +125,7 @@ def test_disabled_rules_silence_a_hang_alert(tmp_path: Path, am: AlertmanagerSer
         _hang(pipeline)
         pipeline.tick()
         assert _received(pipeline, am) == []
-        assert pipeline.hang_monitor.records()  # still detected, stored and on /hangs
+        assert pipeline.hangs.records()  # still detected, stored and on /hangs
     finally:
         pipeline.stop(timeout=2.0)
 

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import Config
+from gpuwatchd.hangs.monitor import HangMonitor
 from gpuwatchd.health.hangs.gpu import SM_ACTIVE
-from gpuwatchd.health.hangs.monitor import HangMonitor
 from gpuwatchd.jobview import JobView, RankView, RasAnswer, StackCapture
 from gpuwatchd.model import Sample, SourceSnapshot
 from gpuwatchd.sources.hangs import ras

@@ -23,8 +23,8 @@ import pytest
 from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import Config
 from gpuwatchd.forensics import NodeForensics
+from gpuwatchd.hangs.monitor import HangMonitor
 from gpuwatchd.health.hangs.gpu import HangThresholds
-from gpuwatchd.health.hangs.monitor import HangMonitor
 from gpuwatchd.health.hangs.summary import where_stuck
 from gpuwatchd.jobview import StackCapture
 from gpuwatchd.model import Finding

@@ -11,9 +11,9 @@ from collections.abc import Iterable
 
 from gpuwatchd.health.hangs.detector import JobVerdict
 from gpuwatchd.health.hangs.record import ALERTNAME, GENERIC_REMEDIATION, RULE, HangRecord
-from gpuwatchd.model import Action, Finding, Sample, Severity
+from gpuwatchd.model import Action, Event, Finding, Sample, Severity
 
-__all__ = ["alert_key", "finding_of", "info_samples", "role_of", "severity_of"]
+__all__ = ["alert_key", "event_of", "finding_of", "info_samples", "role_of", "severity_of"]
 
 SUBJECT_KEYS = ("job", "namespace", "pod", "slurm_job")
 
@@ -26,6 +26,19 @@ def severity_of(rec: HangRecord) -> Severity:
         return Severity.CRITICAL
     sig = rec.summary.signature if rec.summary else None
     return Severity.CRITICAL if sig is not None and sig.severity == "critical" else Severity.WARNING
+
+
+def event_of(rec: HangRecord) -> Event:
+    """The `job_hang` event stored for a record: its report is the payload."""
+    report = rec.report()
+    return Event(
+        kind=RULE,
+        source="hangs",
+        time=report.since,
+        message=f"job {report.job}: {report.reason}",
+        severity=severity_of(rec),
+        payload=report,
+    )
 
 
 def alert_key(v: JobVerdict) -> tuple[object, ...]:

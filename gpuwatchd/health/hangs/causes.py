@@ -68,21 +68,6 @@ class Cause:
         when = f"{abs(off):.1f} s {'before' if off <= 0 else 'after'} the job stopped"
         return f"{head} {when}"
 
-    def json(self) -> dict[str, object]:
-        return {
-            "kind": self.kind,
-            "text": self.text,
-            "what": self.what,
-            "where": self.where,
-            "at": self.at,
-            "offset_seconds": round(self.offset_seconds, 3),
-            "rank": self.rank,
-            "pid": self.pid,
-            "affinity": self.affinity,
-            "evidence": self.evidence,
-            "incident": self.incident,
-        }
-
 
 @dataclass(frozen=True, slots=True)
 class Incident:
@@ -119,15 +104,6 @@ class Incident:
         out = [self.headline()]
         out += [f"alternative: {c.text}" for c in self.causes[1:]]
         return out
-
-    def json(self) -> dict[str, object]:
-        return {
-            "cause": self.cause.json() if self.cause is not None else None,
-            "alternatives": [c.json() for c in self.causes[1:]],
-            "headline": self.headline(),
-            "looked_at": list(self.looked_at),
-            "elsewhere": list(self.elsewhere),
-        }
 
 
 class CauseMemory:

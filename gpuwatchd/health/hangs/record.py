@@ -1,23 +1,33 @@
 """A suspected job hang as the daemon keeps, stores and reports it.
 
-`HangRecord` holds what the detector saw and what forensics found; its
-`json()` is the document stored with the `job_hang` event, served at
-/hangs and shown by `gpuwatchd hang show`. `open_hangs()` turns stored
-documents back into findings for `gpuwatchd check`.
+`HangRecord` holds what the detector saw and what forensics found (it
+changes while the hang is open); its `report()` is the typed `HangReport`
+the `job_hang` event carries, /hangs serves and `gpuwatchd hang show`
+reads back. `open_hangs()` turns stored reports back into findings for
+`gpuwatchd check`.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
-from gpuwatchd.health.hangs.causes import Incident
+from gpuwatchd.health.hangs.causes import Cause, Incident
 from gpuwatchd.health.hangs.detector import JobVerdict
-from gpuwatchd.health.hangs.summary import HangSummary
+from gpuwatchd.health.hangs.summary import HangSummary, RankSummary
 from gpuwatchd.jobview import GroupProgress, JobView, StackCapture
-from gpuwatchd.model import Action, Event, Finding, Severity
+from gpuwatchd.model import (
+    HANG_KIND,
+    Action,
+    Event,
+    Finding,
+    HangCause,
+    HangCauses,
+    HangRank,
+    HangReport,
+    HangStack,
+    Severity,
+)
 
 __all__ = [
     "ALERTNAME",
@@ -28,7 +38,7 @@ __all__ = [
 ]
 
 ALERTNAME = "JobHangSuspected"
-RULE = "job_hang"
+RULE = HANG_KIND
 GENERIC_REMEDIATION = (
     "The job makes no progress. Take its ranks' stacks (py-spy dump --native --pid PID), "
     "rerun with NCCL_DEBUG=INFO and a collective timeout, then restart it."
@@ -53,60 +63,96 @@ class HangRecord:
     flight: list[GroupProgress] = field(default_factory=list)  # PyTorch's flight recorder
     flight_errors: list[str] = field(default_factory=list)
 
-    def json(self) -> dict[str, Any]:
-        """Everything, JSON-able, for /hangs, the store and `gpuwatchd hang show`."""
+    def report(self) -> HangReport:
+        """The typed report: the `job_hang` event's payload, /hangs and `hang show`."""
         s = self.summary
-        return {
-            "id": self.id,
-            "job": self.job.job,
-            "labels": dict(self.job.labels),
-            "since": self.verdict.since,
-            "resolved_at": self.resolved_at,
-            "conditions": list(self.verdict.conditions),
-            "signals": self.verdict.signals,
-            "reason": self.verdict.reason,
-            "severity": self.verdict.severity,
-            "cause": self.incident.headline() if self.incident else "",
-            "incident": self.incident.label if self.incident else "",
-            "causes": self.incident.json() if self.incident else None,
-            "stacks_confirmed": self.stacks_confirmed,
-            "flight_recorder": [g.line() for g in self.flight],
-            "flight_recorder_errors": list(self.flight_errors),
-            "nodes": list(self.verdict.nodes),
-            "signature": s.signature.name if s and s.signature else "",
-            "remediation": s.signature.remediation if s and s.signature else "",
-            "signatures": list(s.signatures) if s else [],
-            "facts": list(s.facts) if s else [],
-            "where": s.where_line() if s else "",
-            "ranks": [asdict(r) for r in s.ranks] if s else [],
-            "missing": list(s.missing) if s else [],
-            "unresponsive": list(s.unresponsive) if s else [],
-            "diverging_frame": s.diverging_frame if s else "",
-            "stacks": {
-                str(pid): {"ok": c.ok, "error": c.error, "seconds": c.seconds, "dump": c.raw}
+        inc = self.incident
+        return HangReport(
+            id=self.id,
+            job=self.job.job,
+            labels=tuple((k, v) for k, v in self.job.labels),
+            since=self.verdict.since,
+            resolved_at=self.resolved_at,
+            conditions=tuple(self.verdict.conditions),
+            signals=self.verdict.signals,
+            reason=self.verdict.reason,
+            severity=self.verdict.severity,
+            cause=inc.headline() if inc else "",
+            incident=inc.label if inc else "",
+            causes=_causes(inc) if inc else None,
+            stacks_confirmed=self.stacks_confirmed,
+            flight_recorder=tuple(g.line() for g in self.flight),
+            flight_recorder_errors=tuple(self.flight_errors),
+            nodes=tuple(self.verdict.nodes),
+            signature=s.signature.name if s and s.signature else "",
+            remediation=s.signature.remediation if s and s.signature else "",
+            signatures=tuple(s.signatures) if s else (),
+            facts=tuple(s.facts) if s else (),
+            where=s.where_line() if s else "",
+            ranks=tuple(_rank(r) for r in s.ranks) if s else (),
+            missing=tuple(s.missing) if s else (),
+            unresponsive=tuple(s.unresponsive) if s else (),
+            diverging_frame=s.diverging_frame if s else "",
+            stacks=tuple(
+                HangStack(pid=pid, ok=c.ok, error=c.error, seconds=c.seconds, dump=c.raw)
                 for pid, c in self.stacks.items()
-            },
-            "ras": {"error": self.ras_error, "at": self.ras_at, "answer": self.ras_text},
-        }
+            ),
+            ras_error=self.ras_error,
+            ras_at=self.ras_at,
+            ras_answer=self.ras_text,
+        )
+
+
+def _rank(r: RankSummary) -> HangRank:
+    return HangRank(
+        pid=r.pid,
+        rank=r.rank,
+        gpus=tuple(r.gpus),
+        state=r.state,
+        where=r.where,
+        collective=r.collective,
+        collective_counts=tuple(r.collective_counts.items()),
+        stack_error=r.stack_error,
+    )
+
+
+def _cause(c: Cause) -> HangCause:
+    return HangCause(
+        kind=c.kind,
+        text=c.text,
+        what=c.what,
+        where=c.where,
+        at=c.at,
+        offset_seconds=round(c.offset_seconds, 3),
+        rank=c.rank,
+        pid=c.pid,
+        affinity=c.affinity,
+        evidence=c.evidence,
+        incident=c.incident,
+    )
+
+
+def _causes(inc: Incident) -> HangCauses:
+    return HangCauses(
+        cause=_cause(inc.cause) if inc.cause is not None else None,
+        alternatives=tuple(_cause(c) for c in inc.causes[1:]),
+        headline=inc.headline(),
+        looked_at=tuple(inc.looked_at),
+        elsewhere=tuple(inc.elsewhere),
+    )
 
 
 def open_hangs(events: Iterable[Event]) -> list[Finding]:
     """Critical JobHangSuspected findings for stored hangs not yet resolved (`gpuwatchd check`)."""
-    latest: dict[str, Mapping[str, Any]] = {}
+    latest: dict[str, HangReport] = {}
     for ev in events:
-        if ev.kind != RULE:
-            continue
-        try:
-            doc = json.loads(ev.attr("forensics") or "{}")
-        except ValueError:
-            continue
-        if isinstance(doc, dict) and doc.get("job"):
-            latest[str(doc["job"])] = doc  # oldest first: the newest record of a job wins
+        if ev.hang is not None:
+            latest[ev.hang.job] = ev.hang  # oldest first: the newest record of a job wins
     out = []
     for job, doc in sorted(latest.items()):
-        if doc.get("resolved_at"):
+        if doc.resolved:
             continue
-        subject = tuple((k, str(v)) for k, v in (doc.get("labels") or {}).items() if v)
+        subject = tuple((k, v) for k, v in doc.labels if v)
         out.append(
             Finding(
                 rule=RULE,
@@ -114,10 +160,10 @@ def open_hangs(events: Iterable[Event]) -> list[Finding]:
                 scope="job",
                 subject=subject or (("job", job),),
                 severity=Severity.CRITICAL,  # check exits 2 so a health check script acts
-                reason=f"Job {job} hangs: {doc.get('reason', '')}. Where: {doc.get('where', '')}",
+                reason=f"Job {job} hangs: {doc.reason}. Where: {doc.where}",
                 action=Action.RESTART_APP,
-                remediation=str(doc.get("remediation") or GENERIC_REMEDIATION),
-                since=float(doc.get("since") or 0.0),
+                remediation=doc.remediation or GENERIC_REMEDIATION,
+                since=doc.since,
             )
         )
     return out
