@@ -31,6 +31,8 @@ from gpuwatchd.health import engine as engine_mod
 from gpuwatchd.health.engine import HealthEngine
 from gpuwatchd.health.hangs.monitor import METRICS as HANG_METRICS
 from gpuwatchd.health.hangs.monitor import HangMonitor
+from gpuwatchd.health.slowdowns.monitor import METRICS as SLOWDOWN_METRICS
+from gpuwatchd.health.slowdowns.monitor import SlowdownMonitor
 from gpuwatchd.health.xid.stage import METRICS as XID_METRICS
 from gpuwatchd.health.xid.stage import XidStage
 from gpuwatchd.http.app import Route
@@ -89,6 +91,7 @@ CONSUMER_METRICS: tuple[MetricSpec, ...] = (
     *XID_METRICS,
     *engine_mod.METRICS,
     *HANG_METRICS,
+    *SLOWDOWN_METRICS,
     *alertmanager.METRICS,
     *remediation.METRICS,
     *diag_scheduler.METRICS,
@@ -144,8 +147,9 @@ class Consumers:
         self._one_shot = one_shot
         self.queue = PublishQueue()
         self._lock = threading.Lock()  # one step at a time: the consumer or a reload
-        self._errors = dict.fromkeys((*self.STEPS, "hangs", "tick"), 0)
+        self._errors = dict.fromkeys((*self.STEPS, "hangs", "slowdowns", "tick"), 0)
         self.hangs: HangMonitor | None = None  # the daemon's job hang detector (Pipeline)
+        self.slowdowns: SlowdownMonitor | None = None  # and its slowdown detector
         state.subscribe(self.queue.offer)
 
     def drain(self) -> None:
@@ -163,6 +167,8 @@ class Consumers:
         ]
         if self.hangs is not None:  # before the engine, which pulls its findings
             steps.insert(1, ("hangs", self.hangs.on_publish))
+        if self.slowdowns is not None:
+            steps.insert(-1, ("slowdowns", self.slowdowns.on_publish))
         for item in batch:
             for name, step in steps:
                 self._guarded(name, step, self._state.snapshot(), item.source, item.events)
@@ -216,6 +222,8 @@ class Pipeline(Consumers):
         self.hang_monitor = HangMonitor(cfg, clock, self.store, io=NodeForensics(), ids=ids)
         self.hangs = self.hang_monitor
         self.engine.add_provider("job_hang", self.hang_monitor)
+        self.slowdowns = SlowdownMonitor(self.hang_monitor.jobs_of)  # the same jobs, per poll
+        self.engine.add_provider("job_slowdown", self.slowdowns)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._heartbeat = clock.monotonic()
@@ -295,6 +303,7 @@ class Pipeline(Consumers):
         out.append(Sample.of("gpuwatchd_consumer_coalesced_total", self.queue.coalesced))
         self._state.publish_extra("consumer", out)
         self._state.publish_extra("hangs", self.hang_monitor.samples())
+        self._state.publish_extra("slowdowns", self.slowdowns.samples() if self.slowdowns else [])
         # Sinks only count; their samples are cheap copies, published here.
         self._state.publish_extra("alertmanager", self.sink.samples())
         self._state.publish_extra("remediation", self.remediation.samples())
