@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
 import time
 from collections import Counter
@@ -143,27 +142,31 @@ def table(fig: dict[str, object]) -> list[str]:
     rows = []
     for key, s in fig["slowdowns"].items():  # type: ignore[attr-defined]
         est = s["estimate_p50"]
+        counts = f"{s['right_gpu_within_2_min']} / {s['named']} / {s['trials']}"
+        lat = f"{_s(s['latency_p50_s'])} / {_s(s['latency_p90_s'])}"
         rows.append(
             f"| {key}: right GPU within 2 min / named / trials; latency p50 / p90; estimate p50 |"
-            f" {s['right_gpu_within_2_min']} / {s['named']} / {s['trials']}; {_s(s['latency_p50_s'])}"
-            f" / {_s(s['latency_p90_s'])}; {'-' if est is None else f'{est:.0%}'} |"
+            f" {counts}; {lat}; {'-' if est is None else f'{est:.0%}'} |"
         )
     for key, s in fig["by_recording_10pct"].items():  # type: ignore[attr-defined]
+        counts = f"{s['right_gpu_within_2_min']} / {s['trials']}"
         rows.append(
-            f"| 10 % on {key}: right GPU within 2 min / trials | {s['right_gpu_within_2_min']} / {s['trials']} |"
+            f"| 10 % compute/throttle/pcie on {key}: right GPU within 2 min / trials | {counts} |"
         )
     c = fig["controls"]
     assert isinstance(c, dict)
+    cpu = f"{c['cpu_per_poll_ms']:.3f} ms / {c['cpu_per_hour_s']:.2f} s"
+    cpu += f" ({c['cpu_per_hour_s'] / 36:.4f} % of a core)"
+    fa = f"{c['false_alerts']} ({c['false_alerts_per_node_week']:.2f})"
     rows += [
-        f"| controls: simulated node-weeks (jobs replayed) | {c['node_weeks']:.1f} ({c['episodes']}) |",
-        f"| controls: false JobSlowedByGpu alerts (per node-week) | {c['false_alerts']} ({c['false_alerts_per_node_week']:.2f}) |",
+        f"| controls: simulated node-weeks (jobs) | {c['node_weeks']:.1f} ({c['episodes']}) |",
+        f"| controls: false JobSlowedByGpu alerts (per node-week) | {fa} |",
         f"| controls: false alerts by recording | {c['false_alerts_by_recording'] or 'none'} |",
-        f"| detector CPU per poll (one 2-GPU job) / per simulated hour | {c['cpu_per_poll_ms']:.3f} ms / {c['cpu_per_hour_s']:.2f} s ({c['cpu_per_hour_s'] / 36:.4f} % of a core) |",
+        f"| detector CPU per poll (one 2-GPU job) / per simulated hour | {cpu} |",
     ]
     rows += [f"| goal: {g} | {v} |" for g, v in fig["goals"].items()]  # type: ignore[attr-defined]
-    rows.append(
-        f"| poll interval; wall time of the run | {fig['interval']:.0f} s; {fig['wall_seconds']:.0f} s |"
-    )
+    wall = f"{fig['interval']:.0f} s; {fig['wall_seconds']:.0f} s"
+    rows.append(f"| poll interval; wall time of the run | {wall} |")
     return rows
 
 

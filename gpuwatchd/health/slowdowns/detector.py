@@ -52,7 +52,7 @@ class SlowdownThresholds:
     max_ratio: float = 2.0
     min_busy: float = 0.05
     min_utilization: float = 0.2
-    wait_tolerance: float = 0.15
+    wait_tolerance: float = 0.25
     release_seconds: float = 30.0  # windows that miss for less than this keep the decision
     min_coverage: float = 0.75  # share of the window with polls of every GPU
     clock_deficit: float = 0.08
@@ -124,11 +124,12 @@ class SlowdownDetector:
         """Record this poll for each job's GPUs and judge every job."""
         by_gpu = {g.gpu: g for g in gpus}
         out: list[JobPace] = []
-        live = set()
+        live = {j.job for j in jobs}
+        for name in [n for n in self._jobs if n not in live]:
+            del self._jobs[name]  # the job ended or left the node
         for job in jobs:
             if job.job not in self._jobs and len(self._jobs) >= MAX_JOBS:
                 continue
-            live.add(job.job)
             state = self._jobs.setdefault(job.job, _Job())
             state.seen = now
             for gpu in job.gpus:
@@ -136,8 +137,6 @@ class SlowdownDetector:
                 if reading is not None:
                     state.polls.setdefault(gpu, deque(maxlen=MAX_POLLS)).append((now, reading))
             out.append(self._judge(job, state, now))
-        for name in [n for n in self._jobs if n not in live]:
-            del self._jobs[name]  # the job ended or left the node
         return out
 
     def _judge(self, job: JobView, state: _Job, now: float) -> JobPace:

@@ -97,8 +97,8 @@ def finding_of(p: JobPace) -> Finding:
     if ranks:
         reason += f" Rank on it (rank:pid): {ranks}."
     labels = [*p.job.labels]
-    if not any(k == "job" for k, _ in labels):
-        labels.insert(0, ("job", p.job.job))
+    have = {k for k, _ in labels}
+    labels[:0] = [(k, p.job.job) for k in ("job", "job_id") if k not in have]
     labels += [("gpu", p.slowest), ("cause", main)]
     return Finding(
         rule=RULE,
