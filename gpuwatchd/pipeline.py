@@ -253,6 +253,7 @@ class Pipeline(Consumers):
             "remediation": self.remediation.status(),
             "diag": self.diag.status(),
             "event_store": self._store_status(),
+            "slowdowns": self.slowdowns.status() if self.slowdowns else {},
         }
 
     def _store_status(self) -> dict[str, Any]:
