@@ -197,13 +197,13 @@ class SlowdownDetector:
         if ratio is not None and raw is not None and not own:
             ratio = raw
         slowdown, by = (ratio - 1.0, "busy_ratio") if slow and ratio is not None else (0.0, "")
-        if not slow and pace is not None:
+        need = t.min_slowdown_with_cause * (0.5 if state.suspected else 1.0)
+        if not slow and pace is not None and pace <= 1.0 / (1.0 + need):
             # A slow link does not keep its GPU busy in compute: the job's pace falls while
             # the node shows the link degraded on one GPU and not on its peers.
-            need = t.min_slowdown_with_cause / (2 if state.suspected else 1)
             for gpu in gpus:
                 link = tuple(c for c in self._causes(windows, gpus, gpu) if c.link)
-                if link and pace <= 1.0 / (1.0 + need):
+                if link:
                     slowest, causes, slow = gpu, link, True
                     slowdown, by = 1.0 / pace - 1.0, "pace"
                     break
