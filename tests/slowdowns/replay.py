@@ -28,9 +28,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from gpuwatchd.health.hangs.ras_view import RasView
 from gpuwatchd.health.slowdowns.detector import JobPace, SlowdownDetector
 from gpuwatchd.health.slowdowns.readings import GpuPace
 from gpuwatchd.jobview import JobView, RankView
+from gpuwatchd.sources.hangs.ras import parse_report
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "hangs"
 CONTROLS = (
@@ -120,6 +122,19 @@ def load(name: str) -> Recording:
         for row in rows
     )
     return Recording(name, job, polls)
+
+
+def ras_answers(name: str) -> list[RasView]:
+    """The recording's NCCL RAS answers as the hang monitor keeps them (times from the first
+    NVML poll)."""
+    d = FIXTURES / f"{name}-4xh200"
+    trace = json.loads("".join(_open(d / "trace.json")))
+    first = json.loads(next(iter(_open(d / "nvml.jsonl"))))["t"]
+    return [
+        RasView(a["t"] - first, parse_report(a["text"]))
+        for a in trace.get("ras", [])
+        if a.get("format") == "json" and a.get("text")
+    ]
 
 
 def _stretch(p: GpuPace, compute: float, wait: float) -> GpuPace:

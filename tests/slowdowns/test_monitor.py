@@ -10,8 +10,9 @@ from pathlib import Path
 from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import AlertmanagerConfig, Config, DaemonConfig, HealthConfig
 from gpuwatchd.config.schema import HangsConfig
+from gpuwatchd.health.hangs.ras_view import RasView
 from gpuwatchd.health.slowdowns.detector import MAX_JOBS
-from gpuwatchd.health.slowdowns.monitor import METRICS, SlowdownMonitor
+from gpuwatchd.health.slowdowns.monitor import METRICS, SlowdownMonitor, collectives
 from gpuwatchd.health.slowdowns.readings import GpuPace
 from gpuwatchd.model import Action, Health, Sample, Severity, SourceSnapshot
 from gpuwatchd.pipeline import Pipeline
@@ -146,3 +147,71 @@ def test_metrics_carry_a_bounded_slot_and_the_job_labels_only_on_the_info_series
     single = dataclasses.replace(jobs[0], job="one", ranks=jobs[0].ranks[:1])
     monitor.observe([single], row, 1020.0)
     assert monitor.samples() == []
+
+
+def _slower(view: RasView, at: RasView, factor: float) -> RasView:
+    """`view` with each count's rise since the answer `at` made `factor` times slower."""
+    assert view.report is not None and at.report is not None
+    then = {
+        (c.hash, r.rank, op): n
+        for c in at.report.communicators
+        for r in c.ranks
+        for op, n in r.collective_counts.items()
+    }
+    comms = []
+    for c in view.report.communicators:
+        ranks = []
+        for r in c.ranks:
+            counts = dict(r.collective_counts)
+            if view.time > at.time:
+                for op, n in counts.items():
+                    n0 = then.get((c.hash, r.rank, op), n)
+                    counts[op] = int(n0 + (n - n0) / factor)
+            ranks.append(dataclasses.replace(r, collective_counts=counts))
+        comms.append(dataclasses.replace(c, ranks=tuple(ranks)))
+    return RasView(view.time, dataclasses.replace(view.report, communicators=tuple(comms)))
+
+
+def test_the_pace_follows_the_jobs_real_nccl_collectives_where_ras_answers() -> None:
+    # healthy-ddp's own RAS answers, every 5 s while it trained: AllReduce counts rising
+    rec = R.load("healthy-ddp")
+    answers = R.ras_answers("healthy-ddp")
+    first = collectives(rec.job, answers[0])
+    assert first is not None and first[1] > 10_000  # both ranks' counts, the lower one
+    polls = R.at_interval(rec.polls, 10.0)
+
+    def run(views: list[RasView]) -> list[dict[str, object]]:
+        latest: dict[str, RasView] = {}
+        monitor = SlowdownMonitor(ras_views=lambda: latest)
+        seen = []
+        for t, row in polls:
+            done = [v for v in views if v.time <= t]
+            if done:
+                latest[rec.job.job] = done[-1]
+            monitor.observe([rec.job], row, t)
+            seen.append(monitor.status()[rec.job.job])
+        return seen
+
+    steady = [s for s in run(answers) if s["pace"] is not None]
+    assert steady and {s["pace_from"] for s in steady} == {"ras"}
+    assert all(0.95 < float(s["pace"]) < 1.05 for s in steady)  # type: ignore[arg-type]
+    # the same answers with the job's collectives 15 % slower from 130 s on
+    at = [v for v in answers if v.time < 130.0][-1]
+    slowed = run([_slower(v, at, 1.15) for v in answers])
+    # still inside the job's first minutes, where its baseline is being learned (and follows)
+    assert 0.85 < float(slowed[-1]["pace"]) < 0.93  # type: ignore[arg-type]
+
+
+def test_once_learned_the_baseline_pace_is_kept() -> None:
+    # a balanced two-GPU job whose collectives go from 10/s to 10/1.1 per second at 900 s
+    rec = R.load("healthy-ddp")
+    monitor = SlowdownMonitor()
+    row = tuple(GpuPace(g, utilization=0.7, sm_active=0.35) for g in rec.gpus)
+    count = 0.0
+    for i in range(120):
+        t = 10.0 * i
+        count += 100.0 if t < 900.0 else 100.0 / 1.1
+        monitor.detector.observe([rec.job], row, t, {rec.job.job: (t, count)})
+    [pace] = monitor.detector.observe([rec.job], row, 1200.0, {rec.job.job: (1200.0, count + 91)})
+    assert pace.pace_from == "ras" and pace.pace is not None
+    assert abs(pace.pace - 1 / 1.1) < 0.01

@@ -17,9 +17,11 @@ the others (the busy ratio), and decides when, held for `hold_seconds`:
   a rank that idles on its host is a data-loader or host imbalance, not this);
 - the ratio stays under `max_ratio`: beyond it one rank works alone (an eval
   or a checkpoint on rank 0), the hang detector's straggler, not a slowdown.
-The job's pace (its step rate against its own baseline) is its peers' compute
-against what it was while balanced: in a synchronous job with a fixed amount
-of work per step, a peer's compute per second follows the step rate.
+The job's pace (its step rate against its own baseline) is the rate of its NCCL
+collectives where its RAS service answers (counts from the hang monitor's RAS
+polls), else its peers' compute against what it was while balanced: in a
+synchronous job with a fixed amount of work per step, a peer's compute per
+second follows the step rate.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from gpuwatchd.health.slowdowns.causes import Cause, node_causes
@@ -57,7 +59,7 @@ class SlowdownThresholds:
     min_coverage: float = 0.75  # share of the window with polls of every GPU
     clock_deficit: float = 0.08
     ecc_storm_per_second: float = 1.0
-    baseline_weight: float = 0.05  # of each balanced window in the job's baseline pace
+    baseline_weight: float = 0.1  # of each balanced window in the job's baseline pace
     learn_seconds: float = 300.0  # each GPU's share of the job's compute is learned this long
     spread_factor: float = 1.2  # a job's own swing in its busy ratios, times this: its noise floor
 
@@ -69,6 +71,7 @@ class JobPace:
     job: JobView
     gpus: int
     pace: float | None = None  # step rate against the job's baseline (1 = as fast)
+    pace_from: str = ""  # "ras" (its collectives' rate) or "gpu" (its waiting GPUs' compute)
     busy_ratio: float | None = None  # slowest GPU's compute over its peers' median
     slowest: str = ""  # the GPU the job waits for ("" = none judged)
     causes: tuple[Cause, ...] = ()
@@ -81,7 +84,8 @@ class JobPace:
 class _Job:
     __slots__ = (
         "active_since",
-        "baseline",
+        "baselines",
+        "collectives",
         "candidate",
         "last",
         "last_slow",
@@ -104,7 +108,10 @@ class _Job:
         self.last: JobPace | None = None  # the last evaluation that found the job slowed
         self.last_slow = 0.0
         self.active_since: float | None = None
-        self.baseline: float | None = None
+        self.baselines: dict[
+            str, float
+        ] = {}  # the job's pace while balanced, per way of reading it
+        self.collectives: deque[tuple[float, float]] = deque(maxlen=64)  # (answer time, count)
         self.candidate = ""
         self.since = 0.0
         self.suspected = False
@@ -119,9 +126,14 @@ class SlowdownDetector:
         self._jobs: dict[str, _Job] = {}
 
     def observe(
-        self, jobs: Sequence[JobView], gpus: Sequence[GpuPace], now: float
+        self,
+        jobs: Sequence[JobView],
+        gpus: Sequence[GpuPace],
+        now: float,
+        collectives: Mapping[str, tuple[float, float]] | None = None,
     ) -> list[JobPace]:
-        """Record this poll for each job's GPUs and judge every job."""
+        """Record this poll for each job's GPUs and judge every job. `collectives`: per job,
+        (time of its latest RAS answer, collectives its slowest rank completed so far)."""
         by_gpu = {g.gpu: g for g in gpus}
         out: list[JobPace] = []
         live = {j.job for j in jobs}
@@ -132,6 +144,13 @@ class SlowdownDetector:
                 continue
             state = self._jobs.setdefault(job.job, _Job())
             state.seen = now
+            counted = (collectives or {}).get(job.job)
+            if counted is not None and (
+                not state.collectives or counted[0] > state.collectives[-1][0]
+            ):
+                if state.collectives and counted[1] < state.collectives[-1][1]:
+                    state.collectives.clear()  # a new communicator: counts start again
+                state.collectives.append(counted)
             for gpu in job.gpus:
                 reading = by_gpu.get(gpu)
                 if reading is not None:
@@ -178,7 +197,7 @@ class SlowdownDetector:
         peer_util = statistics.median(util[g] or 0.0 for g in peers)
         raw = (compute[slowest] or 0.0) / peer_compute if peer_compute > 0 else None
         ratio = rel[slowest] / peer_rel if peer_rel > 0 else None
-        pace = self._pace(state, peer_compute, ratio)
+        pace, pace_from = self._pace(state, peer_compute, ratio, self._rate(state, now))
         causes = self._causes(windows, gpus, slowest)
         hold = 0.5 if state.suspected and slowest == state.candidate else 1.0  # hysteresis
         floor = max(t.min_slowdown, t.spread_factor * state.spread) * hold
@@ -209,9 +228,9 @@ class SlowdownDetector:
                     break
         if not slow:
             if state.last is not None and now - state.last_slow < t.release_seconds:
-                return replace(state.last, pace=pace, busy_ratio=ratio)  # one noisy window
+                return replace(state.last, pace=pace, pace_from=pace_from, busy_ratio=ratio)
             state.candidate, state.suspected, state.last = "", False, None
-            return JobPace(job, len(gpus), pace=pace, busy_ratio=ratio)
+            return JobPace(job, len(gpus), pace=pace, pace_from=pace_from, busy_ratio=ratio)
         if slowest != state.candidate:
             state.candidate, state.since, state.suspected = slowest, now, False
         elif now - state.since >= t.hold_seconds:
@@ -221,6 +240,7 @@ class SlowdownDetector:
             job,
             len(gpus),
             pace=pace,
+            pace_from=pace_from,
             busy_ratio=ratio,
             slowest=slowest,
             causes=causes,
@@ -278,17 +298,34 @@ class SlowdownDetector:
         state.shares = {}
         return state.learned
 
-    def _pace(self, state: _Job, peer_compute: float, ratio: float | None) -> float | None:
+    def _rate(self, state: _Job, now: float) -> float | None:
+        """Collectives per second over the window's RAS answers (None: too few)."""
+        got = [(t, n) for t, n in state.collectives if t >= now - self.thresholds.window_seconds]
+        if len(got) < 2 or got[-1][0] - got[0][0] < self.thresholds.window_seconds / 2:
+            return None
+        return (got[-1][1] - got[0][1]) / (got[-1][0] - got[0][0])
+
+    def _pace(
+        self, state: _Job, peer_compute: float, ratio: float | None, rate: float | None
+    ) -> tuple[float | None, str]:
+        """The job's pace against its balanced baseline: by RAS where it answers, else GPUs."""
         t = self.thresholds
         balanced = ratio is not None and ratio < 1.0 + t.min_slowdown / 2
-        if state.baseline is None:
-            if balanced:
-                state.baseline = peer_compute
-            return 1.0 if balanced else None
-        if balanced:
-            w = t.baseline_weight
-            state.baseline = (1 - w) * state.baseline + w * peer_compute
-        return peer_compute / state.baseline if state.baseline > 0 else None
+        out: tuple[float | None, str] = (None, "")
+        for way, value in (("gpu", peer_compute), ("ras", rate)):
+            if value is None:
+                continue
+            base = state.baselines.get(way)
+            if base is None:
+                if balanced and value > 0:
+                    state.baselines[way] = value
+                    out = (1.0, way)
+                continue
+            if balanced and not state.learned:  # learned with the GPUs' balance, then kept
+                w = t.baseline_weight
+                state.baselines[way] = base = (1 - w) * base + w * value
+            out = (value / base, way) if base > 0 else out
+        return out
 
 
 def _mean(values: Sequence[float | None]) -> float | None:

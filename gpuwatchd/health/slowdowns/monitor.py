@@ -12,8 +12,9 @@ labels are on the info series only, the gauges carry the slot.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
+from gpuwatchd.health.hangs.ras_view import RasView, job_communicators
 from gpuwatchd.health.slowdowns.causes import UNEXPLAINED, catalog
 from gpuwatchd.health.slowdowns.detector import (
     MAX_JOBS,
@@ -26,12 +27,13 @@ from gpuwatchd.jobview import JobView
 from gpuwatchd.model import Finding, MetricSpec, Sample, Severity, SourceSnapshot
 from gpuwatchd.state import NodeSnapshot
 
-__all__ = ["ALERTNAME", "METRICS", "RULE", "SlowdownMonitor", "finding_of"]
+__all__ = ["ALERTNAME", "METRICS", "RULE", "SlowdownMonitor", "collectives", "finding_of"]
 
 ALERTNAME = "JobSlowedByGpu"
 RULE = "job_slowdown"
 SUBJECT_KEYS = ("job", "namespace", "pod", "slurm_job")
 JobsOf = Callable[[NodeSnapshot], Sequence[JobView]]
+RasViews = Callable[[], Mapping[str, RasView]]  # the hang monitor's latest RAS answer per job
 
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
@@ -45,8 +47,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "gpuwatchd_job_step_rate_ratio",
         "gauge",
-        "The job's step rate against its own baseline (1 = as fast as while balanced),"
-        " estimated from its waiting GPUs' compute activity. Absent until the job is judged.",
+        "The job's step rate against its own baseline (1 = as fast as while balanced): the"
+        " rate of its NCCL collectives where its RAS service answers, else estimated from its"
+        " waiting GPUs' compute activity. Absent until the job is judged.",
         ("slot",),
     ),
     MetricSpec(
@@ -114,6 +117,16 @@ def finding_of(p: JobPace) -> Finding:
     )
 
 
+def collectives(job: JobView, view: RasView | None) -> tuple[float, float] | None:
+    """(answer time, collectives done) of the job from a RAS answer: over its communicators,
+    the count of the rank that completed fewest (every rank does each collective once)."""
+    if view is None or view.report is None:
+        return None
+    comms = job_communicators(view.report, job)
+    counts = [min(sum(r.collective_counts.values()) for r in c.ranks) for c in comms if c.ranks]
+    return (view.time, float(sum(counts))) if counts else None
+
+
 def _alert_key(p: JobPace) -> tuple[object, ...]:
     """What, when it changes, re-sends the alert: the GPU and the causes, not the estimate."""
     return (p.slowest, tuple(c.name for c in p.causes))
@@ -123,10 +136,14 @@ class SlowdownMonitor:
     """Detector, slots and the JobSlowedByGpu findings (a provider the health engine pulls)."""
 
     def __init__(
-        self, jobs_of: JobsOf | None = None, thresholds: SlowdownThresholds | None = None
+        self,
+        jobs_of: JobsOf | None = None,
+        thresholds: SlowdownThresholds | None = None,
+        ras_views: RasViews | None = None,
     ) -> None:
         self.detector = SlowdownDetector(thresholds)
         self._jobs_of = jobs_of
+        self._ras_views = ras_views
         self._lock = threading.Lock()
         self._seen_stamp: float | None = None
         self._paces: dict[str, JobPace] = {}
@@ -149,7 +166,9 @@ class SlowdownMonitor:
     def observe(self, jobs: Sequence[JobView], gpus: Sequence[GpuPace], now: float) -> None:
         """Feed one poll (also from tests and benchmarks)."""
         multi = [j for j in jobs if len(j.gpus) >= 2]
-        paces = self.detector.observe(multi, gpus, now)
+        views = self._ras_views() if self._ras_views is not None else {}
+        counted = {j.job: c for j in multi if (c := collectives(j, views.get(j.job))) is not None}
+        paces = self.detector.observe(multi, gpus, now, counted)
         with self._lock:
             self._paces = {p.job.job: p for p in paces}
             for job in [j for j in self._slots if j not in self._paces]:
@@ -212,6 +231,7 @@ class SlowdownMonitor:
                 job: {
                     "slot": self._slots.get(job),
                     "pace": p.pace,
+                    "pace_from": p.pace_from,
                     "busy_ratio": p.busy_ratio,
                     "slowest": p.slowest,
                     "slowed": p.suspected,
