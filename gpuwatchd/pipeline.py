@@ -31,6 +31,8 @@ from gpuwatchd.hangs.monitor import HangMonitor
 from gpuwatchd.health import engine as engine_mod
 from gpuwatchd.health.engine import HealthEngine
 from gpuwatchd.health.hangs.ports import METRICS as HANG_METRICS
+from gpuwatchd.health.slowdowns.monitor import METRICS as SLOWDOWN_METRICS
+from gpuwatchd.health.slowdowns.monitor import SlowdownMonitor
 from gpuwatchd.health.xid.stage import METRICS as XID_METRICS
 from gpuwatchd.health.xid.stage import XidStage
 from gpuwatchd.http.app import Route
@@ -89,6 +91,7 @@ CONSUMER_METRICS: tuple[MetricSpec, ...] = (
     *XID_METRICS,
     *engine_mod.METRICS,
     *HANG_METRICS,
+    *SLOWDOWN_METRICS,
     *alertmanager.METRICS,
     *remediation.METRICS,
     *diag_scheduler.METRICS,
@@ -144,8 +147,9 @@ class Consumers:
         self._one_shot = one_shot
         self.queue = PublishQueue()
         self._lock = threading.Lock()  # one step at a time: the consumer or a reload
-        self._errors = dict.fromkeys((*self.STEPS, "hangs", "tick"), 0)
+        self._errors = dict.fromkeys((*self.STEPS, "hangs", "slowdowns", "tick"), 0)
         self.hangs: HangMonitor | None = None  # the daemon's job hang monitor (Pipeline)
+        self.slowdowns: SlowdownMonitor | None = None  # and its slowdown detector
         state.subscribe(self.queue.offer)
 
     def drain(self) -> None:
@@ -163,6 +167,8 @@ class Consumers:
         ]
         if self.hangs is not None:  # before the engine, which pulls its findings
             steps.insert(1, ("hangs", self.hangs.on_publish))
+        if self.slowdowns is not None:
+            steps.insert(-1, ("slowdowns", self.slowdowns.on_publish))
         for item in batch:
             for name, step in steps:
                 self._guarded(name, step, self._state.snapshot(), item.source, item.events)
@@ -215,6 +221,9 @@ class Pipeline(Consumers):
         ids = HangIds(self.store)  # unique for the store's life, not the run's
         self.hangs: HangMonitor = HangMonitor(cfg, clock, self.store, io=NodeForensics(), ids=ids)
         self.engine.add_provider("job_hang", self.hangs.provider)
+        # the hang probe's jobs of its last poll (no /proc read here) and its RAS answers
+        self.slowdowns = SlowdownMonitor(self.hangs.jobs_seen, ras_views=self.hangs.ras_views)
+        self.engine.add_provider("job_slowdown", self.slowdowns)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._heartbeat = clock.monotonic()
@@ -244,6 +253,7 @@ class Pipeline(Consumers):
             "remediation": self.remediation.status(),
             "diag": self.diag.status(),
             "event_store": self._store_status(),
+            "slowdowns": self.slowdowns.status() if self.slowdowns else {},
         }
 
     def _store_status(self) -> dict[str, Any]:
@@ -294,6 +304,7 @@ class Pipeline(Consumers):
         out.append(Sample.of("gpuwatchd_consumer_coalesced_total", self.queue.coalesced))
         self._state.publish_extra("consumer", out)
         self._state.publish_extra("hangs", self.hangs.samples())
+        self._state.publish_extra("slowdowns", self.slowdowns.samples() if self.slowdowns else [])
         # Sinks only count; their samples are cheap copies, published here.
         self._state.publish_extra("alertmanager", self.sink.samples())
         self._state.publish_extra("remediation", self.remediation.samples())

@@ -30,6 +30,7 @@ PRODUCERS: tuple[tuple[str, str, str], ...] = (
     ("gpuwatchd.health.engine", "METRICS", "health"),
     ("gpuwatchd.health.xid.stage", "METRICS", "xid"),
     ("gpuwatchd.health.hangs.ports", "METRICS", "hangs"),
+    ("gpuwatchd.health.slowdowns.monitor", "METRICS", "slowdowns"),
     ("gpuwatchd.sinks.store", "METRICS", "store"),
     ("gpuwatchd.sinks.evidence", "METRICS", "evidence"),
     ("gpuwatchd.sinks.alertmanager.sink", "METRICS", "alerts"),

@@ -27,6 +27,7 @@ from gpuwatchd.health.hangs.detector import GpuActivity, HangDetector
 from gpuwatchd.health.hangs.early import StackProbes
 from gpuwatchd.health.hangs.ports import EventWriter, Listener, NodeIO, RasFn, StackFn
 from gpuwatchd.health.hangs.provider import HangFindings
+from gpuwatchd.health.hangs.ras_view import RasView
 from gpuwatchd.health.hangs.signatures import Signature, builtin_catalog, load_catalog
 from gpuwatchd.jobview import JobView, RasAnswer, RasError, StackCapture
 from gpuwatchd.model import Event, Finding, HangReport, Sample, SourceSnapshot
@@ -166,6 +167,14 @@ class HangMonitor:
     def jobs_of(self, snap: NodeSnapshot) -> list[JobView]:
         """Jobs from the workloads source when it runs, else from NVML's processes."""
         return self._loop.jobs_of(snap)
+
+    def jobs_seen(self, snap: NodeSnapshot | None = None) -> list[JobView]:
+        """The jobs the probe loop judged last, read from no /proc (any thread)."""
+        return list(self._loop.seen)
+
+    def ras_views(self) -> dict[str, RasView]:
+        """The latest NCCL RAS answer of each job (any thread)."""
+        return self._poller.views()
 
     def observe(
         self, jobs: Sequence[JobView], gpus: Iterable[GpuActivity] | None, now: float

@@ -57,6 +57,7 @@ class ProbeLoop:
         self._members = JobMembers()
         self._cadence = ProbeCadence()
         self._seen_stamp: float | None = None
+        self.seen: tuple[JobView, ...] = ()  # the jobs of the last evaluation, probed
         self._cond = threading.Condition()
         self._pending: deque[NodeSnapshot | None] = deque()  # None: a tick
         self._thread: threading.Thread | None = None
@@ -182,6 +183,7 @@ class ProbeLoop:
                 urgent=urgent,
                 started=detector.started(),
             )
+        self.seen = tuple(jobs)  # one assignment: other threads read a whole list
         self._observe(jobs, gpus, now)
 
     def jobs_of(self, snap: NodeSnapshot) -> list[JobView]:

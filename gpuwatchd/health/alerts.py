@@ -237,6 +237,16 @@ ALERTS: dict[str, AlertInfo] = {
         # waiting or stalled; incident: the Xid this hang is put down to
         ("job", "job_id", "namespace", "pod", "slurm_job", "role", "incident"),
     ),
+    # Raised by health/slowdowns/monitor.py, one per slowed job (its own text and remediation).
+    "JobSlowedByGpu": AlertInfo(
+        _W,
+        "nvml",
+        Action.DRAIN_AND_INSPECT,
+        "Job {job} slowed by GPU {gpu}",
+        "",
+        # gpu: the GPU the job waits for; cause: the slowdown cause catalog's name
+        ("job", "job_id", "namespace", "pod", "slurm_job", "gpu", "cause"),
+    ),
     "ShmNearlyFull": AlertInfo(_W, "shm", Action.NONE, "/dev/shm nearly full", "", ()),
     "ShmStaleSegments": AlertInfo(
         _W, "shm", Action.NONE, "Stale NCCL segments in /dev/shm", "", ()
