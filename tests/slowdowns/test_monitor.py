@@ -215,3 +215,30 @@ def test_once_learned_the_baseline_pace_is_kept() -> None:
     [pace] = monitor.detector.observe([rec.job], row, 1200.0, {rec.job.job: (1200.0, count + 91)})
     assert pace.pace_from == "ras" and pace.pace is not None
     assert abs(pace.pace - 1 / 1.1) < 0.01
+
+
+def test_the_daemon_judges_the_jobs_the_hang_probe_read_with_no_proc_read_of_its_own(
+    tmp_path: Path,
+) -> None:
+    """The slowdown step runs on the consumer thread: it takes the jobs the hang-probe
+    thread named and probed last, never reads /proc itself (a rank in D state must not
+    hold the consumer), and judges their pace from the hang monitor's RAS answers."""
+    clock = FakeClock(time.time())
+    pipeline = _pipeline(tmp_path, clock)
+    try:
+        assert pipeline.slowdowns is not None and pipeline.hangs is not None
+
+        class NoProc:
+            def jobs(self, snap: object, procfs: str) -> list[object]:
+                raise AssertionError("the slowdown step read /proc")
+
+        pipeline.hangs._loop._io = NoProc()  # type: ignore[assignment]
+        rec = R.load("healthy-ddp")
+        pipeline.hangs._loop.seen = (rec.job,)  # what the probe thread judged last
+        snap = NodeSnapshot()
+        assert pipeline.slowdowns._jobs_of is not None
+        assert list(pipeline.slowdowns._jobs_of(snap)) == [rec.job]
+        assert pipeline.slowdowns._ras_views is not None
+        assert pipeline.slowdowns._ras_views() == {}  # RAS off: no answers, yet no error
+    finally:
+        pipeline.stop(1.0)
