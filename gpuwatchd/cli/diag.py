@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpuwatchd.cli.command import add_state_dir, plugin_command, seconds
 from gpuwatchd.config import Config
-from gpuwatchd.diagnose.run import DiagOptions, DiagReport, open_nvml, options_for, run_diag
+from gpuwatchd.diag.run import DiagOptions, DiagReport, open_nvml, options_for, run_diag
 from gpuwatchd.errors import ConfigError, GpuwatchdError
 from gpuwatchd.sources.diag.runner import WorkerRun
 

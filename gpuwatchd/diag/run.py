@@ -14,10 +14,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gpuwatchd.config import Config
-from gpuwatchd.diag.measure import Measurement, worker_results
+from gpuwatchd.diag.worker.measure import Measurement, worker_results
 from gpuwatchd.errors import ConfigError
-from gpuwatchd.health.diag import DiagResult, evaluate, load_floors, verdict
-from gpuwatchd.sinks.diag_store import record_run, repeat_offenders
+from gpuwatchd.health.diag.verdict import DiagResult, evaluate, load_floors, verdict
+from gpuwatchd.sinks.diag import record_run, repeat_offenders
 from gpuwatchd.sinks.store import EventStore
 from gpuwatchd.sources.diag.dcgm import run_dcgmi
 from gpuwatchd.sources.diag.nvml_reads import (

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gpuwatchd.config.floors import Floor, Floors, load_floors
-from gpuwatchd.diag.measure import Measurement
+from gpuwatchd.diag.worker.measure import Measurement
 
 __all__ = [
     "DiagResult",

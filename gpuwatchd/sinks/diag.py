@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from gpuwatchd.health.diag import DiagResult
+from gpuwatchd.health.diag.verdict import DiagResult
 from gpuwatchd.model import Event, Severity
 from gpuwatchd.sinks.store import EventStore
 

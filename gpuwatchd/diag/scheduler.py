@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config
 from gpuwatchd.model import Finding, MetricSpec, Sample, Severity
-from gpuwatchd.sinks.diag_store import failures_by_gpu, last_runs, repeat_offenders
+from gpuwatchd.sinks.diag import failures_by_gpu, last_runs, repeat_offenders
 from gpuwatchd.sinks.remediation.slurm import SlurmNodes
 from gpuwatchd.sinks.store import EventStore
 from gpuwatchd.state import State
 
 if TYPE_CHECKING:  # a run's machinery loads with the first run, not with the daemon
-    from gpuwatchd.diagnose.run import DiagReport
+    from gpuwatchd.diag.run import DiagReport
     from gpuwatchd.sources.diag.runner import WorkerRun
 
 __all__ = [
@@ -226,7 +226,7 @@ class DiagScheduler:
         with self._lock:
             self._running = tier
         self.version += 1
-        from gpuwatchd.diagnose.run import run_recorded
+        from gpuwatchd.diag.run import run_recorded
 
         try:
             report, offenders = run_recorded(
