@@ -2,11 +2,12 @@
 
 Everything here is immutable so a snapshot can be handed to any thread
 without copying or locking. `values` holds the snapshot's types, `event`
-the event and its payload union, `xid` and `kill` the payload types.
+the event and its payload union, `xid`, `kill` and `diag` the payload types.
 """
 
 from __future__ import annotations
 
+from gpuwatchd.model.diag import DIAG_KIND, DiagOutcome, DiagResult, DiagRun
 from gpuwatchd.model.event import XID_KINDS, Event, Payload, payload_of
 from gpuwatchd.model.kill import KILL_KINDS, ProcessKill
 from gpuwatchd.model.values import (
@@ -38,6 +39,10 @@ from gpuwatchd.model.xid import XidAttribution, XidFields
 __all__ = [
     "Action",
     "Clear",
+    "DIAG_KIND",
+    "DiagOutcome",
+    "DiagResult",
+    "DiagRun",
     "Event",
     "Finding",
     "Gpu",

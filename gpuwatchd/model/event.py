@@ -1,10 +1,10 @@
 """The event: something that happened once, with one typed payload.
 
 An Xid or SXid report carries `XidFields`, a kernel report of a killed,
-crashed or hung process `ProcessKill`. Kinds without a payload type yet
-(job hangs, diag runs, remediation steps, the run marker, shared memory
-segments) carry their detail as strings in `attrs`; a hang report and a
-diag run join `Payload` as types of their own.
+crashed or hung process `ProcessKill`, a diag run `DiagRun`. Kinds without
+a payload type yet (job hangs, remediation steps, the run marker, shared
+memory segments) carry their detail as strings in `attrs`; a hang report
+joins `Payload` as a type of its own.
 """
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from gpuwatchd.model.diag import DIAG_KIND, DiagRun
 from gpuwatchd.model.kill import KILL_KINDS, ProcessKill
 from gpuwatchd.model.values import Labels, Severity
 from gpuwatchd.model.xid import XidFields
 
 __all__ = ["Event", "Payload", "XID_KINDS", "payload_of"]
 
-Payload = XidFields | ProcessKill
+Payload = XidFields | ProcessKill | DiagRun
 XID_KINDS = ("xid", "sxid")
 
 
@@ -50,6 +51,8 @@ class Event:
             object.__setattr__(self, "payload", XidFields.from_attrs(self.code or 0, self.attrs))
         if self.kind in XID_KINDS and not isinstance(self.payload, XidFields):
             raise TypeError(f"an {self.kind} event carries XidFields, not {self.payload!r}")
+        if self.kind == DIAG_KIND and self.payload is None:  # a run stored as strings
+            object.__setattr__(self, "payload", DiagRun.from_attrs(dict(self.attrs), self.time))
         if self.payload is not None:
             object.__setattr__(self, "attrs", self.payload.attrs())
 
@@ -70,11 +73,21 @@ class Event:
         (KILL_KINDS); None for other kinds."""
         return self.payload if isinstance(self.payload, ProcessKill) else None
 
+    @property
+    def diag(self) -> DiagRun | None:
+        """The typed run of a `diag` event; None for other kinds."""
+        return self.payload if isinstance(self.payload, DiagRun) else None
 
-def payload_of(kind: str, code: int | None, attrs: Mapping[str, str]) -> Payload | None:
-    """The typed payload of a stored event, read from the attrs its payload wrote."""
+
+def payload_of(
+    kind: str, code: int | None, attrs: Mapping[str, str], time: float = 0.0
+) -> Payload | None:
+    """The typed payload of a stored event, read from the attrs its payload wrote
+    (`time`, the event's: a diag run stored before it kept its own start)."""
     if kind in XID_KINDS:
         return XidFields.from_attrs(code or 0, attrs)
     if kind in KILL_KINDS:
         return ProcessKill.from_attrs(kind, attrs)
+    if kind == DIAG_KIND:
+        return DiagRun.from_attrs(attrs, time)
     return None

@@ -3,168 +3,105 @@
 Whoever runs the checks (the CLI, `clear --resume`, the daemon's scheduler)
 records them here; the daemon's metrics and /status read them back, so a
 run from a Slurm epilog shows up in the fleet's view like a scheduled one.
+The `diag` event carries the typed run (`model.DiagRun`), written once as
+its attrs view and read back typed, rows written before the typed payload
+included; a `diag_fail` row is the store's index of failures per check and
+GPU, which the repeat-offender count queries.
 """
 
 from __future__ import annotations
 
-import time
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
 
-from gpuwatchd.health.diag.verdict import DiagResult
-from gpuwatchd.model import Event, Severity
+from gpuwatchd.model import DIAG_KIND, DiagResult, DiagRun, Event, Severity
 from gpuwatchd.sinks.store import EventStore
 
 __all__ = [
     "FAIL_KIND",
+    "PendingRun",
     "REPEAT_WINDOW_SECONDS",
     "RUN_KIND",
-    "RecordedRun",
     "failures_by_gpu",
     "last_runs",
     "record_run",
     "repeat_offenders",
 ]
 
-RUN_KIND = "diag"
+RUN_KIND = DIAG_KIND
 FAIL_KIND = "diag_fail"
 REPEAT_WINDOW_SECONDS = 30 * 86400.0
-
-
-@dataclass(frozen=True)
-class RecordedRun:
-    """One stored run, as the metrics and /status need it."""
-
-    time: float
-    tier: str
-    verdict: str
-    trigger: str
-    seconds: float
-    cancelled: str
-    results: tuple[dict[str, Any], ...]
 
 
 def _fmt(value: float | None) -> str:
     return "" if value is None else f"{value:.6g}"
 
 
-def record_run(
-    store: EventStore,
-    *,
-    tier: str,
-    verdict: str,
-    results: tuple[DiagResult, ...],
-    buses: dict[str, str],
-    seconds: float,
-    cancelled: str = "",
-    trigger: str = "cli",
-    t: float | None = None,
-) -> None:
-    """Store the run and each failed result (with the GPU's bus id)."""
-    now = time.time() if t is None else t
-    failed = [r for r in results if r.failed]
-    summary = f"diag {tier}: {verdict}"
-    if cancelled:
-        summary += f", cancelled ({cancelled})"
+def record_run(store: EventStore, run: DiagRun) -> None:
+    """Store the run (its trigger set) and each failed result (with the GPU's bus id)."""
+    failed = run.failed
+    summary = f"diag {run.tier}: {run.verdict}"
+    if run.cancelled:
+        summary += f", cancelled ({run.cancelled})"
     elif failed:
         summary += ", failed " + ", ".join(f"{r.check} on GPU {r.gpu}" for r in failed[:8])
-    outcomes = ";".join(
-        f"{r.check}|{r.gpu}|{r.outcome}|{_fmt(r.measured)}|{_fmt(r.floor)}|{r.unit}"
-        for r in results
-    )
-    run = Event(
+    event = Event(
         kind=RUN_KIND,
         source="diag",
-        time=now,
+        time=run.started,
         message=summary,
         severity=Severity.WARNING if failed else Severity.INFO,
+        payload=run,
+    )
+    store.write([(event, "", 1)] + [(_failure(run, r), "", 1) for r in failed])
+
+
+def _failure(run: DiagRun, r: DiagResult) -> Event:
+    if r.floor is not None:
+        why = f" below the floor {_fmt(r.floor)}"
+    else:
+        why = f" ({r.detail})"
+    return Event(
+        kind=FAIL_KIND,
+        source="diag",
+        time=run.started,
+        pci_bus_id=run.buses.get(r.gpu.split(">")[0], "") if r.gpu != "all" else "",
+        message=f"diag {r.check} failed on GPU {r.gpu}: {_fmt(r.measured)} {r.unit}{why}",
+        severity=Severity.WARNING,
         attrs=tuple(
             sorted(
                 {
-                    "tier": tier,
-                    "verdict": verdict,
-                    "trigger": trigger,
-                    "seconds": f"{seconds:.1f}",
-                    "cancelled": cancelled,
-                    "results": outcomes,
+                    "check": r.check,
+                    "gpu": r.gpu,
+                    "tier": run.tier,
+                    "measured": _fmt(r.measured),
+                    "floor": _fmt(r.floor),
+                    "unit": r.unit,
+                    "floor_source": r.floor_source[:300],
                 }.items()
             )
         ),
     )
-    rows = [(run, "", 1)]
-    for r in failed:
-        rows.append(
-            (
-                Event(
-                    kind=FAIL_KIND,
-                    source="diag",
-                    time=now,
-                    pci_bus_id=buses.get(r.gpu.split(">")[0], "") if r.gpu != "all" else "",
-                    message=f"diag {r.check} failed on GPU {r.gpu}: {_fmt(r.measured)} {r.unit}"
-                    + (
-                        f" below the floor {_fmt(r.floor)}"
-                        if r.floor is not None
-                        else f" ({r.detail})"
-                    ),
-                    severity=Severity.WARNING,
-                    attrs=tuple(
-                        sorted(
-                            {
-                                "check": r.check,
-                                "gpu": r.gpu,
-                                "tier": tier,
-                                "measured": _fmt(r.measured),
-                                "floor": _fmt(r.floor),
-                                "unit": r.unit,
-                                "floor_source": r.floor_source[:300],
-                            }.items()
-                        )
-                    ),
-                ),
-                "",
-                1,
-            )
-        )
-    store.write(rows)
 
 
-def _parse_results(text: str) -> tuple[dict[str, Any], ...]:
-    out = []
-    for item in text.split(";") if text else []:
-        parts = item.split("|")
-        if len(parts) != 6:
-            continue
-        check, gpu, outcome, measured, floor, unit = parts
-        out.append(
-            {
-                "check": check,
-                "gpu": gpu,
-                "outcome": outcome,
-                "unit": unit,
-                "measured": float(measured) if measured else None,
-                "floor": float(floor) if floor else None,
-            }
-        )
-    return tuple(out)
+@dataclass(frozen=True, slots=True)
+class PendingRun:
+    """A run the command context records when the command ends (`app.Outcome`)."""
+
+    run: DiagRun
+
+    def record_into(self, store: EventStore, trigger: str) -> None:
+        """Store the run with `trigger` (the CLI's: `cli`)."""
+        record_run(store, dataclasses.replace(self.run, trigger=trigger))
 
 
-def last_runs(store: EventStore, limit: int = 50) -> list[RecordedRun]:
-    """The newest runs first."""
+def last_runs(store: EventStore, limit: int = 50) -> list[DiagRun]:
+    """The newest runs first, typed."""
     out = []
     for row in store.recent(limit, kind=RUN_KIND):
-        attrs = row.get("attrs") or {}
-        out.append(
-            RecordedRun(
-                time=float(row.get("time") or 0.0),
-                tier=str(attrs.get("tier", "")),
-                verdict=str(attrs.get("verdict", "")),
-                trigger=str(attrs.get("trigger", "")),
-                seconds=float(attrs.get("seconds") or 0.0),
-                cancelled=str(attrs.get("cancelled", "")),
-                results=_parse_results(str(attrs.get("results", ""))),
-            )
-        )
+        attrs = {str(k): str(v) for k, v in (row.get("attrs") or {}).items()}
+        out.append(DiagRun.from_attrs(attrs, float(row.get("time") or 0.0)))
     return out
 
 

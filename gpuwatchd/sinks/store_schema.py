@@ -8,7 +8,16 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from gpuwatchd.model import Clear, Event, MetricSpec, Severity, XidFields, payload_of
+from gpuwatchd.model import (
+    DIAG_KIND,
+    Clear,
+    DiagRun,
+    Event,
+    MetricSpec,
+    Severity,
+    XidFields,
+    payload_of,
+)
 
 __all__ = [
     "ATTRIBUTION_KEYS",
@@ -201,6 +210,8 @@ def row_json(row: dict[str, Any]) -> dict[str, Any]:
     """An events row as /events serves it (JSON columns decoded, ISO times)."""
     row["attribution"] = json.loads(row["attribution"] or "{}")
     row["attrs"] = json.loads(row["attrs"] or "{}")
+    if row.get("kind") == DIAG_KIND:  # the run read back typed, rows of any age
+        row["diag"] = DiagRun.from_attrs(row["attrs"], row["time"]).to_json()
     row["time_iso"] = _iso(row["time"])
     row["last_time_iso"] = _iso(row["last_time"])
     row.pop("burst_id", None)
@@ -230,5 +241,5 @@ def event_of(row: Sequence[Any]) -> Event:
         severity=sev,
         attrs=tuple(sorted(stored.items())),
         count=count,
-        payload=payload_of(kind, code, stored),
+        payload=payload_of(kind, code, stored, t),
     )
