@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from gpuwatchd.model.diag import DIAG_KIND, DiagRun
 from gpuwatchd.model.kill import KILL_KINDS, ProcessKill
@@ -27,10 +28,11 @@ XID_KINDS = ("xid", "sxid")
 class Event:
     """Something that happened once (an Xid, a GPU lost), as opposed to a state.
 
-    With a `payload`, `attrs` is its string view (`payload.attrs()`), set
-    here: the store writes it and the journal reads it; code reads the
-    payload (`xid`, `kill`). Without one, `attrs` is the event's detail; an
-    Xid or SXid always has one (given attrs only, they are read into it).
+    With a `payload`, `attrs` is its string view (`payload.attrs()`),
+    derived at its first read: the store writes it and the journal reads
+    it; code reads the payload (`xid`, `kill`, `diag`). Without one,
+    `attrs` is the event's detail; an Xid or SXid always has one (given
+    attrs only, they are read into it).
     De-duplication is the Xid tracker's, by kind, bus id and code.
     """
 
@@ -54,7 +56,25 @@ class Event:
         if self.kind == DIAG_KIND and self.payload is None:  # a run stored as strings
             object.__setattr__(self, "payload", DiagRun.from_attrs(dict(self.attrs), self.time))
         if self.payload is not None:
-            object.__setattr__(self, "attrs", self.payload.attrs())
+            object.__setattr__(self, "attrs", None)  # the payload's view, derived when read
+
+    def carrying(
+        self, payload: Payload, *, message: str | None = None, severity: Severity | None = None
+    ) -> Event:
+        """This event with a new payload (and message or severity), its view not derived:
+        the Xid stage's steps make one per report, and most are never written."""
+        return Event(
+            self.kind,
+            self.source,
+            self.time,
+            self.code,
+            self.pci_bus_id,
+            self.message if message is None else message,
+            self.severity if severity is None else severity,
+            (),
+            self.count,
+            payload,
+        )
 
     def attr(self, key: str, default: str = "") -> str:
         for k, v in self.attrs:
@@ -77,6 +97,29 @@ class Event:
     def diag(self) -> DiagRun | None:
         """The typed run of a `diag` event; None for other kinds."""
         return self.payload if isinstance(self.payload, DiagRun) else None
+
+
+class _DerivedAttrs:
+    """`Event.attrs`: the slot as given, or, for an event with a payload, the payload's
+    view computed at the first read and kept (a flood's events mostly go unwritten)."""
+
+    def __init__(self, slot: Any) -> None:
+        self._slot = slot
+
+    def __get__(self, event: Event | None, owner: type | None = None) -> Any:
+        if event is None:
+            return self
+        view = self._slot.__get__(event, owner)
+        if view is None:
+            view = event.payload.attrs() if event.payload is not None else ()
+            self._slot.__set__(event, view)
+        return view
+
+    def __set__(self, event: Event, value: Labels | None) -> None:
+        self._slot.__set__(event, value)
+
+
+setattr(Event, "attrs", _DerivedAttrs(Event.__dict__["attrs"]))  # noqa: B010
 
 
 def payload_of(

@@ -14,6 +14,7 @@ never grows one event.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -37,6 +38,7 @@ MULTILINE_XIDS = frozenset({13})  # codes the driver reports over several lines
 # Xid 13 prints a warp and a global exception line per SM, an ESR line and a pid line;
 # a few spare for driver versions that add one.
 MAX_REPORT_LINES = 6
+_START = operator.attrgetter("start")
 MAX_MESSAGE_CHARS = 8192  # the kernel's record cap (PRINTK_MESSAGE_MAX)
 
 
@@ -125,7 +127,7 @@ def join_lines(first: Event, line: Event) -> Event:
     message = " | ".join(details)
     if len(message) > MAX_MESSAGE_CHARS:
         message = message[: MAX_MESSAGE_CHARS - 1] + "\u2026"
-    return replace(first, message=message, payload=fields)
+    return first.carrying(fields, message=message)
 
 
 class Bursts:
@@ -139,7 +141,7 @@ class Bursts:
         if event.kind != "xid" or event.code not in MULTILINE_XIDS:
             return None
         pid = pid_of(event)
-        for burst in sorted(self._by_pid.values(), key=lambda b: -b.start):
+        for burst in sorted(self._by_pid.values(), key=_START, reverse=True):
             first = burst.event
             if first is None or not burst.continues(event):
                 continue
@@ -158,7 +160,8 @@ class Bursts:
     def pids(self, now: float, window: float, most: int = 16) -> list[str]:
         """The pids with a burst within `window` of `now`, numerically, at most `most`."""
         live = [b.pid for b in self._by_pid.values() if b.pid and now - b.last <= window]
-        return sorted(live, key=lambda p: (len(p), p))[:most]
+        # (length, text): numeric order for pids, compared in C (a flood calls this per report)
+        return [p for _, p in sorted(zip(map(len, live), live, strict=True))[:most]]
 
     def observe(self, event: Event, window: float, new_id: Callable[[], str]) -> tuple[str, Burst]:
         """ "repeat" of this process's burst within `window`, or a "new" burst."""
