@@ -48,15 +48,19 @@ class Event:
     payload: Payload | None = None
 
     def __post_init__(self) -> None:
-        if self.kind in XID_KINDS and self.payload is None:
-            # written as strings (a stored row, a test's shorthand): read once, exactly
-            object.__setattr__(self, "payload", XidFields.from_attrs(self.code or 0, self.attrs))
-        if self.kind in XID_KINDS and not isinstance(self.payload, XidFields):
-            raise TypeError(f"an {self.kind} event carries XidFields, not {self.payload!r}")
-        if self.kind == DIAG_KIND and self.payload is None:  # a run stored as strings
-            object.__setattr__(self, "payload", DiagRun.from_attrs(dict(self.attrs), self.time))
-        if self.payload is not None:
-            object.__setattr__(self, "attrs", None)  # the payload's view, derived when read
+        payload = self.payload
+        if payload is None:
+            if self.kind in XID_KINDS:
+                # written as strings (a stored row, a test's shorthand): read once, exactly
+                payload = XidFields.from_attrs(self.code or 0, self.attrs)
+            elif self.kind == DIAG_KIND:  # a run stored as strings
+                payload = DiagRun.from_attrs(dict(self.attrs), self.time)
+            else:
+                return
+            object.__setattr__(self, "payload", payload)
+        if self.kind in XID_KINDS and not isinstance(payload, XidFields):
+            raise TypeError(f"an {self.kind} event carries XidFields, not {payload!r}")
+        _ATTRS_SLOT.__set__(self, None)  # the payload's view, derived when read
 
     def carrying(
         self, payload: Payload, *, message: str | None = None, severity: Severity | None = None
@@ -119,7 +123,8 @@ class _DerivedAttrs:
         self._slot.__set__(event, value)
 
 
-setattr(Event, "attrs", _DerivedAttrs(Event.__dict__["attrs"]))  # noqa: B010
+_ATTRS_SLOT = Event.__dict__["attrs"]
+setattr(Event, "attrs", _DerivedAttrs(_ATTRS_SLOT))  # noqa: B010
 
 
 def payload_of(
