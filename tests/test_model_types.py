@@ -87,6 +87,8 @@ def test_a_payload_events_view_is_derived_when_read_and_carrying_is_replace() ->
     assert pickle.loads(pickle.dumps(moved)) == moved
     assert dataclasses.replace(moved, pci_bus_id="0000:3b:00.0").attr("gpc") == "1"
     assert Event("gpu_lost", "nvml", 1.0, attrs=(("why", "x"),)).attrs == (("why", "x"),)
+    changes = {"gpu": "1", "pids": (3, 4), "name": "Graphics Engine Exception"}
+    assert fields.changed(**changes) == dataclasses.replace(fields, **changes)  # type: ignore[arg-type]
 
 
 def test_one_clear_type_is_keyword_only() -> None:

@@ -135,6 +135,7 @@ class Bursts:
 
     def __init__(self) -> None:
         self._by_pid: dict[str, Burst] = {}
+        self._order: list[str] | None = None  # the pids numerically; None after a change
 
     def join(self, event: Event) -> tuple[Burst, Event] | None:
         """The open report this line continues, and the joined event; None if it is a report."""
@@ -149,6 +150,7 @@ class Bursts:
                 del self._by_pid[burst.pid]
                 burst.pid = pid
                 self._by_pid[pid] = burst
+                self._order = None
             burst.last = max(burst.last, event.time)
             burst.lines.add(event.message)
             burst.parts.add(report_part(event))
@@ -159,9 +161,12 @@ class Bursts:
 
     def pids(self, now: float, window: float, most: int = 16) -> list[str]:
         """The pids with a burst within `window` of `now`, numerically, at most `most`."""
-        live = [b.pid for b in self._by_pid.values() if b.pid and now - b.last <= window]
-        # (length, text): numeric order for pids, compared in C (a flood calls this per report)
-        return [p for _, p in sorted(zip(map(len, live), live, strict=True))[:most]]
+        if self._order is None:  # sorted once per change of the pids, not per report
+            keys = [p for p in self._by_pid if p]
+            # (length, text): numeric order for pids, compared in C
+            self._order = [p for _, p in sorted(zip(map(len, keys), keys, strict=True))]
+        by_pid = self._by_pid
+        return [p for p in self._order if now - by_pid[p].last <= window][:most]
 
     def observe(self, event: Event, window: float, new_id: Callable[[], str]) -> tuple[str, Burst]:
         """ "repeat" of this process's burst within `window`, or a "new" burst."""
@@ -180,4 +185,5 @@ class Bursts:
         for old in [k for k, b in self._by_pid.items() if event.time - b.last > window]:
             del self._by_pid[old]
         self._by_pid[pid] = burst
+        self._order = None
         return "new", burst

@@ -279,8 +279,7 @@ class XidTracker:
         elif policy.threshold > 1:
             rule = f"counts after {policy.threshold} reports"
         pids = st.bursts.pids(event.time, self.settings.burst_window)
-        fields = replace(
-            xid,
+        fields = xid.changed(
             name=info.name,
             category=info.category,
             action=str(info.action),
