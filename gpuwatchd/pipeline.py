@@ -23,8 +23,8 @@ from typing import Any
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config
 from gpuwatchd.config.overrides import node_name
-from gpuwatchd.diagnose import scheduler as diag_scheduler
-from gpuwatchd.diagnose.scheduler import DiagScheduler
+from gpuwatchd.diag import scheduler as diag_scheduler
+from gpuwatchd.diag.scheduler import DiagScheduler
 from gpuwatchd.errors import GpuwatchdError, StoreError
 from gpuwatchd.forensics import NodeForensics
 from gpuwatchd.hangs.monitor import HangMonitor

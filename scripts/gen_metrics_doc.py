@@ -35,7 +35,7 @@ PRODUCERS: tuple[tuple[str, str, str], ...] = (
     ("gpuwatchd.sinks.evidence", "METRICS", "evidence"),
     ("gpuwatchd.sinks.alertmanager.sink", "METRICS", "alerts"),
     ("gpuwatchd.sinks.remediation.sink", "METRICS", "remediation"),
-    ("gpuwatchd.diagnose.scheduler", "METRICS", "diag"),
+    ("gpuwatchd.diag.scheduler", "METRICS", "diag"),
     ("gpuwatchd.sinks.prometheus", "DAEMON_METRICS", "daemon"),
     ("gpuwatchd.pipeline", "PIPELINE_METRICS", "consumer"),
     ("gpuwatchd.runmarker", "METRICS", "daemon"),

@@ -1,15 +1,18 @@
 """The package's layer matrix, read from the source with `ast`.
 
-core < sources < health < sinks < http < daemon (pipeline.py, daemon.py) < cli:
+worker < core < sources < health < sinks < http < daemon (pipeline.py, daemon.py) < cli:
 a module imports only from its own layer or below, including imports inside
 functions and `importlib.import_module("...")` / `__import__("...")` loads.
 Sources know nothing of sinks, SQLite, Prometheus or HTTP clients; pynvml is
-imported in one module; nothing outside tests imports test helpers.
+imported in one module; nothing outside tests imports test helpers. The diag
+worker (gpuwatchd/diag/worker/, a program run in a process of its own) is the
+bottom layer: it imports the standard library, the GPU libraries and itself.
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +23,7 @@ import gpuwatchd
 PKG = Path(gpuwatchd.__file__).parent
 ROOT = PKG.parent
 
-LAYERS = ("core", "sources", "health", "sinks", "http", "daemon", "cli")
+LAYERS = ("worker", "core", "sources", "health", "sinks", "http", "daemon", "cli")
 # Top-level names that are not core; everything else directly under gpuwatchd/ is core.
 LAYER_OF_TOP = {
     "sources": "sources",
@@ -32,7 +35,7 @@ LAYER_OF_TOP = {
     "forensics": "daemon",
     "hangs": "daemon",  # the hang monitor's threads, store writes and route (health: decisions)
     "preflight": "daemon",
-    "diagnose": "daemon",
+    "diag": "daemon",
     "daemon": "daemon",
     "cli": "cli",
     "__main__": "cli",
@@ -75,7 +78,16 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+# Packages whose layer differs from their top-level name's (the longest prefix wins).
+LAYER_OF_PACKAGE = {"gpuwatchd.diag.worker": "worker"}
+# What the worker may import besides the standard library and itself: the GPU libraries.
+WORKER_THIRD_PARTY = ("cupy", "numpy", "torch")
+
+
 def layer_of(module: str) -> str:
+    for package, layer in LAYER_OF_PACKAGE.items():
+        if module == package or module.startswith(package + "."):
+            return layer
     parts = module.split(".")
     if len(parts) == 1:
         return "core"
@@ -236,6 +248,37 @@ def test_layer_matrix() -> None:
 )
 def test_layer_checker_catches(module: str, source: str) -> None:
     assert layer_violations(module, source)
+
+
+def test_diag_worker_imports_only_the_standard_library_gpu_libraries_and_itself() -> None:
+    """The worker runs under whatever interpreter has CuPy or PyTorch (diag.python),
+    which may lack gpuwatchd's own dependencies: nothing of the daemon may load there."""
+    files = sorted((PKG / "diag" / "worker").rglob("*.py"))
+    assert len(files) >= 4
+    files += [PKG / "__init__.py", PKG / "diag" / "__init__.py"]  # loaded on the way in
+    bad = [
+        f"{module_name(f)}:{line}: {name}"
+        for f in files
+        for line, name in imports_of(f.read_text(), module_name(f))
+        if not worker_may_import(name)
+    ]
+    assert not bad, bad
+
+
+def worker_may_import(name: str) -> bool:
+    top = name.split(".")[0]
+    if top == "gpuwatchd":
+        return name in ("gpuwatchd", "gpuwatchd.diag") or layer_of(name) == "worker"
+    return top in sys.stdlib_module_names or top in WORKER_THIRD_PARTY or top == "__future__"
+
+
+@pytest.mark.parametrize(
+    "name", ["gpuwatchd.model", "gpuwatchd.diag.run", "gpuwatchd.logs", "yaml", "pynvml"]
+)
+def test_worker_checker_catches(name: str) -> None:
+    assert not worker_may_import(name)
+    if name.startswith("gpuwatchd."):
+        assert layer_violations("gpuwatchd.diag.worker.measure", f"import {name}\n")
 
 
 def test_layer_checker_allows_downward_and_relative() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,23 @@ def test_an_event_carries_one_payload_and_attrs_is_its_view() -> None:
     assert dataclasses.replace(ev, payload=dataclasses.replace(fields, gpu="1")).attr("gpu") == "1"
     with pytest.raises(TypeError):
         Event("sxid", "kmsg", 1.0, payload=ProcessKill(kind="oom_kill", pid=1))
+
+
+def test_a_payload_events_view_is_derived_when_read_and_carrying_is_replace() -> None:
+    """The Xid stage's steps make a new event per payload (`carrying`) without deriving
+    its attrs; the view read later, compared, hashed or pickled is the payload's."""
+    fields = XidFields(code=13, gpu="2", gpc=1, attribution=XidAttribution(pid=77))
+    ev = Event("xid", "kmsg", 5.0, code=13, message="a", payload=XidFields(code=13))
+    moved = ev.carrying(fields, message="a | b", severity=Severity.CRITICAL)
+    same = dataclasses.replace(ev, payload=fields, message="a | b", severity=Severity.CRITICAL)
+    assert moved == same and hash(moved) == hash(same)
+    assert moved.attrs == fields.attrs() == same.attrs
+    assert moved.carrying(fields) == moved and ev.carrying(fields).message == "a"
+    assert pickle.loads(pickle.dumps(moved)) == moved
+    assert dataclasses.replace(moved, pci_bus_id="0000:3b:00.0").attr("gpc") == "1"
+    assert Event("gpu_lost", "nvml", 1.0, attrs=(("why", "x"),)).attrs == (("why", "x"),)
+    changes = {"gpu": "1", "pids": (3, 4), "name": "Graphics Engine Exception"}
+    assert fields.changed(**changes) == dataclasses.replace(fields, **changes)  # type: ignore[arg-type]
 
 
 def test_one_clear_type_is_keyword_only() -> None:

@@ -14,7 +14,6 @@ follows node-problem-detector's custom plugin contract: 0 OK, 1 problem,
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import sys
@@ -302,11 +301,11 @@ def check(cfg: Config, clock: Clock | None = None, timeout: float = 30.0) -> Ver
 
 
 def _stored_diag(cfg: Config, es: Any, state: State, now: float) -> list[dict[str, object]]:
-    from gpuwatchd.diagnose.scheduler import diag_samples
-    from gpuwatchd.sinks.diag_store import last_runs
+    from gpuwatchd.diag.scheduler import diag_samples
+    from gpuwatchd.sinks.diag import last_runs
 
     state.publish_extra("diag", diag_samples(es, now, cfg.diag.inspect_after_failures))
-    return [dataclasses.asdict(r) for r in last_runs(es, 1)]
+    return [r.to_json() for r in last_runs(es, 1)]
 
 
 # --- output ----------------------------------------------------------------------

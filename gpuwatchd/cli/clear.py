@@ -174,7 +174,7 @@ def _still_critical(cfg: Config, store: EventStore, args: argparse.Namespace) ->
 def _verify(cfg: Config, store: EventStore, args: argparse.Namespace) -> int | None:
     """Run diag standard before a resume; None to go ahead, else the exit code."""
     from gpuwatchd.cli.diag import EXIT, Interrupted, render_text, stop_worker_on_signals
-    from gpuwatchd.diagnose.run import run_recorded
+    from gpuwatchd.diag.run import run_recorded
     from gpuwatchd.sinks.remediation.sink import engaged_actions, record
 
     rem = cfg.remediation

@@ -30,8 +30,10 @@ from typing import TYPE_CHECKING, Any
 
 from gpuwatchd.cli.command import add_state_dir, plugin_command, seconds
 from gpuwatchd.config import Config
-from gpuwatchd.diagnose.run import DiagOptions, DiagReport, open_nvml, options_for, run_diag
+from gpuwatchd.diag.run import DiagOptions, open_nvml, options_for, run_diag
 from gpuwatchd.errors import ConfigError, GpuwatchdError
+from gpuwatchd.model import DiagRun
+from gpuwatchd.sinks.diag import PendingRun
 from gpuwatchd.sources.diag.runner import WorkerRun
 
 if TYPE_CHECKING:
@@ -157,7 +159,7 @@ def _run_diag(ctx: CommandContext) -> int:
             client.shutdown()
         except Exception:
             pass
-    ctx.done(report)  # into the daemon's store when the command ends (trigger cli)
+    ctx.done(PendingRun(report))  # into the daemon's store when the command ends (trigger cli)
     if args.json:
         print(json.dumps(report.to_json(), indent=2, sort_keys=True))
     else:
@@ -171,7 +173,7 @@ def _num(value: float | None) -> str:
     return f"{value:.0f}" if abs(value) >= 100 or value == int(value) else f"{value:.2f}"
 
 
-def render_text(report: DiagReport) -> str:
+def render_text(report: DiagRun) -> str:
     """The report for a human: verdict line, one line per result, floor sources below."""
     head = f"{report.verdict}: diag {report.tier}"
     if report.cancelled:

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gpuwatchd.config.yamlfile import load_yaml
-from gpuwatchd.diag.measure import CHECKS
+from gpuwatchd.diag.worker.measure import CHECKS
 from gpuwatchd.errors import ConfigError
 from gpuwatchd.logs import escape_control
 from gpuwatchd.shipped import shipped_text

@@ -1,8 +1,11 @@
-"""The diag worker: CUDA work in a short-lived process of its own (`gpuwatchd[diag]`).
+"""Diag, the daemon layer: one run (`run`) and when the daemon starts one (`scheduler`).
 
-Nothing here is imported by the daemon except the typed `Measurement`;
-`python -m gpuwatchd.diag.worker` imports CuPy or PyTorch and prints one
-JSON measurement per line. It depends on the standard library alone, so
-an interpreter that has the GPU libraries but not gpuwatchd's own
-dependencies can run it.
+The feature is named `diag` in every layer it spans: the worker program
+(`diag/worker/`, a layer of its own that runs in a process of its own), the
+typed run (`model/diag.py`), NVML reads, dcgmi and the worker's runner
+(`sources/diag/`), floors and the GpuDiagFailed rule (`health/diag/`), the
+stored runs (`sinks/diag.py`) and the command (`cli/diag.py`). This layer
+ties them together for the CLI and the daemon. Nothing is imported here:
+the daemon loads the scheduler at start, a run's machinery (`run`) with
+the first run, and `python -m gpuwatchd.diag.worker` loads nothing of it.
 """

@@ -14,7 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gpuwatchd.config import Config
-from gpuwatchd.health import diag_rule, fabric, rules, storage
+from gpuwatchd.health import fabric, rules, storage
+from gpuwatchd.health.diag import rule as diag_rule
 from gpuwatchd.health.history import History
 from gpuwatchd.health.rules import Inputs, Rule
 from gpuwatchd.model import Finding

@@ -2,11 +2,12 @@
 
 Everything here is immutable so a snapshot can be handed to any thread
 without copying or locking. `values` holds the snapshot's types, `event`
-the event and its payload union, `xid`, `kill` and `hang` the payload types.
+the event and its payload union, `xid`, `kill`, `hang` and `diag` the payload types.
 """
 
 from __future__ import annotations
 
+from gpuwatchd.model.diag import DIAG_KIND, DiagOutcome, DiagResult, DiagRun
 from gpuwatchd.model.event import XID_KINDS, Event, Payload, payload_of
 from gpuwatchd.model.hang import (
     HANG_KIND,
@@ -46,6 +47,10 @@ from gpuwatchd.model.xid import XidAttribution, XidFields
 __all__ = [
     "Action",
     "Clear",
+    "DIAG_KIND",
+    "DiagOutcome",
+    "DiagResult",
+    "DiagRun",
     "Event",
     "Finding",
     "Gpu",

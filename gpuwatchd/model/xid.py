@@ -14,6 +14,7 @@ import dataclasses
 import operator
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from gpuwatchd.model.values import Labels
 
@@ -266,12 +267,23 @@ class XidFields:
         changes["facts"] = tuple(sorted(facts.items()))
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
+    def changed(self, **changes: Any) -> XidFields:
+        """`dataclasses.replace(self, **changes)` without its checks per field: the
+        tracker classifies every report of a flood with it."""
+        values = dict(zip(_FIELD_NAMES, _get_fields(self), strict=True))
+        values.update(changes)
+        return XidFields(**values)
+
     def placement(self) -> Labels:
         """Where the process ran as the alert describes it: job, MIG device, other pids."""
         out = dict(self.attribution.job)
         out.update((k, getattr(self, k)) for k in MIG_KEYS)
         out["pids"] = ",".join(map(str, self.pids))
         return tuple(sorted((k, v) for k, v in out.items() if v))
+
+
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(XidFields))
+_get_fields = operator.attrgetter(*_FIELD_NAMES)
 
 
 def _read(key: str, text: str) -> object:

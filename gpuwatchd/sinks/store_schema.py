@@ -9,8 +9,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpuwatchd.model import (
+    DIAG_KIND,
     HANG_KIND,
     Clear,
+    DiagRun,
     Event,
     HangReport,
     MetricSpec,
@@ -211,6 +213,8 @@ def row_json(row: dict[str, Any]) -> dict[str, Any]:
     """An events row as /events serves it (JSON columns decoded, ISO times)."""
     row["attribution"] = json.loads(row["attribution"] or "{}")
     row["attrs"] = json.loads(row["attrs"] or "{}")
+    if row.get("kind") == DIAG_KIND:  # the run read back typed, rows of any age
+        row["diag"] = DiagRun.from_attrs(row["attrs"], row["time"]).to_json()
     row["time_iso"] = _iso(row["time"])
     row["last_time_iso"] = _iso(row["last_time"])
     row.pop("burst_id", None)
@@ -251,5 +255,5 @@ def event_of(row: Sequence[Any]) -> Event:
         severity=sev,
         attrs=tuple(sorted(stored.items())),
         count=count,
-        payload=payload_of(kind, code, stored),
+        payload=payload_of(kind, code, stored, t),
     )

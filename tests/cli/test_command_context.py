@@ -12,7 +12,7 @@ from gpuwatchd import app
 from gpuwatchd.app import CommandContext
 from gpuwatchd.cli import COMMANDS, build_parser
 from gpuwatchd.cli import main as cli_main
-from gpuwatchd.sinks.diag_store import last_runs
+from gpuwatchd.sinks.diag import last_runs
 from gpuwatchd.sinks.store import DB_NAME, EventStore
 from tests.diag.fakes import H100_IDLE, HEALTHY_H100, canned
 

@@ -15,7 +15,7 @@ from gpuwatchd import config
 from gpuwatchd.cli import build_parser
 from gpuwatchd.cli import main as cli_main
 from gpuwatchd.model import Action, Event, Finding, Severity, labels_of
-from gpuwatchd.sinks.diag_store import last_runs
+from gpuwatchd.sinks.diag import last_runs
 from gpuwatchd.sinks.evidence import EvidenceRecorder
 from gpuwatchd.sinks.store import DB_NAME, EventStore
 from tests.check_config import BOOT_ID

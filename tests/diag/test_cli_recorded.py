@@ -54,3 +54,30 @@ def test_a_failing_cli_run_is_exported_and_raises_gpu_diag_failed(
         assert "drain and inspect" in failed.reason
     finally:
         pipeline.stop()
+
+
+def test_the_cli_report_and_the_stored_run_are_one_shape(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`gpuwatchd diag --json` prints the run the store then serves under /events' `diag`."""
+    state_dir = tmp_path / "state"
+    path = tmp_path / "gpuwatchd.yaml"
+    path.write_text(
+        f"daemon: {{state_dir: {state_dir}}}\npaths: {{dev_shm: {tmp_path}, sysfs: {tmp_path}}}\n"
+    )
+    cfg = config.load(str(path))
+    Pipeline(cfg, State(), FakeClock(), "n", 0, []).stop()
+    slow = canned(tmp_path, [result("gemm", "0", 100.0, "TFLOP/s", detail="bf16")], "slow.jsonl")
+    argv = ["diag", "--config", str(path), "--nvml-replay", str(H100_IDLE), "--fake-worker", slow]
+    assert cli_main([*argv, "--json"]) == 2
+    printed = json.loads(capsys.readouterr().out)
+    pipeline = Pipeline(cfg, State(), FakeClock(time.time()), "n", 0, [])
+    try:
+        _, _, body = events_route(pipeline.store)({"kind": ["diag"]})
+        [row] = json.loads(body)["events"]
+    finally:
+        pipeline.stop()
+    assert row["diag"] == {**printed, "trigger": "cli"}
+    [gemm] = [r for r in row["diag"]["results"] if r["check"] == "gemm"]
+    assert gemm["outcome"] == "fail" and gemm["measured"] == 100.0 and gemm["detail"] == "bf16"
+    assert gemm["floor_source"]  # the shipped floor for the H100, named

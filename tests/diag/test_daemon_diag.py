@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd.diagnose.run import FAKE_WORKER_ENV
+from gpuwatchd.diag.run import FAKE_WORKER_ENV
 from tests.conftest import ROOT
 from tests.diag.fakes import H100_IDLE, canned, result
 

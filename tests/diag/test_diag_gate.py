@@ -13,9 +13,9 @@ import pytest
 
 from gpuwatchd import config
 from gpuwatchd.cli import main
-from gpuwatchd.diagnose.run import DiagOptions, run_diag
+from gpuwatchd.diag.run import DiagOptions, run_diag
 from gpuwatchd.errors import ConfigError
-from gpuwatchd.health.diag import load_floors
+from gpuwatchd.health.diag.verdict import load_floors
 from gpuwatchd.sources.nvml.replay import ReplayClient
 from tests.conftest import FIXTURES, ROOT
 from tests.diag.fakes import H100_IDLE, HEALTHY_H100, canned, capture_with_script, result

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd.diag.measure import Measurement
-from gpuwatchd.diagnose.run import DiagOptions, run_diag
+from gpuwatchd.diag.run import DiagOptions, run_diag
+from gpuwatchd.diag.worker.measure import Measurement
 from gpuwatchd.errors import ConfigError
-from gpuwatchd.health.diag import evaluate, load_floors, verdict
+from gpuwatchd.health.diag.verdict import evaluate, load_floors, verdict
 from gpuwatchd.sources.diag.dcgm import parse_dcgmi
 from gpuwatchd.sources.diag.nvml_reads import foreign_pids, read_gpus
 from gpuwatchd.sources.nvml.replay import ReplayClient

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.cli import main
-from gpuwatchd.diagnose.run import FAKE_WORKER_ENV
+from gpuwatchd.diag.run import FAKE_WORKER_ENV
 from gpuwatchd.sinks.store import EventStore
 from tests.check_config import write_check_config
 from tests.conftest import FIXTURES

@@ -12,8 +12,8 @@ import pytest
 
 from gpuwatchd import config
 from gpuwatchd.clock import FakeClock
-from gpuwatchd.diagnose.run import FAKE_WORKER_ENV
-from gpuwatchd.diagnose.scheduler import DiagScheduler
+from gpuwatchd.diag.run import FAKE_WORKER_ENV
+from gpuwatchd.diag.scheduler import DiagScheduler
 from gpuwatchd.model import Action, Finding, Severity, labels_of
 from gpuwatchd.sinks.store import EventStore
 from gpuwatchd.state import State

@@ -21,9 +21,9 @@ import pytest
 
 from gpuwatchd import config
 from gpuwatchd.clock import FakeClock
-from gpuwatchd.diagnose.run import FAKE_WORKER_ENV
-from gpuwatchd.diagnose.scheduler import DiagScheduler
-from gpuwatchd.sinks.diag_store import last_runs
+from gpuwatchd.diag.run import FAKE_WORKER_ENV
+from gpuwatchd.diag.scheduler import DiagScheduler
+from gpuwatchd.sinks.diag import last_runs
 from gpuwatchd.sinks.store import EventStore
 from gpuwatchd.state import State
 from tests.conftest import ROOT

@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from gpuwatchd.config import Config
-from gpuwatchd.health import diag_rule  # registers the rule
+from gpuwatchd.health.diag import rule as diag_rule
 from gpuwatchd.health.history import History, View
 from gpuwatchd.health.rules import Inputs
 from gpuwatchd.model import Action, Sample, Severity

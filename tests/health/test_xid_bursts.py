@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from gpuwatchd.health.xid import catalog as xid
-from gpuwatchd.health.xid.bursts import MAX_MESSAGE_CHARS, MAX_REPORT_LINES
+from gpuwatchd.health.xid.bursts import MAX_MESSAGE_CHARS, MAX_REPORT_LINES, Bursts
 from gpuwatchd.health.xid.tracker import TrackerSettings, XidTracker
-from gpuwatchd.model import Event
+from gpuwatchd.model import Event, XidAttribution, XidFields
 from gpuwatchd.sources.kmsg.parse import XID, parse_line
 
 T0 = 1_700_000_000.0
@@ -75,6 +75,35 @@ def test_the_pid_line_completes_its_own_report_only() -> None:
     assert [o.kind for o in nxt] == ["repeat", "line", "line", "line"]
     assert nxt[-1].event.attr("gpc") == "2" and "GPC 1" not in nxt[-1].event.message
     assert errors_total(t) == 2
+
+
+def test_burst_pids_are_numeric_windowed_and_current_after_each_change() -> None:
+    bursts = Bursts()
+    ids = iter(map(str, range(100)))
+
+    def new_id() -> str:
+        return next(ids)
+
+    def reported_by(t: float, pid: int) -> Event:
+        who = XidAttribution(pid=pid)
+        return Event("xid", "kmsg", t, 31, BUS, payload=XidFields(code=31, attribution=who))
+
+    for t, pid in ((0.0, 10), (1.0, 9), (2.0, 100)):
+        bursts.observe(reported_by(T0 + t, pid), 60.0, new_id)
+    assert bursts.pids(T0 + 2, 60.0) == ["9", "10", "100"]  # numerically, not as text
+    assert bursts.pids(T0 + 2, 60.0, most=2) == ["9", "10"]
+    assert bursts.pids(T0 + 61.5, 60.0) == ["100"]  # the others' last report left the window
+    bursts.observe(reported_by(T0 + 3, 5), 60.0, new_id)
+    assert bursts.pids(T0 + 3, 60.0) == ["5", "9", "10", "100"]
+
+    # a report without pid is keyed "" until its pid line names the process
+    joined = Bursts()
+    pid_line = "NVRM: Xid (PCI:0000:41:00): 13, pid=4242, name=python3, Graphics Exception: x"
+    for i, text in enumerate([*report(1, 0), pid_line]):
+        ev = line(T0 + i * 0.001, text)
+        if joined.join(ev) is None:
+            joined.observe(ev, 60.0, new_id)
+        assert joined.pids(T0 + 0.01, 60.0) == (["4242"] if "pid=" in text else [])
 
 
 def test_long_lines_are_capped_at_the_kernel_record_size() -> None:

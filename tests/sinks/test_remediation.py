@@ -16,7 +16,7 @@ from gpuwatchd import config
 from gpuwatchd.cli import main
 from gpuwatchd.clock import FakeClock
 from gpuwatchd.config import Config
-from gpuwatchd.diagnose.run import FAKE_WORKER_ENV
+from gpuwatchd.diag.run import FAKE_WORKER_ENV
 from gpuwatchd.model import Action, Finding, Severity, labels_of
 from gpuwatchd.sinks.remediation.policy import due, reason_text
 from gpuwatchd.sinks.remediation.sink import RemediationSink, engaged_actions, spread_offset

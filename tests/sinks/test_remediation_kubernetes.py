@@ -27,7 +27,7 @@ from gpuwatchd import config  # noqa: E402
 from gpuwatchd.cli import main  # noqa: E402
 from gpuwatchd.clock import FakeClock  # noqa: E402
 from gpuwatchd.config import Config  # noqa: E402
-from gpuwatchd.diagnose.run import FAKE_WORKER_ENV  # noqa: E402
+from gpuwatchd.diag.run import FAKE_WORKER_ENV  # noqa: E402
 from gpuwatchd.errors import GpuwatchdError  # noqa: E402
 from gpuwatchd.model import Finding, Severity, labels_of  # noqa: E402
 from gpuwatchd.sinks.remediation.kubernetes import TAINT_KEY, KubernetesNode  # noqa: E402

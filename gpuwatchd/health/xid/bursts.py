@@ -14,6 +14,7 @@ never grows one event.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -37,6 +38,7 @@ MULTILINE_XIDS = frozenset({13})  # codes the driver reports over several lines
 # Xid 13 prints a warp and a global exception line per SM, an ESR line and a pid line;
 # a few spare for driver versions that add one.
 MAX_REPORT_LINES = 6
+_START = operator.attrgetter("start")
 MAX_MESSAGE_CHARS = 8192  # the kernel's record cap (PRINTK_MESSAGE_MAX)
 
 
@@ -125,7 +127,7 @@ def join_lines(first: Event, line: Event) -> Event:
     message = " | ".join(details)
     if len(message) > MAX_MESSAGE_CHARS:
         message = message[: MAX_MESSAGE_CHARS - 1] + "\u2026"
-    return replace(first, message=message, payload=fields)
+    return first.carrying(fields, message=message)
 
 
 class Bursts:
@@ -133,13 +135,14 @@ class Bursts:
 
     def __init__(self) -> None:
         self._by_pid: dict[str, Burst] = {}
+        self._order: list[str] | None = None  # the pids numerically; None after a change
 
     def join(self, event: Event) -> tuple[Burst, Event] | None:
         """The open report this line continues, and the joined event; None if it is a report."""
         if event.kind != "xid" or event.code not in MULTILINE_XIDS:
             return None
         pid = pid_of(event)
-        for burst in sorted(self._by_pid.values(), key=lambda b: -b.start):
+        for burst in sorted(self._by_pid.values(), key=_START, reverse=True):
             first = burst.event
             if first is None or not burst.continues(event):
                 continue
@@ -147,6 +150,7 @@ class Bursts:
                 del self._by_pid[burst.pid]
                 burst.pid = pid
                 self._by_pid[pid] = burst
+                self._order = None
             burst.last = max(burst.last, event.time)
             burst.lines.add(event.message)
             burst.parts.add(report_part(event))
@@ -157,8 +161,12 @@ class Bursts:
 
     def pids(self, now: float, window: float, most: int = 16) -> list[str]:
         """The pids with a burst within `window` of `now`, numerically, at most `most`."""
-        live = [b.pid for b in self._by_pid.values() if b.pid and now - b.last <= window]
-        return sorted(live, key=lambda p: (len(p), p))[:most]
+        if self._order is None:  # sorted once per change of the pids, not per report
+            keys = [p for p in self._by_pid if p]
+            # (length, text): numeric order for pids, compared in C
+            self._order = [p for _, p in sorted(zip(map(len, keys), keys, strict=True))]
+        by_pid = self._by_pid
+        return [p for p in self._order if now - by_pid[p].last <= window][:most]
 
     def observe(self, event: Event, window: float, new_id: Callable[[], str]) -> tuple[str, Burst]:
         """ "repeat" of this process's burst within `window`, or a "new" burst."""
@@ -177,4 +185,5 @@ class Bursts:
         for old in [k for k, b in self._by_pid.items() if event.time - b.last > window]:
             del self._by_pid[old]
         self._by_pid[pid] = burst
+        self._order = None
         return "new", burst

@@ -212,7 +212,7 @@ class XidStage:
             records = []
             for ev in passed:
                 if ev.source == "nvml" and ev.xid is not None and not ev.xid.boot_id:
-                    ev = replace(ev, payload=replace(ev.xid, boot_id=self.nvml_boot))
+                    ev = ev.carrying(replace(ev.xid, boot_id=self.nvml_boot))
                 # its hold counts in monotonic time from when it was logged (its age at arrival)
                 obs = self.tracker.observe(ev, seen=mono - max(0.0, now - ev.time))
                 records.append((obs.event, obs.burst_id, obs.count))

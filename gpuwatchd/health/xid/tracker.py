@@ -279,19 +279,18 @@ class XidTracker:
         elif policy.threshold > 1:
             rule = f"counts after {policy.threshold} reports"
         pids = st.bursts.pids(event.time, self.settings.burst_window)
-        fields = replace(
-            xid,
+        fields = xid.changed(
             name=info.name,
             category=info.category,
             action=str(info.action),
             burst_id=st.burst_id,
             epoch=epoch,
             # other processes hit this Xid on this GPU within the window
-            pids=tuple(int(p) for p in pids) if len(pids) > 1 else xid.pids,
+            pids=tuple(map(int, pids)) if len(pids) > 1 else xid.pids,
             escalated=escalation or xid.escalated,
             policy=rule or xid.policy,
         )
-        return replace(event, severity=info.severity, payload=fields)
+        return event.carrying(fields, severity=info.severity)
 
     def _epoch(self, bus: str) -> str:
         return f"{self.boot_id}#{self._resets.get(bus, 0)}"

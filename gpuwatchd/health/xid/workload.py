@@ -81,7 +81,7 @@ def attach_workload(ev: Event, workloads: Sequence[Workload]) -> Event:
     w = match_workload(ev, workloads)
     if w is None or ev.xid is None:
         return ev
-    return replace(ev, payload=_placed(ev.xid, w.attrs(_pid(ev))))
+    return ev.carrying(_placed(ev.xid, w.attrs(_pid(ev))))
 
 
 def _placed(xid: XidFields, found: Iterable[tuple[str, str]]) -> XidFields:
@@ -121,4 +121,4 @@ def attach_mig(ev: Event, gpus: GpuInventory) -> Event:
         return ev
     if any(getattr(xid, k) not in ("", found[k]) for k in _INSTANCE_KEYS):
         return ev  # the report names another instance: what it says wins
-    return replace(ev, payload=_placed(xid, found.items()))
+    return ev.carrying(_placed(xid, found.items()))

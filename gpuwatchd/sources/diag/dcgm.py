@@ -9,7 +9,7 @@ import signal
 import subprocess
 from collections.abc import Iterator
 
-from gpuwatchd.diag.measure import Measurement
+from gpuwatchd.diag.worker.measure import Measurement
 
 __all__ = ["parse_dcgmi", "run_dcgmi"]
 

@@ -6,7 +6,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpuwatchd.diag.measure import Measurement
+from gpuwatchd.diag.worker.measure import Measurement
 from gpuwatchd.errors import NvmlError
 from gpuwatchd.pci import normalize_bus_id
 from gpuwatchd.sources.nvml.client import NvmlClient, NvmlDevice

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from gpuwatchd.diag.measure import Measurement
+from gpuwatchd.diag.worker.measure import Measurement
 
 __all__ = ["PARENT_ENV", "WorkerOutcome", "WorkerRun", "worker_command"]
 

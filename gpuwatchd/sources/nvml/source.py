@@ -252,7 +252,7 @@ class NvmlSource:
             xid = ev.xid
             if xid is not None:
                 found = replace(xid, gpu=gpu.get("gpu", ""), uuid=gpu.get("uuid", ""))
-                ev = replace(ev, payload=xid.filled_from(found))
+                ev = ev.carrying(xid.filled_from(found))
             out.append(ev)
         return out
 

@@ -10,14 +10,15 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gpuwatchd.config import Config
-from gpuwatchd.diag.measure import Measurement, worker_results
+from gpuwatchd.diag.worker.measure import Measurement, worker_results
 from gpuwatchd.errors import ConfigError
-from gpuwatchd.health.diag import DiagResult, evaluate, load_floors, verdict
-from gpuwatchd.sinks.diag_store import record_run, repeat_offenders
+from gpuwatchd.health.diag.verdict import evaluate, load_floors, verdict
+from gpuwatchd.model import DiagRun
+from gpuwatchd.sinks.diag import record_run, repeat_offenders
 from gpuwatchd.sinks.store import EventStore
 from gpuwatchd.sources.diag.dcgm import run_dcgmi
 from gpuwatchd.sources.diag.nvml_reads import (
@@ -32,7 +33,6 @@ from gpuwatchd.sources.nvml.client import NvmlClient
 
 __all__ = [
     "DiagOptions",
-    "DiagReport",
     "FAKE_WORKER_ENV",
     "open_nvml",
     "options_for",
@@ -58,44 +58,6 @@ class DiagOptions:
     dcgm_level: int = 2
     floors_file: str = ""
     fake_worker: str = ""  # test only: canned measurements instead of a GPU
-
-
-@dataclass(frozen=True)
-class DiagReport:
-    """The outcome of one run; `cancelled` runs carry no results and fail nothing."""
-
-    tier: str
-    started: float
-    seconds: float
-    verdict: str
-    results: tuple[DiagResult, ...] = ()
-    backend: str = ""
-    cancelled: str = ""
-    error: str = ""
-    gpus: tuple[str, ...] = ()
-    freed_seconds: float = 0.0
-    models: dict[str, str] = field(default_factory=dict)
-    buses: dict[str, str] = field(default_factory=dict)  # GPU index -> PCI bus id
-
-    def record_into(self, store: EventStore, trigger: str) -> None:
-        """Store the run (and each failure) as the daemon's metrics and rules read it."""
-        record_run(
-            store,
-            tier=self.tier,
-            verdict=self.verdict,
-            results=self.results,
-            buses=self.buses,
-            seconds=self.seconds,
-            cancelled=self.cancelled,
-            trigger=trigger,
-            t=self.started,
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict (the CLI's --json and the stored event)."""
-        out = asdict(self)
-        out["results"] = [asdict(r) for r in self.results]
-        return out
 
 
 def options_for(cfg: Config, tier: str, gpus: Sequence[int] = ()) -> DiagOptions:
@@ -133,8 +95,8 @@ def open_nvml(cfg: Config, replay: str = "") -> NvmlClient:
     return client
 
 
-def _cancelled(opts: DiagOptions, t0: float, wall: float, why: str, **kw: Any) -> DiagReport:
-    return DiagReport(opts.tier, wall, time.monotonic() - t0, "UNKNOWN", cancelled=why, **kw)
+def _cancelled(opts: DiagOptions, t0: float, wall: float, why: str, **kw: Any) -> DiagRun:
+    return DiagRun(opts.tier, wall, time.monotonic() - t0, "UNKNOWN", cancelled=why, **kw)
 
 
 def run_diag(
@@ -142,13 +104,13 @@ def run_diag(
     client: NvmlClient,
     busy: Busy | None = None,
     on_start: Callable[[WorkerRun], None] | None = None,
-) -> DiagReport:
+) -> DiagRun:
     """Run one tier on this node's GPUs (NVML already initialised)."""
     t0, wall = time.monotonic(), time.time()
     floors = load_floors(opts.floors_file)  # a bad site file stops the run before GPU work
     absent = _absent_gpus(client, opts.gpus)
     if absent:  # a GPU that is not there was not measured: UNKNOWN, never CRITICAL
-        return DiagReport(opts.tier, wall, time.monotonic() - t0, "UNKNOWN", error=absent)
+        return DiagRun(opts.tier, wall, time.monotonic() - t0, "UNKNOWN", error=absent)
     before = read_gpus(client, opts.gpus)
     models = {str(g.index): g.name for g in before if g.name}
     buses = {str(g.index): g.pci_bus_id for g in before if g.pci_bus_id}
@@ -193,7 +155,7 @@ def run_diag(
             measurements += counter_checks(before, read_gpus(client, opts.gpus))
         measurements += _missing(opts.tier, measurements, [str(i) for i in runnable], error)
     results = tuple(evaluate(measurements, models, floors))
-    return DiagReport(
+    return DiagRun(
         opts.tier,
         wall,
         time.monotonic() - t0,
@@ -252,13 +214,13 @@ def run_recorded(
     trigger: str,
     busy: Busy | None = None,
     on_start: Callable[[WorkerRun], None] | None = None,
-) -> tuple[DiagReport, list[tuple[str, str]]]:
+) -> tuple[DiagRun, list[tuple[str, str]]]:
     """Run `tier` with the config's options, store it; also the repeat offenders after it."""
     try:
         client = open_nvml(cfg)
     except Exception as exc:  # no driver, no pynvml: nothing ran, nothing failed
         t = time.time()
-        return DiagReport(tier, t, 0.0, "UNKNOWN", error=f"NVML: {exc}"), []
+        return DiagRun(tier, t, 0.0, "UNKNOWN", error=f"NVML: {exc}"), []
     try:
         report = run_diag(options_for(cfg, tier), client, busy, on_start)
     finally:
@@ -266,6 +228,7 @@ def run_recorded(
             client.shutdown()
         except Exception:
             pass
-    report.record_into(store, trigger)
+    report = replace(report, trigger=trigger)
+    record_run(store, report)
     offenders = repeat_offenders(store, time.time(), cfg.diag.inspect_after_failures)
     return report, offenders

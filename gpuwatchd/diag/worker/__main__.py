@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from gpuwatchd.diag.measure import Measurement
+from gpuwatchd.diag.worker.measure import Measurement
 
 __all__ = ["Options", "die_with_parent", "load_backend", "main", "run_checks"]
 
@@ -81,10 +81,10 @@ def load_backend(name: str) -> Any:
     for candidate in order:
         try:
             if candidate == "cupy":
-                from gpuwatchd.diag.gpu_cupy import CupyBackend
+                from gpuwatchd.diag.worker.gpu_cupy import CupyBackend
 
                 return CupyBackend()
-            from gpuwatchd.diag.gpu_torch import TorchBackend
+            from gpuwatchd.diag.worker.gpu_torch import TorchBackend
 
             return TorchBackend()
         except ImportError as exc:

@@ -11,43 +11,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Literal
 
 from gpuwatchd.config.floors import Floor, Floors, load_floors
-from gpuwatchd.diag.measure import Measurement
+from gpuwatchd.diag.worker.measure import Measurement
+from gpuwatchd.model import DiagOutcome, DiagResult
 
 __all__ = [
-    "DiagResult",
     "Floor",
     "Floors",
-    "Outcome",
     "evaluate",
     "load_floors",
     "verdict",
 ]
-
-Outcome = Literal["pass", "fail", "error", "skipped", "cancelled"]
-
-
-@dataclass(frozen=True)
-class DiagResult:
-    """One check on one GPU: measured, floor, outcome and the floor's source."""
-
-    check: str
-    gpu: str
-    outcome: Outcome
-    measured: float | None
-    unit: str
-    floor: float | None = None
-    floor_source: str = ""
-    detail: str = ""
-    seconds: float = 0.0
-
-    @property
-    def failed(self) -> bool:
-        """True when the check ran and the GPU did not meet it."""
-        return self.outcome == "fail"
 
 
 def _model_of(gpu: str, models: Mapping[str, str]) -> str:
@@ -93,7 +68,7 @@ def evaluate(
             )
             continue
         floor = floors.lookup(m.check, _model_of(m.gpu, models), len(models))
-        outcome: Outcome = "pass"
+        outcome: DiagOutcome = "pass"
         if not m.correct:
             outcome = "fail"
         elif floor is not None and value is not None and value < floor.value:

@@ -20,14 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 from gpuwatchd.clock import Clock
 from gpuwatchd.config import Config
-from gpuwatchd.model import Finding, MetricSpec, Sample, Severity
-from gpuwatchd.sinks.diag_store import failures_by_gpu, last_runs, repeat_offenders
+from gpuwatchd.model import DiagRun, Finding, MetricSpec, Sample, Severity
+from gpuwatchd.sinks.diag import failures_by_gpu, last_runs, repeat_offenders
 from gpuwatchd.sinks.remediation.slurm import SlurmNodes
 from gpuwatchd.sinks.store import EventStore
 from gpuwatchd.state import State
 
 if TYPE_CHECKING:  # a run's machinery loads with the first run, not with the daemon
-    from gpuwatchd.diagnose.run import DiagReport
     from gpuwatchd.sources.diag.runner import WorkerRun
 
 __all__ = [
@@ -109,20 +108,20 @@ def diag_samples(store: EventStore, now: float, inspect_after: int) -> list[Samp
         if run.verdict == "OK" and run.tier not in passed:
             passed.add(run.tier)
             out.append(
-                Sample.of("gpuwatchd_diag_last_pass_timestamp_seconds", run.time, tier=run.tier)
+                Sample.of("gpuwatchd_diag_last_pass_timestamp_seconds", run.started, tier=run.tier)
             )
         for r in run.results:
-            key = (r["check"], r["gpu"])
-            if key in seen or r["outcome"] not in ("pass", "fail"):
+            key = (r.check, r.gpu)
+            if key in seen or r.outcome not in ("pass", "fail"):
                 continue
             seen.add(key)
-            labels = {"check": key[0], "gpu": key[1]}
-            scale = SCALE.get(r["unit"], 1.0)
-            out.append(Sample.of("gpuwatchd_diag_check_passed", r["outcome"] == "pass", **labels))
-            if r["measured"] is not None:
-                out.append(Sample.of("gpuwatchd_diag_measured", r["measured"] * scale, **labels))
-            if r["floor"] is not None:
-                out.append(Sample.of("gpuwatchd_diag_floor", r["floor"] * scale, **labels))
+            labels = {"check": r.check, "gpu": r.gpu}
+            scale = SCALE.get(r.unit, 1.0)
+            out.append(Sample.of("gpuwatchd_diag_check_passed", r.outcome == "pass", **labels))
+            if r.measured is not None:
+                out.append(Sample.of("gpuwatchd_diag_measured", r.measured * scale, **labels))
+            if r.floor is not None:
+                out.append(Sample.of("gpuwatchd_diag_floor", r.floor * scale, **labels))
     per_gpu: dict[str, int] = {}
     for (_check, gpu), n in failures_by_gpu(store, now).items():
         per_gpu[gpu] = per_gpu.get(gpu, 0) + n
@@ -163,7 +162,7 @@ class DiagScheduler:
         self._samples: list[Sample] = []
         self._refreshed = -REFRESH_SECONDS
         self.version = 0
-        self.last_report: DiagReport | None = None
+        self.last_report: DiagRun | None = None
         self._slurm_checked = (-1.0, "")
 
     # --- inputs ---------------------------------------------------------------------
@@ -214,7 +213,7 @@ class DiagScheduler:
             return self.cfg.diag.schedule_tier, "schedule"
         return None
 
-    def tick(self) -> DiagReport | None:
+    def tick(self) -> DiagRun | None:
         """Run what is due if the node is idle; the thread calls this, tests too."""
         now = self._clock.time()
         want = self.due(now)
@@ -226,7 +225,7 @@ class DiagScheduler:
         with self._lock:
             self._running = tier
         self.version += 1
-        from gpuwatchd.diagnose.run import run_recorded
+        from gpuwatchd.diag.run import run_recorded
 
         try:
             report, offenders = run_recorded(
@@ -324,15 +323,13 @@ class DiagScheduler:
             "pending": self._pending,
             "last_runs": [
                 {
-                    "time": r.time,
+                    "time": r.started,
                     "tier": r.tier,
                     "verdict": r.verdict,
                     "trigger": r.trigger,
                     "seconds": r.seconds,
                     "cancelled": r.cancelled,
-                    "failed": [
-                        f"{x['check']}:{x['gpu']}" for x in r.results if x["outcome"] == "fail"
-                    ],
+                    "failed": [f"{x.check}:{x.gpu}" for x in r.failed],
                 }
                 for r in runs
             ],
