@@ -15,8 +15,11 @@ Prometheus would:
 3. hung: the last rank stopped with SIGSTOP, the others blocked in their all_reduce,
    the daemon's hang path (probes, verdict, alert) at work.
 
-What it cannot show: NCCL RAS polls (gloo has none) and multi-GPU NVML polls. Run from
-the repository root, as root, on a machine with an NVIDIA GPU and PyTorch:
+gloo has no NCCL RAS, so the daemon makes no RAS query there. The RAS part is measured
+apart (--ras-queries, default 40): a one-rank NCCL job with its RAS service up, queried
+that many times in this process by the daemon's own client (`sources/hangs/ras.py`), CPU
+per query, and what one query every `ras_poll_interval_seconds` costs. Multi-GPU NVML
+polls it cannot show. Run from the repository root, as root, with an NVIDIA GPU and PyTorch:
 
     python3 tests/gpu/job_cpu.py [--ranks 8] [--seconds 90] [--out result.json]
 
@@ -41,10 +44,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/gpu: its sibling scripts
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2])]
 from cause_kills import firing_hang_alerts, start_daemon, wait_for  # noqa: E402
 from hang_daemon_e2e import free_port, get, no_gpu  # noqa: E402
 from hang_daemon_e2e import job_env as shared_job_env  # noqa: E402
+
+from gpuwatchd.config import Config  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -123,6 +128,55 @@ def worker(run_dir: Path, size: int, matmuls: int, dry_run: bool) -> int:
             print(f"rank {rank} step {n} at {time.monotonic() - t0:.1f} s", flush=True)
 
 
+def ras_cost(queries: int, tmp: Path, interval: float) -> dict[str, Any]:
+    """CPU of the daemon's RAS client per query, against a one-rank NCCL job."""
+    from gpuwatchd.sources.hangs import ras
+
+    run_dir = tmp / "ras1"
+    run_dir.mkdir()
+    addr = f"localhost:{free_port()}"
+    env = dict(os.environ, NCCL_RAS_ADDR=addr, MASTER_ADDR="127.0.0.1")
+    env["MASTER_PORT"] = str(free_port())
+    log = open(tmp / "ras1.log", "wb")  # noqa: SIM115
+    job = subprocess.Popen(
+        [sys.executable, str(HERE / "hang_jobs.py"), "ras1", str(run_dir)],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    log.close()
+    out: dict[str, Any] = {"addr": addr, "queries": queries}
+    try:
+        if not wait_for(time.time() + 120, lambda: (run_dir / "ready").exists()):
+            out["error"] = "the NCCL job was not ready within 120 s"
+            return out
+        time.sleep(2)
+        answers, cpu, wall, size = 0, 0.0, 0.0, 0
+        for _ in range(queries):
+            c0, w0 = time.process_time(), time.monotonic()
+            got = ras.query(addr, timeout=10)
+            cpu += time.process_time() - c0
+            wall += time.monotonic() - w0
+            answers += got.report is not None
+            size = max(size, len(got.text))
+        out.update(
+            answers=answers,
+            cpu_ms_per_query=round(1000 * cpu / queries, 2),
+            wall_ms_per_query=round(1000 * wall / queries, 2),
+            answer_bytes=size,
+            poll_interval_seconds=interval,
+            cpu_percent_of_one_core_per_job=round(100 * cpu / queries / interval, 4),
+        )
+        return out
+    finally:
+        (run_dir / "go-abort").touch()
+        time.sleep(1)
+        if job.poll() is None:
+            job.kill()
+        job.wait(10)
+
+
 def job_env(rank: int, ranks: int, port: int) -> dict[str, str]:
     env = shared_job_env(rank, port)
     env.update(WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks))
@@ -141,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--matmuls", type=int, default=8, help="matmuls per step")
     ap.add_argument("--light", action="store_true", help="cause_kills.py's light ranks")
     ap.add_argument("--logs", default="", help="copy the ranks' and daemon's logs here")
+    ap.add_argument("--ras-queries", type=int, default=40, help="0: no RAS measurement")
     ap.add_argument("--dry-run", action="store_true", help="fake ranks, replayed NVML")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -199,6 +254,12 @@ def main(argv: list[str] | None = None) -> int:
             result["stopped_pid"] = procs[-1].pid
             result["hung"] = phase(daemon.pid, port, args.seconds)
             os.kill(procs[-1].pid, signal.SIGCONT)
+            for p in procs:
+                p.kill()
+                p.wait(10)
+            if args.ras_queries and not args.dry_run:
+                interval = Config().hangs.ras_poll_interval_seconds
+                result["ras"] = ras_cost(args.ras_queries, tmp, interval)
         finally:
             for p in procs:
                 if p.poll() is None:
