@@ -34,8 +34,14 @@ from gpuwatchd.health.hangs.gpu import (
     classify,
 )
 from gpuwatchd.health.hangs.memory import JobMemory, keep_decided, replace_ranks
-from gpuwatchd.health.hangs.ras_view import RasView, job_ras
-from gpuwatchd.health.hangs.verdict import CONDITIONS, JobVerdict, Sighting, build_verdict
+from gpuwatchd.health.hangs.ras_view import JobRas, RasView, job_ras
+from gpuwatchd.health.hangs.verdict import (
+    CONDITIONS,
+    JobVerdict,
+    Sighting,
+    build_verdict,
+    busy_words,
+)
 from gpuwatchd.jobview import JobView, RankView
 
 __all__ = [
@@ -230,6 +236,17 @@ class HangDetector:
         """A kernel is resident on one of the rank's GPUs without working."""
         return any(self._baseline.resident(self._gpus.get(g), self.thresholds) for g in r.gpus)
 
+    def _apart(self, alive: list[RankView], ras: JobRas) -> bool:
+        """The ranks launched different collectives and each one behind waits in another.
+
+        A rank behind whose GPU holds a waiting kernel is not catching up: the ranks sit
+        in different collectives and none can complete. A rank behind that is not here
+        (another node) could be working: not evident from this node.
+        """
+        behind = ras.behind_pids()
+        here = {r.pid: r for r in alive}
+        return bool(behind) and all(p in here and self._kernel_sits(here[p]) for p in behind)
+
     def _recent(self, mem: JobMemory, pid: int, now: float, window: float) -> bool:
         if mem.gpu_working.get(pid):
             return True
@@ -337,6 +354,7 @@ class HangDetector:
             signals["rank_missing"] = "liveness+" + ("cpu" if quiet_cpu else "gpu")
         keep_decided(mem, held, signals, bool(gone or ras_dead), bool(ras_dead), short > 0)
         flat_for = ras.flat_for() if not gone else 0.0
+        evident = False  # every rank blocked, and RAS shows a deadlock (_apart) or teardown
         # Every rank sits in a collective and nothing moves: when RAS then reads the counts
         # flat, the stall dates from here, not from the first answer (asked late at start).
         if alive and not gone and not progressing and collective and not ras.rising():
@@ -355,6 +373,8 @@ class HangDetector:
                     flat_for = max(flat_for, now - since)
                 if confirmed:
                     held["collective_stall"] = since
+                    # RAS tells why no collective can complete: the shorter window
+                    evident = "blocked" in held and (ras.flagged() or self._apart(alive, ras))
                 signals["collective_stall"] = "+".join(
                     ["ras", "io"] + ["gpu"] * resident + ["cpu"] * quiet_cpu
                 )
@@ -393,6 +413,10 @@ class HangDetector:
             "cpu_stall": t.decide_after_seconds,
             "straggler": t.straggler_after_seconds,
         }
+        # ranks busy on the CPU with idle GPUs may compute: wait for the timeout
+        stall_after = t.collective_stall_seconds if collective else timeout
+        if evident:
+            stall_after = need["collective_stall"] = t.collective_deadlock_seconds
         # A held condition falls due at a known time: the monitor probes then, not at
         # the next probe of its cadence (up to probe_interval_seconds later).
         for c in need.keys() & held.keys():
@@ -403,8 +427,7 @@ class HangDetector:
             for c in CONDITIONS
             if c in held
             and (
-                # ranks busy on the CPU with idle GPUs may compute: wait for the timeout
-                flat_for >= (t.collective_stall_seconds if collective else timeout)
+                flat_for >= stall_after
                 if c == "collective_stall"
                 else (c == "rank_dead" and bool(ras_dead)) or now - held[c] >= need[c]
             )
@@ -473,17 +496,5 @@ class HangDetector:
                 held["kernel_stuck"] = held["spinning"]
                 signals["kernel_stuck"] = classify(gpus[0], t)[1] + "+stacks"
                 held.pop("gpu_stall", None)
-                return Sighting(kernel="; ".join(map(_busy, gpus)), where=ev.where)
+                return Sighting(kernel="; ".join(map(busy_words, gpus)), where=ev.where)
         return Sighting()
-
-
-def _busy(g: GpuActivity | None) -> str:
-    """`GPU 0 at 100 % utilisation, SM activity 0.8 %` (power where there is no GPM)."""
-    if g is None:
-        return "GPU ?"
-    text = f"GPU {g.gpu} at {100 * (g.utilization or 0.0):.0f} % utilisation"
-    if g.sm_active is not None:
-        return text + f", SM activity {100 * g.sm_active:.1f} %"
-    if g.power_watts is not None:
-        return text + f", {g.power_watts:.0f} W"
-    return text
