@@ -237,15 +237,15 @@ class HangDetector:
         return any(self._baseline.resident(self._gpus.get(g), self.thresholds) for g in r.gpus)
 
     def _apart(self, alive: list[RankView], ras: JobRas) -> bool:
-        """The ranks launched different collectives and each one behind waits in another.
+        """The ranks launched different collectives and every one behind waits in another.
 
-        A rank behind whose GPU holds a waiting kernel is not catching up: the ranks sit
-        in different collectives and none can complete. A rank behind that is not here
-        (another node) could be working: not evident from this node.
+        A rank behind whose GPU holds a waiting kernel is not catching up (counts that
+        cross have none behind): the ranks sit in different collectives, none can end.
+        A rank behind on another node could be working: not evident from here.
         """
-        behind = ras.behind_pids()
         here = {r.pid: r for r in alive}
-        return bool(behind) and all(p in here and self._kernel_sits(here[p]) for p in behind)
+        behind = ras.behind_pids()
+        return ras.diverge() and all(p in here and self._kernel_sits(here[p]) for p in behind)
 
     def _recent(self, mem: JobMemory, pid: int, now: float, window: float) -> bool:
         if mem.gpu_working.get(pid):
