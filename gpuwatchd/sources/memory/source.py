@@ -181,9 +181,9 @@ class MemorySource:
         if not high or was:
             return []
         some = psi.get("some")
-        where = f"memory cgroup {group}" if group else "the node"
+        where = f"in memory cgroup {group}" if group else "on the node"
         msg = (
-            f"memory pressure on {where}: every task stalled on memory"
+            f"memory pressure {where}: every task stalled on memory"
             f" {100 * full.avg10:.0f} % of the last 10 s"
             + (f" (some: {100 * some.avg10:.0f} %)" if some is not None else "")
         )
