@@ -234,7 +234,7 @@ class NodeFeed:
 
     def _mem_inventory(self) -> GpuInventory:
         procs = tuple(GpuProcess(pid=p) for p in self._mem_pids)
-        bus = self.bus[self.target_gpu]
+        bus = self.bus.get(self.target_gpu, "")
         return GpuInventory((Gpu(index=self.target_gpu, pci_bus_id=bus, processes=procs),))
 
     def _thrash(self, group: Path) -> None:
