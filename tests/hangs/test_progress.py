@@ -324,7 +324,9 @@ def _stall_at(script: Script, until: float = 90) -> tuple[float, JobVerdict]:
 
 def test_ranks_in_different_collectives_page_on_the_shorter_window() -> None:
     # rank 0 launched one all_reduce more; rank 1, behind, waits in another collective
-    # (a kernel sits on its GPU): RAS shows why none can complete, 15 s of flat counts
+    # (a kernel sits on its GPU): RAS shows why none can complete. Every rank waits from
+    # the NVML poll at +10 s; RAS, asked again at once, confirms at +15 s; 15 s later it
+    # pages (the 30 s window read +39 s here)
     def unbalanced(t: float, s: Sim) -> None:
         if t == 1:
             s.rising = False
@@ -333,7 +335,7 @@ def test_ranks_in_different_collectives_page_on_the_shorter_window() -> None:
                 r.gpu = dict(SPIN)
 
     t, v = _stall_at(unbalanced)
-    assert t <= 27 and v.severity == "critical" and "differ between ranks" in v.reason
+    assert t <= 30 and v.severity == "critical" and "differ between ranks" in v.reason
 
 
 def test_a_communicator_torn_down_with_flat_counts_pages_on_the_shorter_window() -> None:
@@ -345,7 +347,7 @@ def test_a_communicator_torn_down_with_flat_counts_pages_on_the_shorter_window()
                 r.cpu, r.gpu = 0.0, dict(IDLE)
 
     t, v = _stall_at(destroy)
-    assert t <= 27 and v.severity == "critical"
+    assert t <= 30 and v.severity == "critical"
 
 
 def test_a_rank_behind_on_another_node_waits_for_the_full_window() -> None:

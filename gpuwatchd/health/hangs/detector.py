@@ -56,17 +56,11 @@ __all__ = [
 ]
 
 FORGET_GONE_SECONDS = 300.0
-# held from first seen ("blocked": every rank in a collective, nothing moving; no verdict;
-# "rendezvous", "spinning": the shapes early.py's stack evidence decides on)
-_ONSET = (
-    "rank_missing",
-    "straggler",
-    "gpu_stall",
-    "cpu_stall",
-    "blocked",
-    "rendezvous",
-    "spinning",
-)
+# held from first seen ("blocked": every rank in a collective, nothing moving; "waiting":
+# the same while RAS counts rose at the last answer; no verdict; "rendezvous", "spinning":
+# the shapes early.py's stack evidence decides on)
+_ONSET = ("rank_missing", "straggler", "gpu_stall", "cpu_stall", "blocked", "waiting")
+_ONSET += ("rendezvous", "spinning")
 _EARLY = {"rendezvous": "rendezvous", "spinning": "synchronize"}  # shape -> evidence kind
 
 
@@ -147,7 +141,7 @@ class HangDetector:
             if m.gone
             or m.ras.missing
             or m.ras.flat_for() > 0
-            or {"blocked", "cpu_stall", "gpu_stall"} & set(m.onset)
+            or {"blocked", "waiting", "cpu_stall", "gpu_stall"} & set(m.onset)
         ]
 
     def wants_stacks(self) -> list[str]:
@@ -354,11 +348,13 @@ class HangDetector:
             signals["rank_missing"] = "liveness+" + ("cpu" if quiet_cpu else "gpu")
         keep_decided(mem, held, signals, bool(gone or ras_dead), bool(ras_dead), short > 0)
         flat_for = ras.flat_for() if not gone else 0.0
-        evident = False  # every rank blocked, and RAS shows a deadlock (_apart) or teardown
+        evident = False  # counts flat and RAS shows why (_apart, or a torn communicator)
         # Every rank sits in a collective and nothing moves: when RAS then reads the counts
         # flat, the stall dates from here, not from the first answer (asked late at start).
-        if alive and not gone and not progressing and collective and not ras.rising():
-            held["blocked"] = mem.onset.get("blocked", now)
+        if alive and not gone and not progressing and collective:
+            # counts that rose at the last answer: ask RAS again soon (doubtful), not blocked
+            key = "waiting" if ras.rising() else "blocked"
+            held[key] = mem.onset.get(key, now)
         if not young and not gone:
             flat = flat_for > 0 and ras.counts_since is not None
             if flat and not progressing and (collective or cpu_phase):
@@ -373,7 +369,8 @@ class HangDetector:
                     flat_for = max(flat_for, now - since)
                 if confirmed:
                     held["collective_stall"] = since
-                    # RAS tells why no collective can complete: the shorter window
+                    # RAS shows why none can complete: a shorter wait, from when every rank
+                    # began to wait (not from counts flat during a pause)
                     evident = "blocked" in held and (ras.flagged() or self._apart(alive, ras))
                 signals["collective_stall"] = "+".join(
                     ["ras", "io"] + ["gpu"] * resident + ["cpu"] * quiet_cpu
@@ -415,19 +412,19 @@ class HangDetector:
         }
         # ranks busy on the CPU with idle GPUs may compute: wait for the timeout
         stall_after = t.collective_stall_seconds if collective else timeout
-        if evident:
-            stall_after = need["collective_stall"] = t.collective_deadlock_seconds
+        deadlock = evident and now - held["blocked"] >= t.collective_deadlock_seconds
         # A held condition falls due at a known time: the monitor probes then, not at
         # the next probe of its cadence (up to probe_interval_seconds later).
-        for c in need.keys() & held.keys():
-            if held[c] + need[c] > now:
-                self._due = min(self._due or float("inf"), held[c] + need[c])
+        dues = [held[c] + need[c] for c in need.keys() & held.keys()]
+        dues += [held["blocked"] + t.collective_deadlock_seconds] if evident else []
+        for at in (d for d in dues if d > now):
+            self._due = min(self._due or float("inf"), at)
         decided = tuple(
             c
             for c in CONDITIONS
             if c in held
             and (
-                flat_for >= stall_after
+                flat_for >= stall_after or deadlock
                 if c == "collective_stall"
                 else (c == "rank_dead" and bool(ras_dead)) or now - held[c] >= need[c]
             )
