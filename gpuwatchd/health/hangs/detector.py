@@ -59,8 +59,8 @@ FORGET_GONE_SECONDS = 300.0
 # held from first seen ("blocked": every rank in a collective, nothing moving; "waiting":
 # the same while RAS counts rose at the last answer; no verdict; "rendezvous", "spinning":
 # the shapes early.py's stack evidence decides on)
-_ONSET = ("rank_missing", "straggler", "gpu_stall", "cpu_stall", "blocked", "waiting")
-_ONSET += ("rendezvous", "spinning")
+_ONSET: tuple[str, ...] = ("rank_missing", "straggler", "gpu_stall", "cpu_stall", "blocked")
+_ONSET += ("waiting", "rendezvous", "spinning")
 _EARLY = {"rendezvous": "rendezvous", "spinning": "synchronize"}  # shape -> evidence kind
 
 
