@@ -134,7 +134,7 @@ class HangDetector:
         return [v for v in self._verdicts if v.suspected]
 
     def doubtful(self) -> list[str]:
-        """Jobs worth asking RAS sooner: a rank gone, RAS missing a rank, or counts flat."""
+        """Jobs worth asking RAS sooner: a rank gone or missing, counts flat, every rank waiting."""
         return [
             key
             for key, m in self._jobs.items()
