@@ -1,7 +1,8 @@
 """The hang detector and its cause join as a user judges them: an open fault-injection benchmark.
 
 Faults: every real hang recording of tests/fixtures/hangs (kind "hang" in its
-expect.json) replayed through the hang monitor on a FakeClock at NVML poll
+expect.json; not those synthesized from others) replayed through the hang monitor
+on a FakeClock with the `hangs:` keys its expect.json names, at its NVML poll
 phases, each combined with one injected node event per cause class
 (benchmarks/cause_faults.py: real kernel lines of tests/fixtures/kmsg parsed by
 the kernel log source's parsers; the real InfiniBand and AER sources polling a
@@ -96,8 +97,12 @@ class Outcome:
 
 
 def recordings(kind: str) -> list[str]:
+    """The real recordings of `kind`; those synthesized from others (PROVENANCE.md) are not."""
     out = []
     for path in sorted(glob.glob(os.path.join(FIXTURES, "*", "expect.json"))):
+        prov = Path(path).parent / "PROVENANCE.md"
+        if prov.exists() and "SYNTHESIZED" in prov.read_text().split("\n", 1)[0]:
+            continue
         if Expect.load(path).kind == kind:
             out.append(os.path.dirname(path))
     return out
@@ -137,6 +142,7 @@ def replay(
 ) -> Outcome:
     """One recording at one NVML phase, with one fault of `kind` ("" for none) and noise."""
     trace = Trace(directory)
+    want = Expect.load(os.path.join(directory, "expect.json"))  # its hangs_config (stacks)
     rows = trace.samples()
     t_first, t_last = rows[0][0], rows[-1][0]
     origin = trace.hang_start if trace.hang_start is not None else trace.origin
@@ -152,7 +158,7 @@ def replay(
         feed.inject(kind, origin + offset, pid)
     out = Outcome(simulated=t_last - t_first)
     opened: set[tuple[object, float]] = set()
-    with replaying(tmp, trace, phase) as node:
+    with replaying(tmp, trace, phase, want.config()) as node:
         monitor = node.monitor
         for t, ranks in rows:
             node.clock.advance(t - node.clock.time())
@@ -161,6 +167,7 @@ def replay(
                 monitor.on_publish(EMPTY, src, events)
                 out.cpu += time.thread_time() - c0
             _step(node, trace, t, ranks, out)
+            monitor.run_pending()  # the forensics thread's work (early stacks), in this one
             found = monitor.findings()
             if not found:
                 continue

@@ -20,11 +20,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpuwatchd.config import Config
-from gpuwatchd.model import Event, Gpu, GpuInventory, GpuPlace, Sample, SourceSnapshot, Topology
+from gpuwatchd.model import (
+    Event,
+    Gpu,
+    GpuInventory,
+    GpuPlace,
+    GpuProcess,
+    Sample,
+    SourceSnapshot,
+    Topology,
+)
 from gpuwatchd.sources.aer.source import AerSource
 from gpuwatchd.sources.infiniband.source import InfinibandSource
 from gpuwatchd.sources.kmsg.parse import parse_line
 from gpuwatchd.sources.kmsg.process_kills import KillParser, to_event
+from gpuwatchd.sources.memory.source import MemorySource
 
 ROOT = Path(__file__).resolve().parent.parent
 KMSG = ROOT / "tests" / "fixtures" / "kmsg"
@@ -43,7 +53,24 @@ INTERVALS = {
     "infiniband": _CFG.infiniband.interval,
     "aer": _CFG.aer.interval,
     "shm": _CFG.shm.interval,
+    "memory": _CFG.memory.interval,
 }
+# The memory files in the kernel's formats (Documentation/accounting/psi.rst; cgroup v2's
+# memory.events keys): a quiet node, and a pod's group thrashing at its memory.max.
+PSI_QUIET = (
+    "some avg10=0.00 avg60=0.00 avg300=0.00 total={}\n"
+    "full avg10=0.00 avg60=0.00 avg300=0.00 total={}\n"
+)
+PSI_THRASH = (
+    "some avg10=71.32 avg60=40.18 avg300=12.05 total={}\n"
+    "full avg10=52.77 avg60=30.02 avg300=8.93 total={}\n"
+)
+MEMORY_EVENTS = "low 0\nhigh {high}\nmax {max}\noom 0\noom_kill 0\noom_group_kill 0\n"
+POD_GROUP = (
+    "/kubepods.slice/kubepods-burstable.slice/"
+    "kubepods-burstable-pod0d8f5a4e_2c1b_4f6e_9a7d_3b5c8e1f2a60.slice/"
+    "cri-containerd-4f1d2c3b5a6e7d8c9b0a1f2e3d4c5b6a7f8e9d0c1b2a3f4e5d6c7b8a9f0e1d2c.scope"
+)
 
 
 def kernel_line(name: str, index: int) -> str:
@@ -79,6 +106,7 @@ CLASSES = (
     "infiniband",
     "pcie",
     "shm_full",
+    "memory_pressure",
     "thermal",
 )
 PID_CLASSES = frozenset({"oom_kill", "segfault", "trap", "hung_task"})
@@ -131,7 +159,14 @@ class NodeFeed:
         self._shm_avail = 48 * 2**30
         self.phase = {s: rng.uniform(0, i) for s, i in INTERVALS.items()}
         self.start = start
-        self._next_poll = {s: start + self.phase[s] for s in ("nvml", "infiniband", "aer", "shm")}
+        polled = ("nvml", "infiniband", "aer", "shm", "memory")
+        self._next_poll = {s: start + self.phase[s] for s in polled}
+        # memory: the node's PSI and the target rank's memory cgroup (once a fault names it)
+        self.proc, self.cgroup = tmp / "mem" / "proc", tmp / "mem" / "cgroup"
+        (self.proc / "pressure").mkdir(parents=True, exist_ok=True)
+        (self.proc / "pressure" / "memory").write_text(PSI_QUIET.format(1_204_117, 310_552))
+        self._mem_pids: list[int] = []
+        self.memory = MemorySource(str(self.proc), str(self.cgroup), self._mem_inventory)
         # NVLink: every GPU of the board a peer of every other (NVSwitch), as on HGX
         places = tuple(
             GpuPlace(g, "", peers=tuple((o, "NV18") for o in range(8) if o != g)) for g in range(8)
@@ -185,7 +220,26 @@ class NodeFeed:
         if kind == "shm_full":
             self._later(at, lambda: setattr(self, "_shm_avail", 0))
             return self._poll_after("shm", at)
+        if kind == "memory_pressure":  # the rank's pod group thrashes at its limit
+            group = self.cgroup / POD_GROUP.lstrip("/")
+            group.mkdir(parents=True, exist_ok=True)
+            (group / "memory.pressure").write_text(PSI_QUIET.format(88_410, 20_118))
+            (group / "memory.events").write_text(MEMORY_EVENTS.format(high=0, max=0))
+            (self.proc / str(pid)).mkdir(parents=True, exist_ok=True)
+            (self.proc / str(pid) / "cgroup").write_text(f"0::{POD_GROUP}\n")
+            self._mem_pids.append(pid)
+            self._later(at, lambda: self._thrash(group))
+            return self._poll_after("memory", at)
         raise ValueError(kind)
+
+    def _mem_inventory(self) -> GpuInventory:
+        procs = tuple(GpuProcess(pid=p) for p in self._mem_pids)
+        bus = self.bus.get(self.target_gpu, "")
+        return GpuInventory((Gpu(index=self.target_gpu, pci_bus_id=bus, processes=procs),))
+
+    def _thrash(self, group: Path) -> None:
+        (group / "memory.pressure").write_text(PSI_THRASH.format(19_842_500, 14_208_930))
+        (group / "memory.events").write_text(MEMORY_EVENTS.format(high=0, max=2813))
 
     def _ib_down(self) -> None:
         port = self.sys / IB_PORT.relative_to(SYS)
@@ -261,6 +315,12 @@ class NodeFeed:
                 continue
             at, name = min(polls)
             self._next_poll[name] = at + INTERVALS[name]
+            if name == "memory":
+                got = self.memory.poll(at)
+                samples = tuple(s for s in got if isinstance(s, Sample))
+                events = tuple(e for e in got if isinstance(e, Event))
+                out.append((SourceSnapshot("memory", samples, True, timestamp=at), events))
+                continue
             out.append((self._poll(name, at), ()))
 
     def _poll(self, name: str, at: float) -> SourceSnapshot:

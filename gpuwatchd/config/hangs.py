@@ -38,6 +38,13 @@ class HangsConfig:
     collective_stall_seconds: float = opt(
         30.0, "NCCL RAS collective counts flat this long, no rank progressing: a stall", min=10
     )
+    collective_deadlock_seconds: float = opt(
+        15.0,
+        "collective counts flat this long, every rank waiting, when RAS shows why none can"
+        " complete (ranks behind waiting in another collective; a communicator destroyed,"
+        " aborted or failed): a stall",
+        min=10,
+    )
     straggler_after_seconds: float = opt(
         60.0, "some ranks progress while the others wait this long: a warning", min=5
     )

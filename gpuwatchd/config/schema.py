@@ -32,6 +32,7 @@ __all__ = [
     "InfinibandConfig",
     "KmsgConfig",
     "KubernetesRemediationConfig",
+    "MemoryConfig",
     "NvmlConfig",
     "PathsConfig",
     "RemediationConfig",
@@ -73,6 +74,9 @@ class PathsConfig:
     sysfs: str = opt("/sys", "root of sysfs (tests and containers point it elsewhere)")
     procfs: str = opt("/proc", "root of procfs")
     dev_shm: str = opt("/dev/shm", "the host's /dev/shm")
+    cgroupfs: str = opt(
+        "/sys/fs/cgroup", "the cgroup v2 hierarchy (memory.events, memory.pressure)"
+    )
     kmsg: str = opt("/dev/kmsg", "kernel log device")
     boot_id: str = opt(
         "/proc/sys/kernel/random/boot_id", "file holding this boot's id (kmsg cursor)"
@@ -165,6 +169,24 @@ class ShmConfig:
         0.9, "warn when this fraction of /dev/shm bytes or inodes is used", min=0, max=1
     )
     status_segments: int = opt(50, "at most this many segments listed in /status", min=0)
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    enabled: bool = opt(
+        True, "read memory pressure (PSI) of the node and of the GPU processes' memory cgroups"
+    )
+    interval: float = opt(10.0, "seconds between polls", min=0.1, max=3600)
+    full_pressure_ratio: float = opt(
+        0.1,
+        "PSI full avg10 (every task stalled on memory) at or above this share of time is"
+        " memory pressure that can stall a job (an event, and a cause of a hang)",
+        min=0.01,
+        max=1,
+    )
+    job_cgroups: bool = opt(
+        True, "also read memory.events and memory.pressure of each GPU process's cgroup v2 group"
+    )
 
 
 @dataclass(frozen=True)
@@ -262,6 +284,7 @@ class SourcesConfig:
     nvml: NvmlConfig = section(NvmlConfig, "NVIDIA Management Library")
     kmsg: KmsgConfig = section(KmsgConfig, "kernel log (Xid, SXid)")
     shm: ShmConfig = section(ShmConfig, "/dev/shm")
+    memory: MemoryConfig = section(MemoryConfig, "memory pressure (PSI, memory cgroups)")
     infiniband: InfinibandConfig = section(InfinibandConfig, "InfiniBand ports")
     aer: AerConfig = section(AerConfig, "PCIe Advanced Error Reporting counters")
     udev: UdevConfig = section(UdevConfig, "hotplug events")

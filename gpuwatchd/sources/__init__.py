@@ -75,6 +75,7 @@ def _registry() -> dict[str, SourceSpec]:
     from gpuwatchd.sources.aer import source as aer
     from gpuwatchd.sources.infiniband import source as infiniband
     from gpuwatchd.sources.kmsg import source as kmsg
+    from gpuwatchd.sources.memory import source as memory
     from gpuwatchd.sources.nvml import source as nvml
     from gpuwatchd.sources.shm import source as shm
     from gpuwatchd.sources.workloads import source as workloads
@@ -83,6 +84,7 @@ def _registry() -> dict[str, SourceSpec]:
         "nvml": SourceSpec(nvml.NvmlSource.from_config, True, nvml.METRICS),
         "kmsg": SourceSpec(kmsg.KmsgSource.from_config, True, kmsg.METRICS),
         "shm": SourceSpec(shm.ShmSource.from_config, True, shm.METRICS),
+        "memory": SourceSpec(memory.MemorySource.from_config, True, memory.METRICS),
         "infiniband": SourceSpec(infiniband.InfinibandSource.from_config, True, infiniband.METRICS),
         "aer": SourceSpec(aer.AerSource.from_config, True, aer.METRICS),
         "udev": SourceSpec(udev.UdevSource.from_config, True, udev.METRICS),

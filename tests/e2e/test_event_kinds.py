@@ -64,6 +64,19 @@ def _store_every_kind(path: Path) -> None:
                 "s1",
                 1,
             ),
+            # the memory source: pressure in a GPU process's memory cgroup
+            (
+                Event(
+                    "memory_pressure",
+                    "memory",
+                    now,
+                    message="memory cgroup /job_7 hit its memory limit (memory.events oom 0->1)",
+                    severity=Severity.WARNING,
+                    attrs=(*boot, ("scope", "cgroup"), ("cgroup", "/job_7"), ("pids", "4242")),
+                ),
+                "m1",
+                1,
+            ),
             (Event("unclean_restart", "daemon", now, 1, severity=Severity.WARNING), "u1", 1),
         ]
     )

@@ -22,7 +22,7 @@ GOLDEN = FIXTURES / "e2e-output.txt"
 # Series whose values depend on the machine or the moment, not on the inputs.
 VOLATILE = re.compile(
     r"^(process_\w+|gpuwatchd_(build_info|\w+_duration_seconds|\w+_timestamp_seconds|shm_\w+|"
-    r"udev_\w+|kmsg_\w+))"
+    r"udev_\w+|kmsg_\w+|memory_\w+))"
 )
 
 

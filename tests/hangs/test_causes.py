@@ -213,6 +213,47 @@ def test_a_fatal_aer_error_on_the_switch_above_the_gpu_is_the_cause(tmp_path: Pa
     assert "PCIe AER fatal errors 0->1 on 0000:18:00.0 (bridge)" in cause.text
 
 
+def test_the_ranks_memory_cgroup_thrashing_is_the_cause(tmp_path: Path) -> None:
+    """The real memory source reads the rank's pod group (kernel formats) in the feed."""
+    cause = _joined(_feed(tmp_path, "memory_pressure", target_gpu=1), JOB).cause
+    assert cause is not None and (cause.kind, cause.rank, cause.affinity) == (
+        "memory_pressure",
+        1,
+        "cgroup",
+    )
+    assert cause.text.startswith("rank 1 (pid 4242): memory pressure in memory cgroup /kubepods")
+    assert "every task stalled on memory 53 % of the last 10 s" in cause.text
+
+
+def _memory_event(scope_pids: str, at: float) -> Event:
+    attrs = [("scope", "cgroup" if scope_pids else "node"), ("raw", "full avg10=52.77")]
+    if scope_pids:
+        attrs += [("cgroup", "/job_7/step_0"), ("pids", scope_pids)]
+    return Event(
+        "memory_pressure", "memory", at, message="memory pressure on the node", attrs=tuple(attrs)
+    )
+
+
+def test_memory_pressure_joins_the_node_or_only_its_own_cgroups_ranks() -> None:
+    mem = memory()
+    mem.note(None, (_memory_event("777,778", T0 - 3),), T0)  # another job's group
+    inc = mem.incident(JOB, dead())
+    assert inc.cause is None
+    assert "memory pressure (PSI) of the node and of the ranks' memory cgroups" in inc.headline()
+    mem.note(None, (_memory_event("", T0 - 4),), T0)  # the node's PSI
+    cause = mem.incident(JOB, dead()).cause
+    assert cause is not None and (cause.kind, cause.rank, cause.affinity) == (
+        "memory_pressure",
+        None,
+        "node",
+    )
+    assert cause.text == "memory pressure on the node 4.0 s before the job stopped"
+    # a kill of the rank itself still ranks first
+    mem.note(None, (kernel_event("oom_kill", 4242, T0 - 2.1),), T0)
+    first = mem.incident(JOB, dead()).cause
+    assert first is not None and first.kind == "oom_kill"
+
+
 def test_the_incident_is_in_the_alert_hang_show_and_the_record() -> None:
     mem = memory()
     mem.note(None, (kernel_event("oom_kill", 4242, T0 - 2.1),), T0)

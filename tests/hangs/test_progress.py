@@ -7,10 +7,21 @@ recorded on 2x H100 (NCCL 2.28.9) before and after rank 1 was SIGKILLed.
 
 from __future__ import annotations
 
-from gpuwatchd.health.hangs.detector import HangDetector, HangThresholds
+from gpuwatchd.health.hangs.detector import HangDetector, HangThresholds, JobVerdict
 from gpuwatchd.health.hangs.ras_view import RasView
 from gpuwatchd.jobview import JobView, RankView, RasReport
-from tests.hangs.sim import BASE, IDLE, SPIN, TRAIN, Rank, Sim, first, recorded_answers
+from tests.hangs.sim import (
+    BASE,
+    IDLE,
+    SPIN,
+    TRAIN,
+    Rank,
+    Script,
+    Sim,
+    first,
+    recorded_answers,
+    report,
+)
 
 
 def _pair(**kw: object) -> list[Rank]:
@@ -301,3 +312,66 @@ def test_a_young_job_hung_before_the_ras_grace_is_flagged_within_60_s() -> None:
 
     found = first(sim.run(100, destroy))
     assert found is not None and found[0] - 10 < 60 and "cpu_stall" in found[1].conditions
+
+
+def _stall_at(script: Script, until: float = 90) -> tuple[float, JobVerdict]:
+    sim = Sim(_pair())
+    sim.run(0)
+    found = first(sim.run(until, script), "collective_stall")
+    assert found is not None
+    return found
+
+
+def test_ranks_in_different_collectives_page_on_the_shorter_window() -> None:
+    # rank 0 launched one all_reduce more; rank 1, behind, waits in another collective
+    # (a kernel sits on its GPU): RAS shows why none can complete. Every rank waits from
+    # the NVML poll at +10 s; RAS, asked again at once, confirms at +15 s; 15 s later it
+    # pages (the 30 s window read +39 s here)
+    def unbalanced(t: float, s: Sim) -> None:
+        if t == 1:
+            s.rising = False
+            s.counts[0]["AllReduce"] += 1
+            for r in s.ranks:
+                r.gpu = dict(SPIN)
+
+    t, v = _stall_at(unbalanced)
+    assert t <= 30 and v.severity == "critical" and "differ between ranks" in v.reason
+
+
+def test_a_communicator_torn_down_with_flat_counts_pages_on_the_shorter_window() -> None:
+    def destroy(t: float, s: Sim) -> None:
+        if t == 1:
+            s.rising = False
+            s.flags = {"finalize_called": True}
+            for r in s.ranks:
+                r.cpu, r.gpu = 0.0, dict(IDLE)
+
+    t, v = _stall_at(destroy)
+    assert t <= 30 and v.severity == "critical"
+
+
+def test_a_rank_behind_on_another_node_waits_for_the_full_window() -> None:
+    # the rank behind is not here: it may write a checkpoint; only 30 s of flat counts
+    def remote_behind(t: float, s: Sim) -> None:
+        if t == 1:
+            s.rising = False
+            counts = {k: dict(v) for k, v in s.counts.items()}
+            counts[2] = {"AllReduce": counts[0]["AllReduce"] - 1}
+            s.answer = report(counts, {0: 593, 1: 594, 2: 9999})
+            for r in s.ranks:
+                r.gpu = dict(SPIN)
+
+    t, v = _stall_at(remote_behind)
+    assert t >= 30 and v.severity == "critical"
+
+
+def test_flat_equal_counts_with_every_rank_waiting_wait_for_the_full_window() -> None:
+    # the same collective on every rank, nothing flagged: RAS does not say why
+    def same(t: float, s: Sim) -> None:
+        if t == 1:
+            s.rising = False
+            for r in s.ranks:
+                r.gpu = dict(SPIN)
+
+    t, _ = _stall_at(same)
+    assert t >= 30

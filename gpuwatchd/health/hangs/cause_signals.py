@@ -35,6 +35,7 @@ CAUSE_KINDS = (
     "pcie",  # AER fatal/non-fatal on the GPU's PCIe path, or its link width dropped
     "hung_task",  # a rank blocked in the kernel (D state) past the hung-task limit
     "shm_full",  # /dev/shm full: NCCL's shared-memory transport cannot allocate
+    "memory_pressure",  # the node or the rank's memory cgroup stalls on memory, or hit its limit
     "thermal",  # a thermal or power-brake slowdown of the rank's GPU
 )
 # What the join looked at, by the source that feeds it (for "no cause seen on this node").
@@ -45,6 +46,7 @@ LOOKED_AT: Mapping[str, str] = {
     "infiniband": "InfiniBand/RoCE ports near the GPUs (state, rate, link_downed, symbol_error)",
     "aer": "PCIe AER of the GPUs, their NICs and bridges up to the root port",
     "shm": "/dev/shm",
+    "memory": "memory pressure (PSI) of the node and of the ranks' memory cgroups",
 }
 XID_KINDS = {79: "gpu_lost", 48: "ecc_uncorrectable", 94: "ecc_uncorrectable"}
 XID_KINDS |= {95: "ecc_uncorrectable", 64: "row_remap_failure", 74: "nvlink"}
@@ -68,6 +70,7 @@ class NodeSignal:
     gpus: frozenset[str] = frozenset()  # GPU indexes it is near; empty with pid or node_wide
     gpu: str = ""  # the GPU it happened on, when on one (an NVLink peer's link: the peer)
     pid: int | None = None  # the process it is about (kills; an Xid's pid)
+    pids: frozenset[int] = frozenset()  # the processes of the memory cgroup it is about
     node_wide: bool = False  # touches every rank (/dev/shm)
     evidence: str = ""  # the kernel line, or the counter's values
     incident: str = ""  # the `incident` label of the alert it shares (Xids)
@@ -113,16 +116,16 @@ class SignalReader:
             sig = self._of_event(ev)
             if sig is not None and self._first_report(sig):
                 self._add(sig)
-            if ev.source == "kmsg":
-                self.sources.add("kmsg")
+            if ev.source in ("kmsg", "memory"):
+                self.sources.add(ev.source)
 
     def note_source(self, src: SourceSnapshot) -> None:
         """One source's new poll: its watched series against their previous values."""
         name = src.source
-        if name not in ("nvml", "infiniband", "aer", "shm", "kmsg") or not src.ok:
+        if name not in ("nvml", "infiniband", "aer", "shm", "kmsg", "memory") or not src.ok:
             return
         self.sources.add(name)
-        if self._stamps.get(name) == src.timestamp or name == "kmsg":
+        if self._stamps.get(name) == src.timestamp or name in ("kmsg", "memory"):
             return
         self._stamps[name] = src.timestamp
         if name == "nvml" and src.inventory is not None:
@@ -159,6 +162,18 @@ class SignalReader:
                 where=f"pid {k.pid}",
                 time=ev.time,
                 pid=k.pid,
+                evidence=ev.attr("raw") or ev.message,
+            )
+        if ev.kind == "memory_pressure":  # the memory source decided it (events only)
+            group = ev.attr("cgroup")
+            pids = frozenset(int(p) for p in ev.attr("pids").split(",") if p.isdigit())
+            return NodeSignal(
+                kind="memory_pressure",
+                what=ev.message,
+                where="",  # the message names the group or the node
+                time=ev.time,
+                pids=pids,
+                node_wide=not group,
                 evidence=ev.attr("raw") or ev.message,
             )
         if ev.kind not in ("xid", "sxid") or ev.code is None:

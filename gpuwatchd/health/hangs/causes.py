@@ -3,15 +3,16 @@
 The monitor runs on the consumer thread, which sees every publish; its
 `CauseMemory` keeps the node signals of the last `WINDOW_SECONDS`
 (cause_signals.py: the kernel killing a rank, Xids, a GPU lost, ECC, NVLink,
-InfiniBand, PCIe AER, /dev/shm, slowdowns). When a job hangs it joins them to
-the job by affinity (the rank's pid; its GPU; the GPU's NVLink peers; the NICs
-near it; the PCIe functions from the GPU up to its root port; the node for
-/dev/shm) and by time, relative to the verdict's `since` (when the first rank
-stalled or died): from `LOOKBACK_SECONDS` before to `LATE_SECONDS` after
-(a counter polled every 10-30 s reports its change after the fact). The
-`Incident` ranks the causes (kind, then a rank that died before one that
-waits, then the nearest in time): the first is the cause, the rest are
-alternatives; with none it says which signals were looked at.
+InfiniBand, PCIe AER, /dev/shm, memory pressure, slowdowns). When a job hangs it
+joins them to the job by affinity (the rank's pid; its GPU; the GPU's NVLink
+peers; the NICs near it; the PCIe functions from the GPU up to its root port;
+the rank's memory cgroup; the node for /dev/shm and the node's memory pressure)
+and by time, relative to the verdict's `since` (when the first rank stalled or
+died): from `LOOKBACK_SECONDS` before to `LATE_SECONDS` after (a counter polled
+every 10-30 s reports its change after the fact). The `Incident` ranks the
+causes (kind, then a rank that died before one that waits, then the nearest in
+time): the first is the cause, the rest are alternatives; with none it says
+which signals were looked at.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class Cause:
     offset_seconds: float  # at - the verdict's since: < 0 before the first rank stopped
     rank: int | None = None  # the rank it hit (None: the job's, not one rank's)
     pid: int | None = None
-    affinity: str = ""  # how it joins: pid, gpu, nvlink_peer, nic, pcie_path, node
+    affinity: str = ""  # how it joins: pid, gpu, nvlink_peer, nic, pcie_path, cgroup, node
     evidence: str = ""  # the kernel line or the counter's values
     incident: str = ""  # the alert label it shares with its own alert (Xids)
 
@@ -170,8 +171,10 @@ class CauseMemory:
         for r in ordered:
             if sig.pid is not None and sig.pid == r.pid:
                 return r, "pid"
-        if sig.kind in KILLS:
-            return None  # another process's: not this job's
+            if r.pid in sig.pids:
+                return r, "cgroup"
+        if sig.kind in KILLS or sig.pids:
+            return None  # another process's (or memory cgroup's): not this job's
         for r in ordered:
             if sig.gpus & set(r.gpus):
                 if sig.kind == "nvlink" and sig.gpu not in r.gpus:

@@ -34,8 +34,14 @@ from gpuwatchd.health.hangs.gpu import (
     classify,
 )
 from gpuwatchd.health.hangs.memory import JobMemory, keep_decided, replace_ranks
-from gpuwatchd.health.hangs.ras_view import RasView, job_ras
-from gpuwatchd.health.hangs.verdict import CONDITIONS, JobVerdict, Sighting, build_verdict
+from gpuwatchd.health.hangs.ras_view import JobRas, RasView, job_ras
+from gpuwatchd.health.hangs.verdict import (
+    CONDITIONS,
+    JobVerdict,
+    Sighting,
+    build_verdict,
+    busy_words,
+)
 from gpuwatchd.jobview import JobView, RankView
 
 __all__ = [
@@ -50,17 +56,11 @@ __all__ = [
 ]
 
 FORGET_GONE_SECONDS = 300.0
-# held from first seen ("blocked": every rank in a collective, nothing moving; no verdict;
-# "rendezvous", "spinning": the shapes early.py's stack evidence decides on)
-_ONSET = (
-    "rank_missing",
-    "straggler",
-    "gpu_stall",
-    "cpu_stall",
-    "blocked",
-    "rendezvous",
-    "spinning",
-)
+# held from first seen ("blocked": every rank in a collective, nothing moving; "waiting":
+# the same while RAS counts rose at the last answer; no verdict; "rendezvous", "spinning":
+# the shapes early.py's stack evidence decides on)
+_ONSET: tuple[str, ...] = ("rank_missing", "straggler", "gpu_stall", "cpu_stall", "blocked")
+_ONSET += ("waiting", "rendezvous", "spinning")
 _EARLY = {"rendezvous": "rendezvous", "spinning": "synchronize"}  # shape -> evidence kind
 
 
@@ -134,14 +134,14 @@ class HangDetector:
         return [v for v in self._verdicts if v.suspected]
 
     def doubtful(self) -> list[str]:
-        """Jobs worth asking RAS sooner: a rank gone, RAS missing a rank, or counts flat."""
+        """Jobs worth asking RAS sooner: a rank gone or missing, counts flat, every rank waiting."""
         return [
             key
             for key, m in self._jobs.items()
             if m.gone
             or m.ras.missing
             or m.ras.flat_for() > 0
-            or {"blocked", "cpu_stall", "gpu_stall"} & set(m.onset)
+            or {"blocked", "waiting", "cpu_stall", "gpu_stall"} & set(m.onset)
         ]
 
     def wants_stacks(self) -> list[str]:
@@ -229,6 +229,17 @@ class HangDetector:
     def _kernel_sits(self, r: RankView) -> bool:
         """A kernel is resident on one of the rank's GPUs without working."""
         return any(self._baseline.resident(self._gpus.get(g), self.thresholds) for g in r.gpus)
+
+    def _apart(self, alive: list[RankView], ras: JobRas) -> bool:
+        """The ranks launched different collectives and every one behind waits in another.
+
+        A rank behind whose GPU holds a waiting kernel is not catching up (counts that
+        cross have none behind): the ranks sit in different collectives, none can end.
+        A rank behind on another node could be working: not evident from here.
+        """
+        here = {r.pid: r for r in alive}
+        behind = ras.behind_pids()
+        return ras.diverge() and all(p in here and self._kernel_sits(here[p]) for p in behind)
 
     def _recent(self, mem: JobMemory, pid: int, now: float, window: float) -> bool:
         if mem.gpu_working.get(pid):
@@ -337,10 +348,13 @@ class HangDetector:
             signals["rank_missing"] = "liveness+" + ("cpu" if quiet_cpu else "gpu")
         keep_decided(mem, held, signals, bool(gone or ras_dead), bool(ras_dead), short > 0)
         flat_for = ras.flat_for() if not gone else 0.0
+        evident = False  # counts flat and RAS shows why (_apart, or a torn communicator)
         # Every rank sits in a collective and nothing moves: when RAS then reads the counts
         # flat, the stall dates from here, not from the first answer (asked late at start).
-        if alive and not gone and not progressing and collective and not ras.rising():
-            held["blocked"] = mem.onset.get("blocked", now)
+        if alive and not gone and not progressing and collective:
+            # counts that rose at the last answer: ask RAS again soon (doubtful), not blocked
+            key = "waiting" if ras.rising() else "blocked"
+            held[key] = mem.onset.get(key, now)
         if not young and not gone:
             flat = flat_for > 0 and ras.counts_since is not None
             if flat and not progressing and (collective or cpu_phase):
@@ -355,6 +369,9 @@ class HangDetector:
                     flat_for = max(flat_for, now - since)
                 if confirmed:
                     held["collective_stall"] = since
+                    # RAS shows why none can complete: a shorter wait, from when every rank
+                    # began to wait (not from counts flat during a pause)
+                    evident = "blocked" in held and (ras.flagged() or self._apart(alive, ras))
                 signals["collective_stall"] = "+".join(
                     ["ras", "io"] + ["gpu"] * resident + ["cpu"] * quiet_cpu
                 )
@@ -393,18 +410,21 @@ class HangDetector:
             "cpu_stall": t.decide_after_seconds,
             "straggler": t.straggler_after_seconds,
         }
+        # ranks busy on the CPU with idle GPUs may compute: wait for the timeout
+        stall_after = t.collective_stall_seconds if collective else timeout
+        deadlock = evident and now - held["blocked"] >= t.collective_deadlock_seconds
         # A held condition falls due at a known time: the monitor probes then, not at
         # the next probe of its cadence (up to probe_interval_seconds later).
-        for c in need.keys() & held.keys():
-            if held[c] + need[c] > now:
-                self._due = min(self._due or float("inf"), held[c] + need[c])
+        dues = [held[c] + need[c] for c in need.keys() & held.keys()]
+        dues += [held["blocked"] + t.collective_deadlock_seconds] if evident else []
+        for at in (d for d in dues if d > now):
+            self._due = min(self._due or float("inf"), at)
         decided = tuple(
             c
             for c in CONDITIONS
             if c in held
             and (
-                # ranks busy on the CPU with idle GPUs may compute: wait for the timeout
-                flat_for >= (t.collective_stall_seconds if collective else timeout)
+                flat_for >= stall_after or deadlock
                 if c == "collective_stall"
                 else (c == "rank_dead" and bool(ras_dead)) or now - held[c] >= need[c]
             )
@@ -473,17 +493,5 @@ class HangDetector:
                 held["kernel_stuck"] = held["spinning"]
                 signals["kernel_stuck"] = classify(gpus[0], t)[1] + "+stacks"
                 held.pop("gpu_stall", None)
-                return Sighting(kernel="; ".join(map(_busy, gpus)), where=ev.where)
+                return Sighting(kernel="; ".join(map(busy_words, gpus)), where=ev.where)
         return Sighting()
-
-
-def _busy(g: GpuActivity | None) -> str:
-    """`GPU 0 at 100 % utilisation, SM activity 0.8 %` (power where there is no GPM)."""
-    if g is None:
-        return "GPU ?"
-    text = f"GPU {g.gpu} at {100 * (g.utilization or 0.0):.0f} % utilisation"
-    if g.sm_active is not None:
-        return text + f", SM activity {100 * g.sm_active:.1f} %"
-    if g.power_watts is not None:
-        return text + f", {g.power_watts:.0f} W"
-    return text

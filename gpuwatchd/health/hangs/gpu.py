@@ -47,6 +47,7 @@ class HangThresholds:
     dead_peer_after_seconds: float = 10.0
     ras_wait_seconds: float = 20.0  # how long a death waits for a RAS answer at most
     collective_stall_seconds: float = 30.0  # RAS counts flat this long
+    collective_deadlock_seconds: float = 15.0  # the same, RAS showing why none can complete
     collective_timeout_seconds: float = 600.0  # a straggler pages when it lasts this long
     startup_grace_seconds: float = 30.0
     progress_window_seconds: float = 15.0
@@ -221,6 +222,7 @@ def thresholds_from_config(cfg: Config) -> HangThresholds:
         kernel_stuck_after_seconds=h.kernel_stuck_after_seconds,
         dead_peer_after_seconds=h.dead_peer_after_seconds,
         collective_stall_seconds=h.collective_stall_seconds,
+        collective_deadlock_seconds=h.collective_deadlock_seconds,
         straggler_after_seconds=h.straggler_after_seconds,
         collective_timeout_seconds=h.collective_timeout_seconds,
         startup_grace_seconds=h.startup_grace_seconds,

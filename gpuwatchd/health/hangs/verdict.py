@@ -5,11 +5,19 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from gpuwatchd.health.hangs.gpu import HangThresholds
+from gpuwatchd.health.hangs.gpu import GpuActivity, HangThresholds
 from gpuwatchd.health.hangs.memory import JobMemory
 from gpuwatchd.jobview import JobView
 
-__all__ = ["CONDITIONS", "CRITICAL", "JobVerdict", "Sighting", "build_verdict", "rank_ranges"]
+__all__ = [
+    "CONDITIONS",
+    "CRITICAL",
+    "JobVerdict",
+    "Sighting",
+    "build_verdict",
+    "busy_words",
+    "rank_ranges",
+]
 
 CONDITIONS = (
     "rank_dead",
@@ -164,3 +172,15 @@ def build_verdict(
         nodes=nodes,
         elsewhere=elsewhere,
     )
+
+
+def busy_words(g: GpuActivity | None) -> str:
+    """`GPU 0 at 100 % utilisation, SM activity 0.8 %` (power where there is no GPM)."""
+    if g is None:
+        return "GPU ?"
+    text = f"GPU {g.gpu} at {100 * (g.utilization or 0.0):.0f} % utilisation"
+    if g.sm_active is not None:
+        return text + f", SM activity {100 * g.sm_active:.1f} %"
+    if g.power_watts is not None:
+        return text + f", {g.power_watts:.0f} W"
+    return text
