@@ -19,19 +19,21 @@ from pathlib import Path
 
 from gpuwatchd.sources.kmsg.filereader import FileReader
 
-# Writes `line N` until told to stop; on SIGHUP reopens the path (a syslog daemon).
+# Writes `line N` until told to stop; on SIGHUP reopens the path (a syslog daemon). The
+# handler only asks: closing the descriptor in it could close the one a write is about to use.
 WRITER = r"""
 import os, signal, sys, time
 path, stop = sys.argv[1], sys.argv[2]
 fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-def reopen(*_):
-    global fd
-    new = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    fd, old = new, fd
-    os.close(old)
-signal.signal(signal.SIGHUP, reopen)
+hup = []
+signal.signal(signal.SIGHUP, lambda *_: hup.append(1))
 n = 0
 while not os.path.exists(stop):
+    if hup:
+        hup.clear()
+        new = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd, old = new, fd
+        os.close(old)
     os.write(fd, b"[ 1.0] line %d\n" % n)
     n += 1
     if n % 20 == 0:
@@ -60,6 +62,8 @@ def run_drill(tmp_path: Path, rotate: str) -> tuple[int, list[int], int]:
     lost = 0
     try:
         follow(reader, seen, 0.3)
+        while not seen and writer.poll() is None:  # its SIGHUP handler is set: it writes
+            follow(reader, seen, 0.1)
         for n in range(2):
             if rotate == "rename":
                 log.rename(tmp_path / f"kern.log.{n + 1}")
