@@ -313,3 +313,28 @@ def test_an_xid_seen_by_nvml_and_the_kernel_log_is_one_cause_the_logs(nvml_first
     assert inc.cause is not None and inc.cause.kind == "xid"
     assert "MMU Fault" in inc.cause.what
     assert len(inc.causes) == 1, inc.causes
+
+
+def test_another_processs_application_xid_on_the_shared_gpu_comes_after_every_cause() -> None:
+    """Live on one H200 the smoke's own Xid 31 (another process, 24.9 s earlier, same GPU)
+    was put on the dead rank as if its own. An application Xid is about its pid's work
+    alone: another process's is listed last, named as no rank of the job."""
+    bus = "0000:1b:00.0"  # GPU 1, rank 1's
+    stranger = Event(
+        "xid", "kmsg", T0 - 24.9, 31, bus, message="MMU Fault", attrs=(("pid", "999"),)
+    )
+    fallen = Event("xid", "kmsg", T0 - 20.0, 79, bus, message="GPU has fallen off the bus")
+    mem = memory()
+    mem.note(None, (stranger,), T0)
+    inc = mem.incident(JOB, dead())
+    assert inc.cause is not None and inc.cause.kind == "xid"
+    assert (inc.cause.rank, inc.cause.pid) == (None, None)
+    assert "of pid 999, no rank of the job" in inc.cause.text
+    mem.note(None, (fallen,), T0)  # a GPU-wide Xid on the same GPU: the cause, first
+    inc = mem.incident(JOB, dead())
+    assert [c.kind for c in inc.causes] == ["gpu_lost", "xid"]
+    assert inc.causes[0].rank == 1 and "no rank" in inc.causes[1].text
+    own = Event("xid", "kmsg", T0 - 0.5, 31, bus, message="MMU Fault", attrs=(("pid", "4242"),))
+    mem.note(None, (own,), T0)  # the rank's own Xid 31 ranks by its kind, before the stranger
+    kinds = [(c.kind, c.pid) for c in mem.incident(JOB, dead()).causes]
+    assert kinds.index(("xid", 4242)) < kinds.index(("xid", None))

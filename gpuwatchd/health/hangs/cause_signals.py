@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from gpuwatchd.health.incident import xid_incident
+from gpuwatchd.health.xid.catalog import lookup as xid_lookup
 from gpuwatchd.model import KILL_KINDS, Event, GpuInventory, Sample, SourceSnapshot
 from gpuwatchd.pci import normalize_bus_id
 from gpuwatchd.ports import STATE_ACTIVE
@@ -75,6 +76,7 @@ class NodeSignal:
     evidence: str = ""  # the kernel line, or the counter's values
     incident: str = ""  # the `incident` label of the alert it shares (Xids)
     nvml_event: bool = False  # an Xid from NVML's event API (the kernel log reports it too)
+    own_process: bool = False  # an application Xid: about its pid's own work, no one else's
 
 
 def xid_kind(code: int) -> str:
@@ -195,6 +197,7 @@ class SignalReader:
             evidence=ev.attr("raw") or ev.message,
             incident=xid_incident(bus, ev.code),
             nvml_event=ev.source == "nvml",
+            own_process=ev.kind == "xid" and xid_lookup(ev.code).category == "application",
         )
 
     # --- samples ------------------------------------------------------------------

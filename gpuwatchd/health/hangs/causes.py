@@ -137,24 +137,27 @@ class CauseMemory:
             if hit is None:
                 continue
             rank, how = hit
+            other = how == "gpu" and sig.own_process and sig.pid is not None
             key = (sig.kind, sig.where, sig.time)
             if key in taken:
                 continue
             taken.add(key)
             cause = Cause(
                 kind=sig.kind,
-                what=sig.what,
+                what=f"{sig.what} of pid {sig.pid}, no rank of the job" if other else sig.what,
                 where=sig.where,
                 at=sig.time,
                 offset_seconds=sig.time - t0,
-                rank=rank.rank if rank is not None else None,
-                pid=rank.pid if rank is not None else sig.pid,
+                rank=rank.rank if rank is not None and not other else None,
+                pid=rank.pid if rank is not None and not other else None if other else sig.pid,
                 affinity=how,
                 evidence=sig.evidence,
                 incident=sig.incident,
             )
             first = rank is not None and rank.pid in dead
-            order = (CAUSE_KINDS.index(sig.kind), 0 if first else 1, abs(sig.time - t0))
+            # another process's application error on a shared GPU: listed, after every other
+            kind_rank = len(CAUSE_KINDS) if other else CAUSE_KINDS.index(sig.kind)
+            order = (kind_rank, 0 if first else 1, abs(sig.time - t0))
             found.append((order, cause))
         found.sort(key=lambda x: x[0])
         causes = tuple(c for _, c in found[: 1 + MAX_ALTERNATIVES])
