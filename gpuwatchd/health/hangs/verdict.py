@@ -139,7 +139,9 @@ def build_verdict(
     if "gpu_stall" in decided:
         parts.append("every GPU of the job busy doing nothing")
     if "cpu_stall" in decided:
-        parts.append("no rank moved CPU time, I/O or its GPU")
+        parts.append(  # its CPU time may move: a job blocked in a collective polls a little
+            f"no rank used its GPU, did I/O or more than {t.max_cpu_ratio:.0%} of a core"
+        )
     if "straggler" in decided:
         parts.append(
             f"pid {', '.join(map(str, progressing))} still works while the other ranks wait"
