@@ -196,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--light", action="store_true", help="cause_kills.py's light ranks")
     ap.add_argument("--logs", default="", help="copy the ranks' and daemon's logs here")
     ap.add_argument("--ras-queries", type=int, default=40, help="0: no RAS measurement")
+    ap.add_argument(
+        "--profile", default="", help="py-spy's collapsed stacks of the daemon while training, here"
+    )
     ap.add_argument("--dry-run", action="store_true", help="fake ranks, replayed NVML")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -245,7 +248,17 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             time.sleep(args.settle)
             ranks_cpu = sum(cpu_seconds(p.pid) for p in procs)
+            spy = None
+            if args.profile:  # sampled without pausing the daemon, in py-spy's own process
+                spy = subprocess.Popen(
+                    ["py-spy", "record", "--nonblocking", "--idle", "-r", "50", "-f", "raw"]
+                    + ["-d", str(int(args.seconds)), "-p", str(daemon.pid), "-o", args.profile],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.STDOUT,
+                )
             result["training"] = phase(daemon.pid, port, args.seconds)
+            if spy is not None:
+                result["profile_exit"] = spy.wait(30)
             used = sum(cpu_seconds(p.pid) for p in procs) - ranks_cpu
             result["training"]["ranks_cpu_percent_of_one_core_each"] = round(
                 100 * used / result["training"]["seconds"] / args.ranks, 2
