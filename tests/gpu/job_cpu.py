@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             spy = None
             if args.profile:  # sampled without pausing the daemon, in py-spy's own process
                 spy = subprocess.Popen(
-                    ["py-spy", "record", "--nonblocking", "--idle", "-r", "50", "-f", "raw"]
+                    ["py-spy", "record", "--nonblocking", "-r", "50", "-f", "raw"]
                     + ["-d", str(int(args.seconds)), "-p", str(daemon.pid), "-o", args.profile],
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.STDOUT,
