@@ -169,6 +169,7 @@ def test_healthz_and_the_watchdog_name_a_stuck_consumer(tmp_path: Path) -> None:
         "  kmsg:\n    enabled: false\n  udev:\n    enabled: false\n"
         "  shm:\n    enabled: false\n  infiniband:\n    enabled: false\n"
         "  aer:\n    enabled: false\n  workloads:\n    enabled: false\n"
+        "  memory:\n    enabled: false\n"
     )
     cfg, clock, state = load(str(path)), FakeClock(), State()
     pipeline = Pipeline(cfg, state, clock, "n", 0, [])
