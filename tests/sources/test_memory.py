@@ -167,3 +167,26 @@ def test_built_from_config_and_reads_this_machine(tmp_path: Path) -> None:
     got = src.poll(100.0)  # the real /proc/pressure/memory where the kernel has PSI
     have = os.path.exists("/proc/pressure/memory")
     assert samples(got)["gpuwatchd_memory_pressure_available"] == (1 if have else 0)
+
+
+def test_a_real_oom_kill_in_a_memory_cgroup_is_an_event_though_its_pressure_stayed_zero(
+    tmp_path: Path,
+) -> None:
+    """The files of a group whose rank the OOM killer killed on an H200 (fixtures/memory):
+    the kill is an event from memory.events, while the group's PSI averages read 0.00, as
+    a kill this fast leaves them; the node's real PSI is no event."""
+    real = Path(__file__).resolve().parent.parent / "fixtures" / "memory" / "oom-kill-1xh200"
+    node = Node(tmp_path)
+    node.psi((real / "node-pressure-memory").read_text())
+    node.process(483, f"0::{GROUP}\n")
+    node.group(EVENTS.format(max=0, oom=0, kill=0))  # before the kill
+    src = node.source()
+    assert not events(src.poll(100.0))
+    node.group((real / "memory.events").read_text(), (real / "memory.pressure").read_text())
+    got = events(src.poll(110.0))
+    kinds = sorted(e.attr("raw").split()[1] for e in got if "memory.events" in e.attr("raw"))
+    assert kinds == ["oom", "oom_kill"] and len(got) == 2  # no pressure event
+    assert all(e.attr("pids") == "483" for e in got)
+    s = samples(src.poll(120.0))
+    assert s["gpuwatchd_memory_job_cgroup_events_total,event=oom_kill"] == 1
+    assert s["gpuwatchd_memory_pressure_ratio,kind=full,window=10s"] == 0.0
