@@ -220,3 +220,110 @@ def test_the_job_cpu_script_measures_the_daemon_idle_training_and_hung(tmp_path:
         row = result[name]
         assert row["seconds"] >= 1 and row["scrapes"] >= 1 and row["rss_mib"] > 0
         assert 0 <= row["cpu_percent_of_one_core"] < 100 and row["hangs"] == []
+
+
+TWO_NODES = ROOT / "tests" / "gpu" / "two_nodes.sh"
+
+
+def no_alertmanager() -> bool:
+    import shutil
+
+    return not shutil.which("prometheus-alertmanager") and not shutil.which("alertmanager")
+
+
+def two_nodes_dry_run(out: Path) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHON=sys.executable)
+    return subprocess.Popen(
+        ["bash", str(TWO_NODES), str(out), "--dry-run"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+
+
+def started_pids(out: Path) -> dict[str, int]:
+    rows = [line.split() for line in (out / "pids.txt").read_text().splitlines()]
+    return {name: int(pid) for pid, _, name in rows}
+
+
+def alive(pid: int) -> bool:
+    try:
+        return "Z" not in Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+
+
+def test_the_two_node_script_dry_run_kills_a_rank_of_node_b_reports_and_cleans_up(
+    tmp_path: Path,
+) -> None:
+    """two_nodes.sh --dry-run: Alertmanager, two daemons (replayed NVML) and two fake
+    ranks start, node B's rank is killed, daemon A and Alertmanager are polled, the
+    figures land in result.json and every process started has ended; nothing can be
+    named without a GPU, so the run fails."""
+    if no_alertmanager():
+        pytest.skip("alertmanager not installed (Debian package prometheus-alertmanager)")
+    out = tmp_path / "out"
+    proc = two_nodes_dry_run(out)
+    stdout, stderr = proc.communicate(timeout=60)
+    result = json.loads(stdout)
+    assert result == json.loads((out / "result.json").read_text())
+    assert proc.returncode == 1 and result["ok"] is False and result["error"] is None, stderr
+    assert {
+        "seconds_to_verdict",
+        "seconds_to_named",
+        "seconds_to_group",
+        "reason",
+        "names_victim_rank",
+        "names_node_b",
+        "remote_named_in_time",
+        "groups",
+        "grouped",
+        "daemon_a_sees_b_ranks",
+        "nodes",
+        "victim",
+    } <= set(result)
+    assert result["victim"] == {
+        "rank": 1,
+        "pid": result["ranks"]["1"],
+        "node": "node-b",
+        "exit": -9,
+    }
+    assert result["nodes"]["a"]["port"] != result["nodes"]["b"]["port"]
+    assert result["exits"]["daemon-a"] == 0 and result["exits"]["daemon-b"] == 0
+    assert result["groups"] == [] and result["seconds"] < 20
+    for name in ("alertmanager", "daemon-a", "daemon-b", "rank0", "rank1"):
+        assert (out / f"{name}.log").exists(), name
+    assert not any(alive(pid) for pid in started_pids(out).values())
+    assert "processes left over: 0" in (out / "cleanup.log").read_text()
+
+
+def test_the_two_node_script_ends_what_its_harness_left_when_the_harness_dies(
+    tmp_path: Path,
+) -> None:
+    """The harness killed mid-run leaves Alertmanager, the daemons and the ranks behind:
+    the driver's trap ends each of them (by pid and start time), and nothing else."""
+    if no_alertmanager():
+        pytest.skip("alertmanager not installed (Debian package prometheus-alertmanager)")
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    proc = two_nodes_dry_run(out)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if (out / "pids.txt").exists() and "rank1" in started_pids(out):
+            break
+        time.sleep(0.1)
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    assert len(children) == 1, children  # the harness
+    os.kill(int(children[0]), signal.SIGKILL)
+    proc.communicate(timeout=30)
+    assert proc.returncode == 137
+    started = started_pids(out)
+    assert not any(alive(pid) for pid in started.values())
+    log = (out / "cleanup.log").read_text()
+    for name, pid in started.items():
+        assert f"killed {name} (pid {pid})" in log, log
+    assert f"processes left over: {len(started)}" in log
