@@ -327,3 +327,74 @@ def test_the_two_node_script_ends_what_its_harness_left_when_the_harness_dies(
     for name, pid in started.items():
         assert f"killed {name} (pid {pid})" in log, log
     assert f"processes left over: {len(started)}" in log
+
+
+@pytest.mark.parametrize(("job_b", "grouped"), [("torch:10.77.0.1:29500", True), ("other", False)])
+def test_the_two_node_check_groups_one_job_across_nodes_in_a_real_alertmanager(
+    tmp_path: Path, job_b: str, grouped: bool
+) -> None:
+    """The script's Alertmanager route (JobHangSuspected grouped by alertname and job_id)
+    and its check: one alert per node; one incident only when both carry the same job."""
+    import time
+    import urllib.request
+
+    sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+    from two_nodes import AM_CONFIG, am_groups, one_incident
+
+    from tests.servers import AlertmanagerServer
+
+    server = AlertmanagerServer(tmp_path / "am")
+    server.config.write_text(AM_CONFIG)
+    server.start()
+    try:
+        alerts = [
+            {"labels": {"alertname": "JobHangSuspected", "node": node, "job_id": job}}
+            for node, job in (("node-a", "torch:10.77.0.1:29500"), ("node-b", job_b))
+        ]
+        req = urllib.request.Request(
+            f"{server.url}/api/v2/alerts",
+            data=json.dumps(alerts).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=5).close()
+        deadline = time.monotonic() + 10
+        groups = am_groups(server.url)
+        while sum(len(g["alerts"]) for g in groups) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            groups = am_groups(server.url)
+        assert sum(len(g["alerts"]) for g in groups) == 2, groups
+        assert len(groups) == (1 if grouped else 2)
+        assert one_incident(groups, {"node-a", "node-b"}) is grouped
+    finally:
+        server.stop()
+
+
+def test_the_two_node_check_reads_the_ranks_a_reason_names() -> None:
+    sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+    from two_nodes import ranks_named
+
+    assert ranks_named("rank 3 died (pid 12) and the others have made no progress") == {3}
+    assert ranks_named("ranks 2-4, 7 never arrived (expected on other nodes)") == {2, 3, 4, 7}
+    assert ranks_named("Job torch:10.77.0.1:29500 hangs: no rank used its GPU") == set()
+
+
+def test_the_two_node_script_refuses_one_gpu_in_one_line_and_makes_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = subprocess.run(
+        ["bash", str(TWO_NODES), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=dict(os.environ, PATH=fake_nvidia_smi(tmp_path, 1)),
+        cwd=ROOT,
+    )
+    import shutil
+
+    assert done.returncode == 2, done.stderr
+    why = "needs at least 2 GPUs (nvidia-smi -L lists 1)"
+    if os.geteuid() != 0:
+        why = "needs root (network namespaces, a bridge)"
+    elif not shutil.which("ip"):
+        why = "needs ip (iproute2)"
+    assert done.stderr == f"two_nodes.sh: {why}\n"
+    assert not out.exists()

@@ -60,6 +60,11 @@ receivers:
   - name: default
 """
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+# the daemons and ranks talk on the bridge and loopback, never through a proxy
+LOCAL_ENV = {
+    "NO_PROXY": "127.0.0.1,localhost,10.77.0.0/24",
+    "no_proxy": "127.0.0.1,localhost,10.77.0.0/24",
+}
 
 
 def get_json(url: str) -> Any:
@@ -175,7 +180,7 @@ def daemon_config(node: Node, state: Path, am_url: str) -> str:
 
 
 def rank_env(node: Node, rank: int, local: int, k: int, master: tuple[str, int], dry: bool) -> Any:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT), **LOCAL_ENV)
     env.update(
         MASTER_ADDR=master[0],
         MASTER_PORT=str(master[1]),
@@ -322,6 +327,19 @@ def start_alertmanager(procs: Procs, out: Path, addr: str, port: int) -> str:
     return url
 
 
+def reach(node: Node, url: str) -> str:
+    """'ok' when `url` answers from inside the node's namespace, else why not."""
+    probe = f"import urllib.request as u; u.urlopen({url!r}, timeout=3).close()"
+    done = subprocess.run(
+        node.wrap([sys.executable, "-c", probe]),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=dict(os.environ, **LOCAL_ENV),
+    )
+    return "ok" if done.returncode == 0 else (done.stderr.strip().splitlines() or ["?"])[-1]
+
+
 def run(args: argparse.Namespace, out: Path, procs: Procs, result: dict[str, Any]) -> None:
     k = args.ranks_per_node
     half_a, half_b = args.gpus_a or "0", args.gpus_b or "1"
@@ -339,12 +357,21 @@ def run(args: argparse.Namespace, out: Path, procs: Procs, result: dict[str, Any
         cmd += ["--listen", f"{node.addr}:{node.port}"]
         if args.dry_run:
             cmd += ["--nvml-replay", str(REPLAYED_CAPTURE)]
-        procs.start(f"daemon-{node.name}", node.wrap(cmd))
+        procs.start(f"daemon-{node.name}", node.wrap(cmd), dict(os.environ, **LOCAL_ENV))
     for node in (a, b):
         if not wait_until(
             time.time() + 60, lambda n=node: _NO_PROXY.open(f"{n.url}/healthz", timeout=2)
         ):
             raise RuntimeError(f"daemon {node.name} did not answer on {node.url} within 60 s")
+    # across the bridge, as the job and the alerts will go (a host firewall can drop it)
+    result["network"] = {
+        "a -> b daemon": reach(a, f"{b.url}/healthz"),
+        "b -> a daemon": reach(b, f"{a.url}/healthz"),
+        "a -> alertmanager": reach(a, f"{am_url}/-/ready"),
+        "b -> alertmanager": reach(b, f"{am_url}/-/ready"),
+    }
+    if any(v != "ok" for v in result["network"].values()):
+        raise RuntimeError(f"the nodes cannot reach each other: {result['network']}")
     run_dir = out / "run"
     run_dir.mkdir(exist_ok=True)
     master = (a.addr, args.master_port)

@@ -56,21 +56,28 @@ OUT=$(cd "$OUT" && pwd)
 MADE=()
 
 start_time() { sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | awk '{print $20}'; }
+running() { [[ -e /proc/$1 && $(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -c1) != Z ]]; }
 
 cleanup() {
-	local rc=$? pid start name left=0
+	local rc=$? pid start name left=0 killed=() i
 	trap - EXIT INT TERM
 	{
 		echo "cleanup after exit $rc"
 		while read -r pid start name; do
 			[[ -n $pid && -e /proc/$pid && $(start_time "$pid") == "$start" ]] || continue
-			kill -KILL "$pid" 2>/dev/null && echo "killed $name (pid $pid)" && left=$((left + 1))
+			kill -KILL "$pid" 2>/dev/null || continue
+			echo "killed $name (pid $pid)" && left=$((left + 1)) && killed+=("$pid")
 		done <"$OUT/pids.txt"
 		for ns in "${MADE[@]}"; do
 			[[ $ns == netns:* ]] || continue
 			for pid in $(ip netns pids "${ns#netns:}" 2>/dev/null); do
-				kill -KILL "$pid" 2>/dev/null && echo "killed pid $pid in ${ns#netns:}" && left=$((left + 1))
+				kill -KILL "$pid" 2>/dev/null || continue
+				echo "killed pid $pid in ${ns#netns:}" && left=$((left + 1)) && killed+=("$pid")
 			done
+		done
+		for pid in "${killed[@]}"; do # gone before their namespaces go
+			for ((i = 0; i < 50; i++)); do running "$pid" && sleep 0.1 || break; done
+			! running "$pid" || echo "pid $pid still runs after SIGKILL"
 		done
 		for ((i = ${#MADE[@]} - 1; i >= 0; i--)); do
 			case ${MADE[i]} in
@@ -90,35 +97,31 @@ ARGS=()
 if ((DRY)); then
 	ARGS+=(--dry-run --warm 1 --deadline 2 --start-timeout 20)
 else
-	set -e
-	ip link add $BRIDGE type bridge && MADE+=("link:$BRIDGE")
-	ip addr add $ADDR_AM/24 dev $BRIDGE
-	ip link set $BRIDGE up
+	must() { "$@" || { echo "two_nodes.sh: failed: $*" >&2; exit 1; }; }
+	must ip link add $BRIDGE type bridge
+	MADE+=("link:$BRIDGE")
+	must ip addr add $ADDR_AM/24 dev $BRIDGE
+	must ip link set $BRIDGE up
 	for side in a b; do
-		ns=gw-$side veth=gw-$side-veth peer=gw-$side-br
-		addr=$ADDR_A
+		ns=gw-$side veth=gw-$side-veth peer=gw-$side-br addr=$ADDR_A
 		[[ $side == b ]] && addr=$ADDR_B
-		ip netns add "$ns" && MADE+=("netns:$ns")
-		ip link add "$veth" type veth peer name "$peer" && MADE+=("link:$peer")
-		ip link set "$veth" netns "$ns"
-		ip link set "$peer" master $BRIDGE up
-		ip -n "$ns" addr add "$addr/24" dev "$veth"
-		ip -n "$ns" link set "$veth" up
-		ip -n "$ns" link set lo up
+		must ip netns add "$ns"
+		MADE+=("netns:$ns")
+		must ip link add "$veth" type veth peer name "$peer"
+		MADE+=("link:$peer")
+		must ip link set "$veth" netns "$ns"
+		must ip link set "$peer" master $BRIDGE up
+		must ip -n "$ns" addr add "$addr/24" dev "$veth"
+		must ip -n "$ns" link set "$veth" up
+		must ip -n "$ns" link set lo up
 	done
-	set +e
-	# bridged traffic can be dropped by a host firewall (br_netfilter with FORWARD DROP)
-	ip netns exec $NS_A ping -c 1 -W 2 $ADDR_B >/dev/null ||
-		{ echo "two_nodes.sh: $NS_A cannot reach $ADDR_B over $BRIDGE (host firewall?)" >&2; exit 1; }
-	ip netns exec $NS_B ping -c 1 -W 2 $ADDR_AM >/dev/null ||
-		{ echo "two_nodes.sh: $NS_B cannot reach $ADDR_AM over $BRIDGE (host firewall?)" >&2; exit 1; }
 	K=$((GPUS / 2))
 	HALF_A=$(seq -s, 0 $((K - 1)))
 	HALF_B=$(seq -s, $K $((2 * K - 1)))
 	ARGS+=(--ranks-per-node "$K" --gpus-a "$HALF_A" --gpus-b "$HALF_B")
 	ARGS+=(--netns-a $NS_A --netns-b $NS_B --addr-a $ADDR_A --addr-b $ADDR_B)
 	ARGS+=(--ifname-a $IF_A --ifname-b $IF_B --am-addr $ADDR_AM)
-	ARGS+=(--am-port 9093 --daemon-port-a 9400 --daemon-port-b 9400 --master-port 29500)
+	ARGS+=(--daemon-port-a 9400 --daemon-port-b 9400 --master-port 29500)
 fi
 
 cd "$ROOT" || exit 2
