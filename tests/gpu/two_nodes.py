@@ -180,7 +180,8 @@ def daemon_config(node: Node, state: Path, am_url: str) -> str:
 
 
 def rank_env(node: Node, rank: int, local: int, k: int, master: tuple[str, int], dry: bool) -> Any:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT), **LOCAL_ENV)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path, **LOCAL_ENV)
     env.update(
         MASTER_ADDR=master[0],
         MASTER_PORT=str(master[1]),
@@ -311,9 +312,10 @@ def poll_after_kill(
 
 
 def start_alertmanager(procs: Procs, out: Path, addr: str, port: int) -> str:
-    binary = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
-    if binary is None:
-        raise RuntimeError("no alertmanager (Debian package prometheus-alertmanager)")
+    binary = os.environ.get("ALERTMANAGER") or shutil.which("prometheus-alertmanager")
+    binary = binary or shutil.which("alertmanager")
+    if not binary:
+        raise RuntimeError("no alertmanager (Debian prometheus-alertmanager, or ALERTMANAGER=)")
     work = out / "alertmanager"
     work.mkdir(exist_ok=True)
     (work / "alertmanager.yml").write_text(AM_CONFIG)
@@ -392,7 +394,7 @@ def run(args: argparse.Namespace, out: Path, procs: Procs, result: dict[str, Any
     time.sleep(args.warm)
     before = {d.get("id") for d in get_json(f"{a.url}/hangs").get("hangs", [])}
     result["hangs_before_kill"] = len(before)
-    victim = 2 * k - 1  # the last rank of node B: B's first rank keeps its RAS listener
+    victim = 2 * k - 1  # node B's last rank: with K > 1 its first keeps B's RAS listener
     args.killed_at = time.time()
     os.kill(ranks[victim].pid, signal.SIGKILL)
     ranks[victim].wait(10)
