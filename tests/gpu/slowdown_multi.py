@@ -148,7 +148,10 @@ def rank_env(rank: int, ranks: int, master_port: int, ras_port: int) -> dict[str
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(master_port),
         NCCL_RAS_ADDR=f"127.0.0.1:{ras_port}",
-        NCCL_NVLS_ENABLE="0",  # NVLink multicast off
+        NCCL_NVLS_ENABLE="0",  # NVLink multicast off (as nccl_rank.py's MULTICAST_OFF)
+        TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+        NVSHMEM_DISABLE_NVLS="1",
+        OMP_NUM_THREADS="2",
         CUDA_DEVICE_ORDER="PCI_BUS_ID",  # CUDA ordinals in NVML's order: rank R on GPU R
         PYTHONUNBUFFERED="1",
     )

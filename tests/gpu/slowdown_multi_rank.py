@@ -84,7 +84,7 @@ def main() -> int:
         import torch.distributed as dist
 
         torch.cuda.set_device(local)
-        dist.init_process_group("nccl")
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     step = RankStep(args.matmuls, args.dry_run)
     if not args.dry_run:
         step.all_reduce(0)  # NCCL's set-up is not a step; the clocks start together after it
