@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -184,6 +185,8 @@ def run(args: argparse.Namespace, out: Path, tmp: Path) -> dict[str, Any]:
                 ranks.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
         deadline = time.time() + total + args.startup
         while any(p.poll() is None for p in ranks) and time.time() < deadline:
+            if any(p.poll() not in (None, 0) for p in ranks):
+                break  # a rank failed: the others would wait in their all_reduce for ever
             t = time.time()
             marks = (out / "phases.jsonl").read_text().splitlines()
             if len(marks) > seen:
@@ -266,6 +269,8 @@ def main() -> int:
     if not 0 <= args.slow_rank < args.ranks or args.ranks < 2:
         print(json.dumps({"ok": False, "error": f"--slow-rank {args.slow_rank} of {args.ranks}"}))
         return 1
+    # SIGTERM (a timeout) unwinds like Ctrl-C: the ranks and the daemon are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with tempfile.TemporaryDirectory() as tmp:
         result = run(args, out, Path(tmp))
     (out / "summary.json").write_text(json.dumps(result, indent=1))

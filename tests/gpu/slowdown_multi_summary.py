@@ -49,6 +49,7 @@ def summarize(out: Path, args: argparse.Namespace) -> dict[str, Any]:
             per_rank[r] = _mean(times)
         means = [m for m in per_rank.values() if m is not None]
         inside = [p for p in polls if start <= p["t"] < end and p.get("daemon")]
+        answered = [p for p in inside if "error" not in p]
         named = sorted({a["gpu"] for p in inside for a in p.get("alerts", [])})
         rows[name] = {
             "t": start,
@@ -57,8 +58,8 @@ def summarize(out: Path, args: argparse.Namespace) -> dict[str, Any]:
                 str(r): sum(1 for s in got if s["phase"] == name) for r, got in steps.items()
             },
             "job_step_s": max(means) if len(means) == len(per_rank) else None,
-            "polls": len(inside),
-            "poll_errors": sum(1 for p in inside if "error" in p),
+            "polls": len(answered),
+            "poll_errors": len(inside) - len(answered),
             "alert_gpus": named,
         }
     base = (rows.get("base") or {}).get("job_step_s")
