@@ -169,6 +169,10 @@ def run(args: argparse.Namespace, out: Path, tmp: Path) -> dict[str, Any]:
     total = sum(float(p.split(":")[2]) for p in phases.split(","))
     daemon = Daemon(tmp, free_port(), args.dry_run)
     started = daemon.start(wait=True)
+    if not started:
+        daemon.stop()
+        (out / "daemon.log").write_bytes((tmp / "daemon.log").read_bytes())
+        return {"ok": False, "error": "the daemon did not start (OUT/daemon.log)"}
     master, ras = free_port(), free_port()
     ranks: list[subprocess.Popen[bytes]] = []
     polls = (out / "polls.jsonl").open("w")
