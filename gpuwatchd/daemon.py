@@ -134,8 +134,8 @@ class Wiring:
             **(pipeline.routes() if pipeline else {}),
         }
 
-    def start(self) -> None:
-        self.sources.start()
+    def start(self, stopping: Callable[[], bool] = bool) -> None:
+        self.sources.start(stopping)
 
     def stale(self, max_age: float) -> list[str]:
         """Source loops and the consumer thread that made no progress lately."""
@@ -174,6 +174,7 @@ class Daemon:
         self.clock = clock or SystemClock()
         self.notifier = notifier or Notifier()
         self.signals: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._stop_asked = False  # set by the signal handler: a stop during start-up
         self.state = State()
         self.wiring: Wiring | None = None
         self.httpd: WebServer | None = None
@@ -259,16 +260,24 @@ class Daemon:
             self.record.end_clean()  # said why in the log; nothing for the next start
             return 1
         self.pipeline.start()
-        wiring.start()
-        if not wiring.runner.wait_first_polls(FIRST_POLL_TIMEOUT):
+        wiring.start(lambda: self._stop_asked)
+        # A stop during start-up (a first poll that blocks) is acted on at once, not after it.
+        first = wiring.runner.wait_first_polls
+        got = self._wait_unless_stopped(lambda: first(0.25), FIRST_POLL_TIMEOUT)
+        if got == "late":
             log.warning("some sources did not finish a first poll in %.0fs", FIRST_POLL_TIMEOUT)
-        # READY=1 means the first polls are evaluated too, not only queued.
-        if not self.pipeline.wait_idle(FIRST_POLL_TIMEOUT):
-            log.warning("the consumer did not catch up in %.0fs", FIRST_POLL_TIMEOUT)
-        host, port = self.httpd.server_address[:2]
-        log.info("gpuwatchd %s serving on %s:%s (%s)", __version__, host, port, wiring.summary())
-        release_startup_memory()
-        self.notifier.ready(wiring.summary())
+        if got != "stopped":  # READY=1: the first polls are evaluated too, not only queued
+            pipeline = self.pipeline
+            got = self._wait_unless_stopped(lambda: pipeline.wait_idle(0.25), FIRST_POLL_TIMEOUT)
+            if got == "late":
+                log.warning("the consumer did not catch up in %.0fs", FIRST_POLL_TIMEOUT)
+        if got != "stopped":
+            host, port = self.httpd.server_address[:2]
+            log.info(
+                "gpuwatchd %s serving on %s:%s (%s)", __version__, host, port, wiring.summary()
+            )
+            release_startup_memory()
+            self.notifier.ready(wiring.summary())
         try:
             return self._loop()
         finally:
@@ -296,7 +305,11 @@ class Daemon:
 
     def _install_signals(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, lambda signum, _frame: self.signals.put(signum))
+            signal.signal(sig, lambda signum, _frame: self._on_signal(signum))
+
+    def _on_signal(self, signum: int) -> None:
+        self._stop_asked = self._stop_asked or signum != signal.SIGHUP  # one assignment
+        self.signals.put(signum)
 
     def _loop(self) -> int:
         watchdog = self.notifier.watchdog_interval()
@@ -348,15 +361,19 @@ class Daemon:
                 return signum
         return 0
 
-    def _wait_unless_stopped(self, done: Callable[[], bool], timeout: float) -> None:
-        """Wait for `done()` (which waits briefly) up to `timeout`, but not past a stop."""
+    def _wait_unless_stopped(self, done: Callable[[], bool], timeout: float) -> str:
+        """Wait for `done()` (which waits briefly) up to `timeout`, but not past a stop:
+        "done", "late" (the timeout passed) or "stopped" (a stop is queued for the loop)."""
         end = self.clock.monotonic() + timeout
-        while not done() and self.clock.monotonic() < end:
+        while not done():
             pending = self._next_signal(0)
             if pending:
                 self.signals.put(pending)  # the loop acts on it next
                 if pending != signal.SIGHUP:
-                    return
+                    return "stopped"
+            if self.clock.monotonic() >= end:
+                return "late"
+        return "done"
 
     def _housekeeping(self, watchdog: float | None) -> None:
         assert self.wiring is not None

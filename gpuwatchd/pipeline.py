@@ -492,9 +492,9 @@ class SourceSet:
     def metric_specs(with_consumers: bool) -> list[MetricSpec]:
         return [*all_metrics(), *(CONSUMER_METRICS if with_consumers else ())]
 
-    def start(self) -> None:
-        # NVML's first poll is bounded by its deadlines: init plus one device call each.
-        self.runner.start(first=("nvml",), first_timeout=2 * self.cfg.sources.nvml.call_timeout + 1)
+    def start(self, stopping: Callable[[], bool] = bool) -> None:
+        wait = 2 * self.cfg.sources.nvml.call_timeout + 1  # NVML's init, then one call each
+        self.runner.start(first=("nvml",), first_timeout=wait, stopping=stopping)
 
     def stop(self) -> None:
         self.runner.stop()

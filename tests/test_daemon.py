@@ -110,3 +110,30 @@ def test_port_in_use_fails_cleanly(start_daemon) -> None:
     assert res.returncode == 1
     assert "cannot listen" in res.stderr
     assert http_get(first.url + "/healthz")[0] == 200
+
+
+def test_sigterm_during_start_up_stops_at_once_not_after_the_first_polls(
+    start_daemon, tmp_path
+) -> None:
+    """NVML's init hangs (as a wedged driver's does): start-up waits for its first poll,
+    and a SIGTERM waited with it, up to the NVML source's deadlines (here 15 s for init)
+    plus every source's first poll (60 s). It is acted on at once."""
+    import json
+
+    capture = json.loads((ROOT / "tests/fixtures/nvml/h200x2-record.json").read_text())
+    capture["script"] = [{"call": "init", "hang": True}]
+    hung = tmp_path / "hung-init.json"
+    hung.write_text(json.dumps(capture))
+    slow = QUIET + "  nvml:\n    call_timeout: 15\n"  # its init deadline: 15 s
+    d = start_daemon(slow, "--nvml-replay", str(hung), ready=False)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "state" / "gpuwatchd.db").exists():  # made after the handlers
+        assert time.monotonic() < deadline and d.proc.poll() is None, d.output()
+        time.sleep(0.05)
+    time.sleep(0.5)  # in the wait for NVML's first poll (its init held past its deadline)
+    asked = time.monotonic()
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(30) == 0
+    took = time.monotonic() - asked
+    assert "SIGTERM: stopping" in d.output()
+    assert took < 8.0, f"{took:.1f} s from SIGTERM to exit; output:\n{d.output()}"

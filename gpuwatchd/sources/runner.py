@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gpuwatchd.clock import Clock
@@ -56,9 +56,15 @@ class Runner:
     def sources(self) -> list[Source]:
         return [slot.source for slot in self._slots.values()]
 
-    def start(self, first: Sequence[str] = (), first_timeout: float = 0.0) -> None:
+    def start(
+        self,
+        first: Sequence[str] = (),
+        first_timeout: float = 0.0,
+        stopping: Callable[[], bool] = bool,
+    ) -> None:
         """Start every source loop; those in `first` start alone and get up to
-        `first_timeout` seconds to finish a poll before the others start.
+        `first_timeout` seconds to finish a poll before the others start (less when
+        `stopping()` turns true: a stop asked for during start-up).
 
         The NVML source goes first so that events the kernel log replays at
         start-up already find the bus id -> GPU index map.
@@ -66,7 +72,7 @@ class Runner:
         early = [n for n in first if n in self._slots]
         for name in early:
             self._spawn(name)
-        if early and not self._wait(early, first_timeout):
+        if early and not self._wait(early, first_timeout, stopping) and not stopping():
             log.warning(
                 "%s did not finish a first poll in %.0fs; starting the others",
                 ", ".join(early),
@@ -98,12 +104,14 @@ class Runner:
         """Wait until each source has polled once; False if some did not in time."""
         return self._wait(list(self._slots), timeout)
 
-    def _wait(self, names: Sequence[str], timeout: float) -> bool:
+    def _wait(
+        self, names: Sequence[str], timeout: float, stopping: Callable[[], bool] = bool
+    ) -> bool:
         deadline = self._clock.monotonic() + timeout
         with self._first:
             while any(self._slots[n].polls == 0 for n in names):
                 left = deadline - self._clock.monotonic()
-                if left <= 0:
+                if left <= 0 or stopping():
                     return False
                 self._first.wait(min(left, 0.5))
         return True

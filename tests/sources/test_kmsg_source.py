@@ -265,3 +265,40 @@ def test_a_reader_bug_backs_off_instead_of_spinning(tmp_path: Path) -> None:
     src.poll(0.0)
     src.poll(0.0)
     assert len(opened) == 1  # no reopen before the backoff
+
+
+def test_the_first_read_never_waits_so_a_restart_caught_up_starts_at_once(tmp_path: Path) -> None:
+    """A restart whose cursor is at the log's end found nothing to read, and its first read
+    waited the blocking reader's 10 s: the daemon's start-up (which waits for every first
+    poll) took 10 s longer on a used state dir. The first read says "caught up" at once."""
+
+    class Caught:  # a /dev/kmsg reader at the end of the log: each read waits its timeout
+        name = "kmsg"
+
+        def __init__(self) -> None:
+            self.waits: list[float] = []
+
+        def read(self, timeout: float) -> list[object]:
+            self.waits.append(timeout)
+            return []
+
+        def interrupt(self) -> None:
+            pass
+
+        def cursor(self) -> str:
+            return ""
+
+        def take_lost(self) -> int:
+            return 0
+
+        def close(self) -> None:
+            pass
+
+    reader = Caught()
+    cfg = kmsg_config(tmp_path, tmp_path / "kmsg")
+    src = KmsgSource(
+        cfg, SourceContext(clock=FakeClock()), opener=lambda cursor: reader, sleep=lambda s: None
+    )
+    src.poll(0.0)
+    src.poll(0.0)
+    assert reader.waits == [0.0, 10.0]  # then the blocking reader waits as before

@@ -180,6 +180,7 @@ class KmsgSource:
         self._wait = WAIT if wait is None else wait
         # None: a reader that blocks on its descriptor waits BLOCKING_WAIT
         self._blocking_wait = BLOCKING_WAIT if wait is None else wait
+        self._first_done = False  # the first read never waits: start-up waits for it
         if ctx.one_shot:  # `check`: read to the end of the log and stop, never wait
             self._wait = self._blocking_wait = 0.0
         self._sleep = sleep
@@ -216,6 +217,8 @@ class KmsgSource:
         try:
             blocking = getattr(reader, "interrupt", None) is not None
             wait = self._blocking_wait if blocking else self._wait
+            if not self._first_done:  # the log read to its end at start: say so now
+                wait, self._first_done = 0.0, True
             if self._parser.holding():
                 wait = min(wait, max(0.0, self._held_until - self.clock.monotonic()))
             self._read_from = self._caught_up
