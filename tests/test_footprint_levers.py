@@ -75,12 +75,13 @@ def test_source_waits_long_on_a_blocking_reader_until_interrupted(
     reader.read = read  # type: ignore[method-assign]
     cfg = kmsg_config(tmp_path, tmp_path / "kmsg")
     src = KmsgSource(cfg, SourceContext(clock=FakeClock()), opener=lambda cur: reader)
+    src.poll(0.0)  # the first read never waits: start-up waits for it
     t, _ = _in_thread(lambda: src.poll(0.0))
     time.sleep(0.05)
     src.interrupt()
     t.join(5.0)
     assert not t.is_alive()
-    assert waits == [BLOCKING_WAIT]
+    assert waits == [0.0, BLOCKING_WAIT]
     src.close()
 
 
