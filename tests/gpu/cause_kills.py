@@ -234,13 +234,17 @@ def rank_main(scenario: str, run_dir: Path, dry_run: bool) -> int:
 # --- the harness --------------------------------------------------------------------------
 
 
-def start_daemon(tmp: Path, port: int, dry_run: bool) -> subprocess.Popen[bytes]:
+def start_daemon(
+    tmp: Path, port: int, dry_run: bool, extra: str = "", capture: Path = REPLAYED_CAPTURE
+) -> subprocess.Popen[bytes]:
+    """`gpuwatchd run` on its defaults (plus `extra` config lines), once /healthz answers;
+    with `dry_run` on the replayed `capture`."""
     cfg = tmp / "config.yaml"
-    cfg.write_text(f"daemon: {{state_dir: {tmp / 'state'}}}\nhangs: {{stacks: false}}\n")
+    cfg.write_text(f"daemon: {{state_dir: {tmp / 'state'}}}\nhangs: {{stacks: false}}\n{extra}")
     cmd = [sys.executable, "-m", "gpuwatchd", "run", "--config", str(cfg)]
     cmd += ["--listen", f"127.0.0.1:{port}"]
     if dry_run:
-        cmd += ["--nvml-replay", str(REPLAYED_CAPTURE)]
+        cmd += ["--nvml-replay", str(capture)]
     with open(tmp / "daemon.log", "wb") as log:
         daemon = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     for _ in range(120):

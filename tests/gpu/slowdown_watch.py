@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/gpu: its sibling scripts
+from cause_kills import start_daemon  # noqa: E402
 from hang_daemon_e2e import free_port, get, no_gpu  # noqa: E402
 from slowdown_job import PHASES, parse_phases  # noqa: E402
 
@@ -46,30 +47,6 @@ KEEP = (
     "gpuwatchd_gpu_temperature_celsius",
     "gpuwatchd_job_",
 )
-
-
-def start_daemon(tmp: Path, port: int, interval: float, dry_run: bool) -> subprocess.Popen[bytes]:
-    cfg = tmp / "config.yaml"
-    cfg.write_text(
-        f"daemon: {{state_dir: {tmp / 'state'}}}\n"
-        f"sources: {{nvml: {{interval: {interval}}}}}\n"
-        "hangs: {stacks: false}\n"
-    )
-    cmd = [sys.executable, "-m", "gpuwatchd", "run", "--config", str(cfg)]
-    cmd += ["--listen", f"127.0.0.1:{port}"]
-    if dry_run:
-        cmd += ["--nvml-replay", str(REPLAYED_CAPTURE)]
-    with open(tmp / "daemon.log", "wb") as log:
-        daemon = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    for _ in range(120):
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2).close()
-            break
-        except OSError:
-            if daemon.poll() is not None:
-                break
-            time.sleep(0.5)
-    return daemon
 
 
 def gpu_series(text: str, gpu: str) -> dict[str, float]:
@@ -159,7 +136,8 @@ def main() -> int:
     total = sum(s for _, _, s in parse_phases(args.phases))
     with tempfile.TemporaryDirectory() as tmp:
         port = free_port()
-        daemon = start_daemon(Path(tmp), port, args.interval, args.dry_run)
+        nvml = f"sources: {{nvml: {{interval: {args.interval}}}}}\n"
+        daemon = start_daemon(Path(tmp), port, args.dry_run, nvml, REPLAYED_CAPTURE)
         cmd = [sys.executable, str(Path(__file__).with_name("slowdown_job.py")), str(out)]
         cmd += ["--phases", args.phases] + (["--dry-run"] if args.dry_run else [])
         with open(out / "job.log", "wb") as log:

@@ -43,6 +43,9 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 REPLAYED_CAPTURE = ROOT / "tests" / "fixtures" / "nvml" / "h200x2-record.json"
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/gpu: its sibling scripts
+from cause_kills import wait_for as wait_until  # noqa: E402  (POLL 0.5 s, as here)
+
 POLL = 0.5
 RAS_PORT = 28028
 ALERTNAME = "JobHangSuspected"
@@ -157,18 +160,6 @@ class Procs:
                 p.kill()
                 p.wait(10)
         return {name: p.returncode for name, p in self.list}
-
-
-def wait_until(deadline: float, probe: Any) -> Any:
-    while time.time() < deadline:
-        try:
-            got = probe()
-            if got:
-                return got
-        except (OSError, ValueError):
-            pass
-        time.sleep(POLL)
-    return None
 
 
 def daemon_config(node: Node, state: Path, am_url: str) -> str:
