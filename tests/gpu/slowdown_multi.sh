@@ -17,15 +17,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
-if ls "$repo"/.whl/*.whl >/dev/null 2>&1 && [ ! -e /tmp/site/.installed ]; then
-  # carried wheels (the daemon's dependencies), as hang_run.sh does
-  timeout 300 $py -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-    "$repo"/.whl/*.whl && touch /tmp/site/.installed
-fi
-if [ -d /tmp/site ]; then
-  export PYTHONPATH=/tmp/site:$repo${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
-fi
-cd "$repo" || exit 1
+. "$here/carried_site.sh"  # the carried wheels on the path; cd "$repo"
 dry=0
 for a in "$@"; do [ "$a" = --dry-run ] && dry=1; done
 if [ $dry = 0 ]; then
