@@ -172,10 +172,12 @@ def test_unknown_users_cost_what_the_most_expensive_user_costs(
         return time.monotonic() - t0
 
     seconds("nobody")  # the dummy hash is made at the first unknown user
-    dear_s = min(seconds("dear") for _ in range(2))
-    nobody_s = min(seconds("nobody") for _ in range(2))
+    # Interleaved and the fastest of three each, so a busy CI core slows both alike.
+    pairs = [(seconds("dear"), seconds("nobody")) for _ in range(3)]
+    dear_s = min(p[0] for p in pairs)
+    nobody_s = min(p[1] for p in pairs)
     # Before the fix an unknown user cost a cost-10 hash: a quarter of a cost-12 user's.
-    assert nobody_s > dear_s * 0.6, (nobody_s, dear_s)
+    assert nobody_s > dear_s * 0.5, pairs
 
 
 def seed_events(state: Path, count: int) -> None:
