@@ -34,7 +34,8 @@ from benchmarks.report import publish  # noqa: E402
 from gpuwatchd.clock import FakeClock, SystemClock  # noqa: E402
 from gpuwatchd.config import load  # noqa: E402
 from gpuwatchd.model import Event, Severity, SourceSnapshot  # noqa: E402
-from gpuwatchd.pipeline import Consumers, Pipeline, SourceSet  # noqa: E402
+from gpuwatchd.pipeline import Consumers, SourceSet  # noqa: E402
+from gpuwatchd.pipeline.daemon import Pipeline  # noqa: E402
 from gpuwatchd.sinks.store import EventStore  # noqa: E402
 from gpuwatchd.state import State  # noqa: E402
 

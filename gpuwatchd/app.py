@@ -32,7 +32,8 @@ from gpuwatchd.config.overrides import Overrides
 if TYPE_CHECKING:
     from gpuwatchd.clock import Clock
     from gpuwatchd.config import Config
-    from gpuwatchd.pipeline import Consumers, Pipeline, StoreReader
+    from gpuwatchd.pipeline import Consumers, StoreReader
+    from gpuwatchd.pipeline.daemon import Pipeline
     from gpuwatchd.sinks.store import EventStore
     from gpuwatchd.state import State
 
@@ -199,14 +200,14 @@ def assemble(
     store: StoreReader | None = None,
 ) -> Consumers:
     """The consumer chain for `mode` (the daemon's is a `Pipeline`)."""
-    from gpuwatchd import pipeline
-
     if mode is Mode.DAEMON:
+        from gpuwatchd.pipeline.daemon import Pipeline  # the sinks and HTTP: the daemon's only
+
         retire_hang_outbox(cfg.daemon.state_dir)
-        return pipeline.Pipeline(cfg, state, clock, node, listen_port, source_names)
-    return pipeline.Consumers(
-        pipeline.one_shot_config(cfg), state, clock, store, source_names, one_shot=True
-    )
+        return Pipeline(cfg, state, clock, node, listen_port, source_names)
+    from gpuwatchd.pipeline import Consumers, one_shot_config
+
+    return Consumers(one_shot_config(cfg), state, clock, store, source_names, one_shot=True)
 
 
 def retire_hang_outbox(state_dir: str) -> None:

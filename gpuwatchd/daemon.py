@@ -40,7 +40,8 @@ from gpuwatchd.http import webconfig
 from gpuwatchd.http.app import Route, json_route, make_app
 from gpuwatchd.http.endpoints import healthz_route, status_document, summary_line
 from gpuwatchd.http.server import WebServer, serve
-from gpuwatchd.pipeline import Pipeline, SourceSet, source_names
+from gpuwatchd.pipeline import SourceSet, source_names
+from gpuwatchd.pipeline.daemon import Pipeline
 from gpuwatchd.preflight import check_parsed_files
 from gpuwatchd.runmarker import METRICS as RUN_METRICS
 from gpuwatchd.runmarker import RunRecord, tighten_state_dir

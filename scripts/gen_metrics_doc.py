@@ -37,7 +37,7 @@ PRODUCERS: tuple[tuple[str, str, str], ...] = (
     ("gpuwatchd.sinks.remediation.sink", "METRICS", "remediation"),
     ("gpuwatchd.diag.scheduler", "METRICS", "diag"),
     ("gpuwatchd.sinks.prometheus", "DAEMON_METRICS", "daemon"),
-    ("gpuwatchd.pipeline", "PIPELINE_METRICS", "consumer"),
+    ("gpuwatchd.pipeline.daemon", "PIPELINE_METRICS", "consumer"),
     ("gpuwatchd.runmarker", "METRICS", "daemon"),
     ("gpuwatchd.http.counters", "HTTP_METRICS", "http"),
 )

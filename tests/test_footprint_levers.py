@@ -152,3 +152,28 @@ print("ok")
 
 def test_hang_signatures_are_parsed_at_first_use_without_a_site_file() -> None:
     assert _python(_NO_YAML) == "ok"
+
+
+# `check` is one-shot: its start-up is its latency (0.37 s on an H200 before the hang
+# split and the slowdown detector, 0.52 s after, most of it imports). It runs the
+# consumer chain, not the daemon's sinks, HTTP, hang machinery or detector catalogs.
+_CHECK_IMPORTS = """
+import sys
+from gpuwatchd.cli import main
+try:
+    code = main(["check", "--nvml-replay", sys.argv[1], "--state-dir", sys.argv[2]])
+except SystemExit as exc:
+    code = exc.code
+daemon_only = (
+    "prometheus_client", "gpuwatchd.http.app", "gpuwatchd.pipeline.daemon",
+    "gpuwatchd.sinks.alertmanager.sink", "gpuwatchd.sinks.remediation.sink",
+    "gpuwatchd.sinks.evidence", "gpuwatchd.hangs.monitor", "gpuwatchd.forensics",
+    "gpuwatchd.health.hangs.detector", "gpuwatchd.health.slowdowns.monitor",
+)
+print(code, ",".join(m for m in daemon_only if m in sys.modules) or "-")
+"""
+
+
+def test_check_loads_the_consumer_chain_and_none_of_the_daemons_parts(tmp_path: Path) -> None:
+    capture = ROOT / "tests" / "fixtures" / "nvml" / "h100-idle-record.json"
+    assert _python(_CHECK_IMPORTS, str(capture), str(tmp_path)).split()[-2:] == ["0", "-"]

@@ -8,7 +8,7 @@ from pathlib import Path
 from gpuwatchd.clock import FakeClock, SystemClock
 from gpuwatchd.config import Config, load
 from gpuwatchd.model import Event, KmsgState, Sample, Severity, SourceSnapshot
-from gpuwatchd.pipeline import Pipeline
+from gpuwatchd.pipeline.daemon import Pipeline
 from gpuwatchd.sinks.store import EventStore
 from gpuwatchd.state import PublishQueue, State
 

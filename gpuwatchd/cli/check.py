@@ -1,7 +1,7 @@
 """`gpuwatchd check`: a one-shot health verdict from the daemon's own pipeline.
 
 `check` builds the sources and the consumer chain with the daemon's
-wiring (gpuwatchd/pipeline.py), polls every enabled source once in its own
+wiring (gpuwatchd/pipeline/), polls every enabled source once in its own
 thread under one overall deadline, so a hung NVML cannot block it; the
 kernel log source reads what the ring buffer holds for this boot. The
 chain runs one-shot (without `for:` delays: the check reports what is true
@@ -29,7 +29,7 @@ from gpuwatchd.config import Config
 from gpuwatchd.config.overrides import node_name
 from gpuwatchd.errors import GpuwatchdError
 from gpuwatchd.health import alerts
-from gpuwatchd.health.hangs.record import open_hangs
+from gpuwatchd.health.hangs.stored import open_hangs
 from gpuwatchd.health.rollup import finding_json
 from gpuwatchd.model import Finding, Severity, SourceSnapshot
 from gpuwatchd.runmarker import EVENT_KIND as RESTART

@@ -14,7 +14,7 @@ from gpuwatchd import config
 from gpuwatchd.cli import main as cli_main
 from gpuwatchd.clock import FakeClock
 from gpuwatchd.http.endpoints import events_route
-from gpuwatchd.pipeline import Pipeline
+from gpuwatchd.pipeline.daemon import Pipeline
 from gpuwatchd.state import State
 from tests.diag.fakes import H100_IDLE, canned, result
 

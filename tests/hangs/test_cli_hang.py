@@ -97,7 +97,7 @@ def test_hang_ids_stay_unique_across_daemon_restarts(
 ) -> None:
     """Two daemon runs over one state dir, a hang in each: `hang 1` and `hang 2`; after
     the restart /hangs/1 never names the second run's hang."""
-    from gpuwatchd.pipeline import Pipeline
+    from gpuwatchd.pipeline.daemon import Pipeline
     from gpuwatchd.state import State
 
     cfg = dataclasses.replace(

@@ -14,7 +14,7 @@ import pytest
 from gpuwatchd.cli import main
 from gpuwatchd.config import Config
 from gpuwatchd.config.schema import DaemonConfig
-from gpuwatchd.health.hangs.record import open_hangs
+from gpuwatchd.health.hangs.stored import open_hangs
 from gpuwatchd.http.endpoints import events_route
 from gpuwatchd.model import Event, HangReport, Severity
 from gpuwatchd.sinks.store import EventStore

@@ -149,7 +149,7 @@ def test_the_pipeline_tick_drives_the_hang_path_on_real_ranks(tmp_path: Path) ->
     """NVML lists two real processes of a torch job; the consumer's tick alone (no NVML
     poll after the kill) finds the killed rank through /proc."""
     from gpuwatchd.config import load
-    from gpuwatchd.pipeline import Pipeline
+    from gpuwatchd.pipeline.daemon import Pipeline
     from gpuwatchd.state import State
 
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29581"}

@@ -25,7 +25,7 @@ from gpuwatchd.config import AlertmanagerConfig, Config, DaemonConfig, HealthCon
 from gpuwatchd.config.schema import HangsConfig
 from gpuwatchd.health.alerts import ALERTS
 from gpuwatchd.model import Finding, Severity
-from gpuwatchd.pipeline import Pipeline
+from gpuwatchd.pipeline.daemon import Pipeline
 from gpuwatchd.sinks.alertmanager.sink import AlertSink
 from gpuwatchd.state import State
 from tests.conftest import ROOT
@@ -201,8 +201,8 @@ def test_every_alert_name_leaves_through_the_one_sink(tmp_path: Path) -> None:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "AlertSink":
                 built.append(path.relative_to(ROOT).as_posix())
-    assert built == ["gpuwatchd/pipeline.py"]
-    source = (ROOT / "gpuwatchd" / "pipeline.py").read_text()
+    assert built == ["gpuwatchd/pipeline/daemon.py"]
+    source = (ROOT / "gpuwatchd" / "pipeline" / "daemon.py").read_text()
     assert source.count("sink.update)") == source.count(
         "self.engine.add_listener(self.sink.update)"
     )

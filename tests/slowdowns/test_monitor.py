@@ -15,7 +15,7 @@ from gpuwatchd.health.slowdowns.detector import MAX_JOBS
 from gpuwatchd.health.slowdowns.monitor import METRICS, SlowdownMonitor, collectives
 from gpuwatchd.health.slowdowns.readings import GpuPace
 from gpuwatchd.model import Action, Health, Sample, Severity, SourceSnapshot
-from gpuwatchd.pipeline import Pipeline
+from gpuwatchd.pipeline.daemon import Pipeline
 from gpuwatchd.state import NodeSnapshot, State
 from tests.slowdowns import replay as R
 

@@ -3,46 +3,27 @@
 `HangRecord` holds what the detector saw and what forensics found (it
 changes while the hang is open); its `report()` is the typed `HangReport`
 the `job_hang` event carries, /hangs serves and `gpuwatchd hang show`
-reads back. `open_hangs()` turns stored reports back into findings for
-`gpuwatchd check`.
+reads back. What a stored report says to `gpuwatchd check` is `stored`'s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from gpuwatchd.health.hangs.causes import Cause, Incident
 from gpuwatchd.health.hangs.detector import JobVerdict
+from gpuwatchd.health.hangs.stored import ALERTNAME, GENERIC_REMEDIATION, RULE
 from gpuwatchd.health.hangs.summary import HangSummary, RankSummary
 from gpuwatchd.jobview import GroupProgress, JobView, StackCapture
 from gpuwatchd.model import (
-    HANG_KIND,
-    Action,
-    Event,
-    Finding,
     HangCause,
     HangCauses,
     HangRank,
     HangReport,
     HangStack,
-    Severity,
 )
 
-__all__ = [
-    "ALERTNAME",
-    "GENERIC_REMEDIATION",
-    "HangRecord",
-    "RULE",
-    "open_hangs",
-]
-
-ALERTNAME = "JobHangSuspected"
-RULE = HANG_KIND
-GENERIC_REMEDIATION = (
-    "The job makes no progress. Take its ranks' stacks (py-spy dump --native --pid PID), "
-    "rerun with NCCL_DEBUG=INFO and a collective timeout, then restart it."
-)
+__all__ = ["ALERTNAME", "GENERIC_REMEDIATION", "HangRecord", "RULE"]
 
 
 @dataclass
@@ -140,30 +121,3 @@ def _causes(inc: Incident) -> HangCauses:
         looked_at=tuple(inc.looked_at),
         elsewhere=tuple(inc.elsewhere),
     )
-
-
-def open_hangs(events: Iterable[Event]) -> list[Finding]:
-    """Critical JobHangSuspected findings for stored hangs not yet resolved (`gpuwatchd check`)."""
-    latest: dict[str, HangReport] = {}
-    for ev in events:
-        if ev.hang is not None:
-            latest[ev.hang.job] = ev.hang  # oldest first: the newest record of a job wins
-    out = []
-    for job, doc in sorted(latest.items()):
-        if doc.resolved:
-            continue
-        subject = tuple((k, v) for k, v in doc.labels if v)
-        out.append(
-            Finding(
-                rule=RULE,
-                alertname=ALERTNAME,
-                scope="job",
-                subject=subject or (("job", job),),
-                severity=Severity.CRITICAL,  # check exits 2 so a health check script acts
-                reason=f"Job {job} hangs: {doc.reason}. Where: {doc.where}",
-                action=Action.RESTART_APP,
-                remediation=doc.remediation or GENERIC_REMEDIATION,
-                since=doc.since,
-            )
-        )
-    return out

@@ -1,6 +1,6 @@
 """Xid events from the sources to the tracker, the store and the metrics.
 
-A step of the consumer thread (pipeline.py): every publish of the kmsg or
+A step of the consumer thread (pipeline/consumers.py): every publish of the kmsg or
 NVML source hands its events here, and the 1 s tick releases NVML events
 that waited long enough and applies clears other processes recorded.
 NVML duplicates of log reports are merged away, each report is
