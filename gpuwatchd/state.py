@@ -128,6 +128,7 @@ class PublishQueue:
         self._offered = 0
         self._done = 0
         self._closed = False
+        self._woken = False
         self.coalesced = 0  # publishes folded into one still waiting
 
     def offer(
@@ -148,11 +149,25 @@ class PublishQueue:
     def take(self, timeout: float) -> list[Publish]:
         """Everything waiting, oldest source first; [] after `timeout` or once closed."""
         with self._cond:
-            if not self._pending and not self._closed:
+            if not self._pending and not self._closed and not self._woken:
                 self._cond.wait(timeout)
             batch = list(self._pending.values())
             self._pending.clear()
             return batch
+
+    def wake(self) -> None:
+        """End the consumer's wait without a publish: a findings provider changed on a
+        thread of its own (a hang decided on the probe thread), so its alert leaves now
+        rather than at the next tick."""
+        with self._cond:
+            self._woken = True
+            self._cond.notify_all()
+
+    def woken(self) -> bool:
+        """Whether `wake` was called since the last call (it clears the flag)."""
+        with self._cond:
+            woken, self._woken = self._woken, False
+            return woken
 
     def done(self, seq: int) -> None:
         """The consumer finished every publish up to `seq`."""

@@ -123,6 +123,7 @@ class Pipeline(Consumers):
         ids = HangIds(self.store)  # unique for the store's life, not the run's
         self.hangs: HangMonitor = HangMonitor(cfg, clock, self.store, io=NodeForensics(), ids=ids)
         self.engine.add_provider("job_hang", self.hangs.provider)
+        self.hangs.add_listener(lambda _found, _now: self.queue.wake())
         # the hang probe's jobs of its last poll (no /proc read here) and its RAS answers
         self.slowdowns = SlowdownMonitor(self.hangs.jobs_seen, ras_views=self.hangs.ras_views)
         self.engine.add_provider("job_slowdown", self.slowdowns)
@@ -184,6 +185,8 @@ class Pipeline(Consumers):
         while not self._stopping.is_set():
             batch = self.queue.take(max(0.0, next_tick - self._clock.monotonic()))
             self._consume(batch)
+            if self.queue.woken():  # the hang monitor's findings moved: judge them now
+                self._guarded("tick", self.engine.tick)
             if self._clock.monotonic() >= next_tick:
                 self.tick()
                 next_tick = self._clock.monotonic() + TICK_SECONDS

@@ -144,6 +144,26 @@ def test_for_seconds_holds_a_hang_alert_back(tmp_path: Path, am: AlertmanagerSer
         pipeline.stop(timeout=2.0)
 
 
+def test_a_hang_found_off_the_consumer_thread_leaves_at_once(
+    tmp_path: Path, am: AlertmanagerServer
+) -> None:
+    # The hang probe decides on its own thread; the alert used to wait for the consumer's
+    # next 1 s tick (1.0 s after the verdict on an H200). The fake clock never reaches
+    # that tick here, so only the wake can send it.
+    pipeline = _pipeline(tmp_path, [am.url], FakeClock(time.time()))
+    pipeline.start()
+    try:
+        assert pipeline.wait_idle(5.0)
+        time.sleep(0.2)  # the consumer's first tick is done: the next is never due
+        t0 = time.monotonic()
+        _hang(pipeline)  # the test's thread stands for the hang-probe thread
+        while "JobHangSuspected" not in pipeline.routes()["/alerts"]({})[2].decode():
+            assert time.monotonic() - t0 < 5.0, "the hang alert waited for a tick"
+            time.sleep(0.01)
+    finally:
+        pipeline.stop(timeout=2.0)
+
+
 def test_the_old_hang_outbox_is_retired_at_start(tmp_path: Path) -> None:
     state = tmp_path / "state"
     state.mkdir()
