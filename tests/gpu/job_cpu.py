@@ -70,6 +70,14 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
+def threads(pid: int) -> int:
+    """Threads of `pid` now (what reading every thread's stat file cost per rank)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    return 0
+
+
 def scrape(port: int) -> int:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         return len(r.read())
@@ -260,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             if spy is not None:
                 result["profile_exit"] = spy.wait(30)
             used = sum(cpu_seconds(p.pid) for p in procs) - ranks_cpu
+            result["training"]["rank_threads"] = [threads(p.pid) for p in procs]
             result["training"]["ranks_cpu_percent_of_one_core_each"] = round(
                 100 * used / result["training"]["seconds"] / args.ranks, 2
             )
