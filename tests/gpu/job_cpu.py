@@ -83,8 +83,14 @@ def scrape(port: int) -> int:
         return len(r.read())
 
 
-def phase(daemon: int, port: int, seconds: float) -> dict[str, Any]:
-    """The daemon's CPU over `seconds`, scraped every SCRAPE_EVERY s."""
+def phase(daemon: int, port: int, seconds: float, threads_json: str = "") -> dict[str, Any]:
+    """The daemon's CPU over `seconds`, scraped every SCRAPE_EVERY s (and, with
+    `threads_json`, its CPU per thread over the same time, by benchmarks/thread_cpu.py)."""
+    per_thread = None
+    if threads_json:
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "thread_cpu.py"), "--pid", str(daemon)]
+        cmd += ["--seconds", str(seconds), "--json", threads_json]
+        per_thread = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     t0, c0 = time.monotonic(), cpu_seconds(daemon)
     scrapes = 0
     while (left := seconds - (time.monotonic() - t0)) > 0:
@@ -95,6 +101,8 @@ def phase(daemon: int, port: int, seconds: float) -> dict[str, Any]:
             pass
         time.sleep(min(SCRAPE_EVERY, max(left, 0.0)))
     wall, cpu = time.monotonic() - t0, cpu_seconds(daemon) - c0
+    if per_thread is not None:
+        per_thread.wait(seconds + 30)
     hangs = get(port, "/hangs").get("hangs", [])
     return {
         "seconds": round(wall, 1),
@@ -207,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--profile", default="", help="py-spy's collapsed stacks of the daemon while training, here"
     )
+    ap.add_argument(
+        "--threads-out", default="", help="the daemon's CPU per thread in each phase, here"
+    )
     ap.add_argument("--dry-run", action="store_true", help="fake ranks, replayed NVML")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -224,13 +235,20 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=1))
         return 2
     procs: list[subprocess.Popen[bytes]] = []
+
+    def threads_json(name: str) -> str:
+        if not args.threads_out:
+            return ""
+        Path(args.threads_out).mkdir(parents=True, exist_ok=True)
+        return str(Path(args.threads_out) / f"{name}.json")
+
     with tempfile.TemporaryDirectory(prefix="gpuwatchd-job-cpu-") as tmp_name:
         tmp = Path(tmp_name)
         port = free_port()
         daemon = start_daemon(tmp, port, args.dry_run)
         try:
             time.sleep(args.settle)  # past start-up: the first polls cost more
-            result["idle"] = phase(daemon.pid, port, args.seconds)
+            result["idle"] = phase(daemon.pid, port, args.seconds, threads_json("idle"))
             run_dir = tmp / "job"
             run_dir.mkdir()
             master = free_port()
@@ -264,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.STDOUT,
                 )
-            result["training"] = phase(daemon.pid, port, args.seconds)
+            result["training"] = phase(daemon.pid, port, args.seconds, threads_json("training"))
             if spy is not None:
                 result["profile_exit"] = spy.wait(30)
             used = sum(cpu_seconds(p.pid) for p in procs) - ranks_cpu
