@@ -9,12 +9,12 @@ catalog (data, like the hang signatures) gives each its title and remediation.
 from __future__ import annotations
 
 import functools
-import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuwatchd.config.yamlfile import load_yaml
 from gpuwatchd.errors import ConfigError
+from gpuwatchd.health.slowdowns import averages
 from gpuwatchd.health.slowdowns.readings import GpuPace
 from gpuwatchd.model import Action
 from gpuwatchd.shipped import shipped_text
@@ -94,7 +94,7 @@ def _share(polls: Sequence[GpuPace], reasons: set[str]) -> float:
 
 def _mean(values: Sequence[float | None]) -> float | None:
     got = [v for v in values if v is not None]
-    return statistics.fmean(got) if got else None
+    return averages.mean(got) if got else None
 
 
 def _rise(polls: Sequence[GpuPace], attr: str) -> float:
@@ -126,7 +126,7 @@ def node_causes(
     clock = _mean([p.sm_clock_hz for p in polls])
     peer_clocks = [c for c in (_mean([p.sm_clock_hz for p in w]) for w in peers) if c]
     if clock is not None and peer_clocks:
-        ref = statistics.median(peer_clocks)
+        ref = averages.median(peer_clocks)
         if clock < ref * (1 - clock_deficit):
             out.append(
                 Cause(

@@ -27,11 +27,11 @@ second follows the step rate.
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from gpuwatchd.health.slowdowns import averages
 from gpuwatchd.health.slowdowns.causes import Cause, node_causes
 from gpuwatchd.health.slowdowns.readings import GpuPace
 from gpuwatchd.jobview import JobView
@@ -192,9 +192,9 @@ class SlowdownDetector:
         rel = {g: (compute[g] or 0.0) / own.get(g, 1.0) for g in gpus}
         slowest = max(gpus, key=lambda g: rel[g])
         peers = [g for g in gpus if g != slowest]
-        peer_compute = statistics.median(compute[g] or 0.0 for g in peers)
-        peer_rel = statistics.median(rel[g] for g in peers)
-        peer_util = statistics.median(util[g] or 0.0 for g in peers)
+        peer_compute = averages.median(compute[g] or 0.0 for g in peers)
+        peer_rel = averages.median(rel[g] for g in peers)
+        peer_util = averages.median(util[g] or 0.0 for g in peers)
         raw = (compute[slowest] or 0.0) / peer_compute if peer_compute > 0 else None
         ratio = rel[slowest] / peer_rel if peer_rel > 0 else None
         pace, pace_from = self._pace(state, peer_compute, ratio, self._rate(state, now))
@@ -273,7 +273,7 @@ class SlowdownDetector:
             state.learn_since = now
         t = self.thresholds
         values = [compute[g] or 0.0 for g in gpus]
-        median = statistics.median(values)
+        median = averages.median(values)
         if min(values) < t.min_busy or max(values) > t.max_ratio * min(values):
             return {}  # one rank works alone (an eval, a checkpoint): not the job's rhythm
         for g in gpus:
@@ -282,7 +282,7 @@ class SlowdownDetector:
         samples = min(len(v) for v in state.shares.values())
         if now - state.learn_since < t.learn_seconds or samples < 3:
             return {}
-        state.learned = {g: math.exp(statistics.fmean(v)) for g, v in state.shares.items()}
+        state.learned = {g: math.exp(averages.mean(v)) for g, v in state.shares.items()}
         # The swing of each GPU's busy ratio (its share over its peers' median) around its
         # usual value, over the learning polls: the job's own noise floor.
         logs = {g: list(v) for g, v in state.shares.items()}
@@ -290,7 +290,7 @@ class SlowdownDetector:
         for g in gpus:
             usual = math.log(state.learned[g])
             for i, x in enumerate(logs[g]):
-                peers = statistics.median(
+                peers = averages.median(
                     logs[p][i] - math.log(state.learned[p]) for p in gpus if p != g
                 )
                 swing = max(swing, abs(x - usual - peers))
@@ -330,7 +330,7 @@ class SlowdownDetector:
 
 def _mean(values: Sequence[float | None]) -> float | None:
     got = [v for v in values if v is not None]
-    return statistics.fmean(got) if got else None
+    return averages.mean(got) if got else None
 
 
 def _span(dq: deque[tuple[float, GpuPace]], start: float, window: float) -> float:
