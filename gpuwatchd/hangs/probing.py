@@ -28,11 +28,14 @@ from gpuwatchd.jobview import JobView
 from gpuwatchd.model import SourceSnapshot
 from gpuwatchd.state import NodeSnapshot
 
-__all__ = ["MAX_PENDING", "ProbeLoop"]
+__all__ = ["MAX_PENDING", "PROBED_SOURCES", "ProbeLoop"]
 
 log = logging.getLogger("gpuwatchd.hangs")
 
 MAX_PENDING = 8  # publishes waiting for a slow probe: the oldest goes (the next poll comes)
+# The publishes that name jobs or read their GPUs; another source's publish changes
+# nothing the probe reads, so it does not wake the thread.
+PROBED_SOURCES = frozenset(("nvml", "workloads"))
 Observe = Callable[[Sequence[JobView], Iterable[GpuActivity] | None, float], None]
 
 
@@ -75,11 +78,13 @@ class ProbeLoop:
         if not self.cfg.hangs.enabled:
             return
         self._hangs.note(source, events if isinstance(events, tuple) else (), self._clock.time())
-        self._submit(snap)
+        if source is None or source.source in PROBED_SOURCES:
+            self._submit(snap)
 
     def tick(self) -> None:
-        """About once a second: the hang path's own faster probe (when one is due)."""
-        if self.cfg.hangs.enabled:
+        """About once a second: the hang path's own faster probe (when one is due); with
+        no job on the node there is nothing to probe, and the thread sleeps on."""
+        if self.cfg.hangs.enabled and self._members:
             self._submit(None)
 
     def _submit(self, item: NodeSnapshot | None) -> None:

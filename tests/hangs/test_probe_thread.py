@@ -145,3 +145,59 @@ def test_a_probe_that_raises_is_counted_and_the_loop_goes_on() -> None:
         assert monitor.errors == 2 and io.threads == {"hang-probe"}
     finally:
         monitor.stop()
+
+
+class CountedProc(BlockedProc):
+    """NodeIO that answers at once and counts the reads of the probe thread."""
+
+    def __init__(self, jobs: list[JobView]) -> None:
+        super().__init__()
+        self.reads = 0
+        self._jobs = jobs
+
+    def jobs(self, snap: NodeSnapshot, procfs: str) -> list[JobView]:
+        self.reads += 1
+        return list(self._jobs)
+
+    def probe(self, jobs: Sequence[JobView], procfs: str) -> list[JobView]:
+        self.reads += 1
+        return list(jobs)
+
+
+def test_an_idle_node_does_not_wake_the_probe_thread() -> None:
+    # Every tick and every source's publish woke it (3.5 wake-ups a second on an idle
+    # replayed node); with no job, and for sources that name no job, nothing is to read.
+    io = CountedProc([])
+    clock = FakeClock(start=1_800_000_000.0)
+    monitor = HangMonitor(Config(), clock, io=io, ras_workers=0)
+    woken: list[object] = []
+    handle = monitor._loop._handle
+    monitor._loop._handle = lambda item: (woken.append(item), handle(item))  # type: ignore[method-assign]
+    monitor.start()
+    try:
+        monitor.on_publish(_nvml(clock.time()), _nvml(clock.time()).sources["nvml"])
+        assert monitor.wait_idle(10.0) and len(woken) == 1  # the poll: no job on the node
+        kmsg = SourceSnapshot("kmsg", (), True, timestamp=clock.time())
+        for _ in range(10):
+            clock.advance(1.0)
+            monitor.on_publish(NodeSnapshot(sources={"kmsg": kmsg}), kmsg)
+            monitor.tick()
+        assert monitor.wait_idle(10.0)
+        assert len(woken) == 1, woken
+    finally:
+        monitor.stop()
+    # with a job, the tick's faster probe runs again
+    io = CountedProc([JOB])
+    monitor = HangMonitor(Config(), clock, io=io, ras_workers=0)
+    monitor.start()
+    try:
+        monitor.on_publish(_nvml(clock.time()), _nvml(clock.time()).sources["nvml"])
+        assert monitor.wait_idle(10.0)
+        before = io.reads
+        for _ in range(10):
+            clock.advance(1.0)
+            monitor.tick()
+            assert monitor.wait_idle(10.0)
+        assert io.reads > before
+    finally:
+        monitor.stop()
