@@ -1,6 +1,6 @@
 """The package's layer matrix, read from the source with `ast`.
 
-worker < core < sources < health < sinks < http < daemon (pipeline.py, daemon.py) < cli:
+worker < core < sources < health < sinks < http < daemon (pipeline/, daemon.py) < cli:
 a module imports only from its own layer or below, including imports inside
 functions and `importlib.import_module("...")` / `__import__("...")` loads.
 Sources know nothing of sinks, SQLite, Prometheus or HTTP clients; pynvml is
