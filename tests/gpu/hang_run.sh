@@ -44,15 +44,7 @@ ras_phase() {
 if [ "$mode" = remote-rank-missing ] || [ "$mode" = kernel-never-ends ] || [ "$mode" = cause-kills ]; then
   repo=$(cd "$here/../.." && pwd)
   out=$(cd "$out" && pwd)
-  if ls "$repo"/.whl/*.whl >/dev/null 2>&1 && [ ! -e /tmp/site/.installed ]; then
-    # carried wheels (py-spy, the daemon's dependencies), as multi_gpu_session.sh does
-    timeout 300 $py -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-      "$repo"/.whl/*.whl && touch /tmp/site/.installed
-  fi
-  if [ -d /tmp/site ]; then
-    export PYTHONPATH=/tmp/site:$repo${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
-  fi
-  cd "$repo" || exit 1
+  . "$here/carried_site.sh"  # the carried wheels (py-spy, the daemon's dependencies)
   if [ "$mode" = cause-kills ]; then  # OOM kill, segfault, Xid 31: the cause named (cause_kills.py)
     exec $py "$here/cause_kills.py" --out-dir "$out"
   fi
