@@ -135,7 +135,7 @@ def collect(
 ) -> Collected:
     """Build the enabled sources as the daemon does and poll each once, in parallel,
     within `timeout`; what they publish goes to `state` (and its listeners)."""
-    from gpuwatchd.pipeline import SourceSet  # late: the pipeline pulls in sinks and HTTP
+    from gpuwatchd.pipeline import SourceSet  # late: every source module comes with it
 
     deadline = clock.monotonic() + timeout
     state = state if state is not None else State()
