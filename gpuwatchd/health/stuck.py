@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
@@ -97,6 +97,7 @@ class GpuReading:
     power_limit_watts: float | None = None
     subject: Labels = ()
     processes: tuple[str, ...] = ()  # "1234 python train.py"
+    pids: tuple[int, ...] = ()  # the processes NVML lists, named only when the GPU looks stuck
 
 
 def matches(r: GpuReading, t: StuckThresholds) -> bool:
@@ -213,6 +214,7 @@ def readings_from_samples(
             a.power_limit_watts,
             subjects[a.gpu],
             tuple(describe(p) if describe else str(p) for p in pids.get(a.gpu, ())),
+            tuple(pids.get(a.gpu, ())),
         )
         for a in activity_from_samples(samples)
         if a.gpu in subjects
@@ -251,18 +253,32 @@ class StuckDetector:
         self._findings: list[Finding] = []
 
     def evaluate(self, snapshot: NodeSnapshot) -> list[Finding]:
-        """Findings for the GPUs stuck as of the latest NVML poll."""
-        stamp, readings = readings_from_snapshot(snapshot, self._describe)
+        """Findings for the GPUs stuck as of the latest NVML poll.
+
+        Runs on the consumer thread at every publish: a poll already judged costs a
+        lookup, and a process is named from /proc (its cmdline, which waits on the
+        process's memory map) only on a GPU that shows the stuck pattern now."""
+        nvml = snapshot.sources.get("nvml")
+        if nvml is None or not nvml.ok:
+            return []
+        if nvml.timestamp == self._seen:
+            return list(self._findings)
+        stamp, readings = readings_from_snapshot(snapshot)
         if stamp is None:
             return []
-        if stamp == self._seen:
-            return list(self._findings)
+        if self._describe is not None:
+            readings = [self._named(r) if matches(r, self.thresholds) else r for r in readings]
         now = stamp or self._clock.time()
         nvml = snapshot.sources.get("nvml")
         mono = nvml.monotonic if nvml is not None and nvml.monotonic else None
         self._state, self._findings = step(self._state, readings, now, self.thresholds, mono)
         self._seen = stamp
         return list(self._findings)
+
+    def _named(self, r: GpuReading) -> GpuReading:
+        describe = self._describe
+        assert describe is not None
+        return replace(r, processes=tuple(describe(p) for p in r.pids))
 
     def observe(self, readings: Sequence[GpuReading], now: float | None = None) -> list[Finding]:
         """Feed readings directly (scripts, tests); `now` defaults to the clock."""

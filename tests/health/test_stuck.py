@@ -193,6 +193,38 @@ def test_detector_over_snapshots_names_the_processes_from_nvml_status() -> None:
     assert detector.stuck_since() == {"1": clock.time()}
 
 
+def test_only_a_gpu_that_looks_stuck_has_its_processes_named_from_proc() -> None:
+    # The detector runs on the consumer thread at every publish; it read every GPU
+    # process's /proc/PID/cmdline each time (which waits on the process's memory map),
+    # even for a poll it had judged. Now: a GPU showing the pattern, once per poll.
+    clock = FakeClock()
+    base = nvml_snapshot(clock)
+    assert base.inventory is not None
+    mine = (GpuProcess(pid=os.getpid(), used_memory_bytes=1 << 30),)
+    gpus = GpuInventory(tuple(replace(g, processes=mine) for g in base.inventory))
+    named: list[int] = []
+
+    def describe(pid: int) -> str:
+        named.append(pid)
+        return f"{pid} python"
+
+    detector = StuckDetector(T, clock, describe=describe)
+
+    def poll(t: int, stuck: bool) -> NodeSnapshot:
+        samples = with_values(base, "1", 1.0, 0.0, 118.0) if stuck else base.samples
+        snap = replace(base, samples=samples, timestamp=clock.time() + t, payload=gpus)
+        return NodeSnapshot(sources={"nvml": snap})
+
+    healthy = poll(0, stuck=False)
+    for _ in range(5):
+        assert detector.evaluate(healthy) == []
+    assert named == []  # no GPU shows the pattern: nobody to name
+    stuck = poll(30, stuck=True)
+    for _ in range(5):
+        detector.evaluate(stuck)
+    assert named == [os.getpid()]  # GPU 1 shows the pattern: named once for the poll
+
+
 def test_no_nvml_source_no_readings() -> None:
     assert readings_from_snapshot(NodeSnapshot()) == (None, [])
     detector = StuckDetector(T, FakeClock())
