@@ -213,7 +213,8 @@ def _step(
     c0 = time.thread_time()
     if t >= node.next_nvml:
         node.next_nvml += NVML_INTERVAL
-        node.monitor.on_publish(nvml_snapshot(trace.nvml_row(t), t))
+        since, node.last_nvml = node.last_nvml, t  # GPM over the poll's interval
+        node.monitor.on_publish(nvml_snapshot(trace.nvml_poll(since, t), t))
     node.monitor.tick()
     out.cpu += time.thread_time() - c0
 

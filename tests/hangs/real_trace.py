@@ -35,6 +35,8 @@ from tests.hangs.replay import FIXTURES
 
 DIR = os.path.join(FIXTURES, "dead-peer-2xh100")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+# Recorded GPM metrics: the daemon reads each as a mean over its poll interval.
+GPM_KEYS = ("sm_active", "sm_occupancy", "dram_active")
 PIPE_PREFIX = "/run/job/pipe_"  # the job's TORCH_NCCL_DEBUG_INFO_PIPE_FILE
 DUMP_PREFIX = "/run/job/fr/dump_"
 DUMP_STEP = (
@@ -178,6 +180,33 @@ class Trace:
         if before:
             return before[-1]
         return self.nvml[0] if self.nvml else {"t": t, "gpus": []}
+
+    def nvml_poll(self, since: float, t: float) -> dict[str, Any]:
+        """What the daemon's NVML poll at `t` reads when its last poll was at `since`.
+
+        Utilization, memory utilization and power are the latest reading's (NVML
+        reports them over its last sample period, a second at most). GPM metrics are
+        the mean over the poll's interval: the daemon computes them between the GPM
+        samples of two polls, so a kernel that stopped doing work in the middle of an
+        interval reads as half busy until the next poll. The harness recorded GPM
+        once a second; taking the latest second alone made the replay see a stuck
+        kernel up to one NVML interval before the device did."""
+        row = self.nvml_row(t)
+        window = [r for r in self.nvml if since < r["t"] <= t] or [row]
+        gpus = []
+        for g in row["gpus"]:
+            g = dict(g)
+            for key in GPM_KEYS:
+                got = [
+                    x[key]
+                    for r in window
+                    for x in r["gpus"]
+                    if x["gpu"] == g["gpu"] and x.get(key) is not None
+                ]
+                if got:
+                    g[key] = sum(got) / len(got)
+            gpus.append(g)
+        return {**row, "gpus": gpus}
 
     def environ(self, ras_addr: str) -> dict[int, dict[str, str]]:
         """Each rank's launch variables as recorded, pointed at the replay's RAS and pipes.

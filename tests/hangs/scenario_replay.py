@@ -229,6 +229,7 @@ class Replay:
         self.found: list[tuple[float, list[Finding]]] = []
         self.monitor.add_listener(lambda f, now: self.found.append((now - self.origin, list(f))))
         self.next_nvml = samples[0][0] + phase
+        self.last_nvml = self.next_nvml - NVML_INTERVAL  # the daemon polled before
         self.ticks: list[tuple[float, list[Finding]]] = []  # the monitor's findings each second
 
     def step(self, t: float, ranks: dict[int, dict[str, Any]]) -> None:
@@ -240,7 +241,8 @@ class Replay:
         self.srv.text_answer = trace.ras_answer(t, "text") or trace.first_ras_answer("text")
         if t >= self.next_nvml:
             self.next_nvml += NVML_INTERVAL
-            nvml = nvml_snapshot(trace.nvml_row(t), t).sources["nvml"]
+            since, self.last_nvml = self.last_nvml, t
+            nvml = nvml_snapshot(trace.nvml_poll(since, t), t).sources["nvml"]
             self.monitor.on_publish(self._node(nvml))  # the workloads' poll still to come
             assert nvml.inventory is not None
             self.inventory = nvml.inventory

@@ -44,11 +44,11 @@ def test_recorded_scenario_does_what_expect_json_says(
 def test_a_control_expectation_fails_on_the_dead_peer(tmp_path: Path) -> None:
     """The check is not vacuous: the dead peer read as a control breaks `max_severity`.
 
-    At +9 s: both GPUs read at work before the kill, so RAS is asked while the job trains
-    and the answer after the kill confirms rank 1 missing."""
+    At +5 s (+9 s while the replay read GPM from the poll's last second alone, not over
+    its interval as the daemon does): rank 1 is gone and the others made no progress."""
     directory = os.path.join(FIXTURES, "dead-peer-2xh100")
     with replaying(str(tmp_path), Trace(directory), 0.0) as node:
         node.run(forensics=False)
     (bad,) = check(node, Expect(kind="control", max_severity="warning"))
-    assert bad.startswith("above warning: first at (9.0, 'CRITICAL'")
+    assert bad.startswith("above warning: first at (5.0, 'CRITICAL'")
     assert "rank 1 died (pid 1274)" in bad and "Decided by: gpu+io+liveness+ras." in bad
