@@ -52,3 +52,14 @@ def test_a_control_expectation_fails_on_the_dead_peer(tmp_path: Path) -> None:
     (bad,) = check(node, Expect(kind="control", max_severity="warning"))
     assert bad.startswith("above warning: first at (5.0, 'CRITICAL'")
     assert "rank 1 died (pid 1274)" in bad and "Decided by: gpu+io+liveness+ras." in bad
+
+
+def test_the_kernel_hang_replays_when_the_device_paged() -> None:
+    # On the H200 the kernel that never completes paged 25.5-27.3 s after the hang in four
+    # runs. The replay said 12-21 s: it read SM activity from the recording's last second,
+    # where the daemon's GPM is the mean over the whole 10 s poll interval.
+    from tests.hangs.delays import one
+
+    directory = os.path.join(FIXTURES, "kernel-never-ends-1xh200")
+    firsts = [one(directory, phase, stacks=True)["first"] for phase in (0, 2, 5, 9)]
+    assert all(f is not None and 20.0 <= f <= 30.0 for f in firsts), firsts
