@@ -372,6 +372,7 @@ class FlightRank:
 
     def __init__(self, proc: ProcTree, pid: int, rank: int, dump: bytes) -> None:
         root = os.path.join(proc.root, str(pid), "root")
+        self.pid = pid
         self.pipe = root + f"{PIPE_PREFIX}{rank}.pipe"
         self.dump_path = root + f"{DUMP_PREFIX}{rank}"
         self.dump = dump

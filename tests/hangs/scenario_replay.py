@@ -121,18 +121,16 @@ class QuickFlight(NodeForensics):
     def flight(
         self, job: JobView, procfs: str, wait: Callable[[float], object]
     ) -> tuple[list[flight.GroupProgress], list[str]]:
-        before = [fr.triggered for fr in self.ranks]
+        # The ranks the node's path triggers: every live rank with a pipe reader. Waiting
+        # for those (not for "the ranks seen triggered so far") keeps a reader thread slow
+        # to notice its byte on a loaded machine from being read as no dump at all.
+        alive = {r.pid for r in job.ranks if r.alive and r.rank is not None}
+        expected = [(fr, fr.triggered) for fr in self.ranks if fr.pid in alive]
 
         def written(seconds: float) -> None:
-            deadline = time.monotonic() + seconds
+            deadline = time.monotonic() + max(seconds, 10.0)
             while time.monotonic() < deadline:
-                pending = [
-                    fr
-                    for fr, n in zip(self.ranks, before, strict=True)
-                    if fr.triggered > n and not fr.written.is_set()
-                ]
-                asked = [fr.triggered > n for fr, n in zip(self.ranks, before, strict=True)]
-                if not pending and any(asked):
+                if all(fr.triggered > n and fr.written.is_set() for fr, n in expected):
                     return
                 time.sleep(0.01)
 
