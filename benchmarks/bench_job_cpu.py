@@ -23,14 +23,11 @@ import argparse
 import contextlib
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +35,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_check import revision  # noqa: E402
+from benchmarks.bench_footprint import cpu_seconds  # noqa: E402
+from benchmarks.bench_scrape import free_port, rss_bytes, running_daemon, scrape  # noqa: E402
 from benchmarks.report import update_section  # noqa: E402
 
 CAPTURE = ROOT / "tests" / "fixtures" / "nvml" / "h200x4-load-record.json"
-TICK = os.sysconf("SC_CLK_TCK")
 SCRAPE_EVERY = 15.0
 GOAL_PERCENT = 0.6
 # A rank: its threads wait (CUDA, NCCL or gloo, OpenMP), its main thread steps.
@@ -59,24 +57,6 @@ RANK = (
 )
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def capture_with(pids: list[int], path: Path) -> Path:
     """The load capture with `pids` as its GPUs' compute processes (none: an idle node)."""
     cap = json.loads(CAPTURE.read_text())
@@ -89,58 +69,33 @@ def capture_with(pids: list[int], path: Path) -> Path:
     return path
 
 
-@contextlib.contextmanager
-def daemon(src: Path, capture: Path, work: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """`gpuwatchd run` of the tree at `src` on its defaults, NVML from `capture`."""
-    work.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(src), "PYTHONPYCACHEPREFIX": str(work / "pycache")}
-    env.pop("PYTHONDONTWRITEBYTECODE", None)  # bytecode cached, as installed
-    cmd = [sys.executable, "-m", "gpuwatchd", "run", "--nvml-replay", str(capture)]
-    cmd += ["--state-dir", str(work / "state"), "--listen", f"127.0.0.1:{port}"]
-    log = open(work / "daemon.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
-    proc.port = port  # type: ignore[attr-defined]
-    try:
-        yield proc
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        log.close()
+Daemon = tuple[subprocess.Popen[bytes], int]  # the process and its port
 
 
-def measure(
-    procs: dict[str, subprocess.Popen[bytes]], warmup: float, seconds: float
-) -> dict[str, Any]:
+def measure(procs: dict[str, Daemon], warmup: float, seconds: float) -> dict[str, Any]:
     """Each daemon's CPU (% of one core) and RSS over `seconds`, after `warmup`."""
     time.sleep(warmup)
-    c0 = {k: cpu_seconds(p.pid) for k, p in procs.items()}
+    c0 = {k: cpu_seconds(p.pid) for k, (p, _) in procs.items()}
     t0 = time.monotonic()
     while (left := seconds - (time.monotonic() - t0)) > 0:
-        for p in procs.values():
-            port = p.port  # type: ignore[attr-defined]
+        for _, port in procs.values():
             with contextlib.suppress(OSError):
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+                scrape(port)
         time.sleep(min(SCRAPE_EVERY, left))
     wall = time.monotonic() - t0
     return {
         k: {
             "cpu_percent": 100 * (cpu_seconds(p.pid) - c0[k]) / wall,
-            "rss_mib": rss_mib(p.pid),
-            "hangs": hangs(p),
-            "job_seen": job_seen(p),
+            "rss_mib": rss_bytes(p.pid) / 2**20,
+            "hangs": hangs(port),
+            "job_seen": job_seen(port),
         }
-        for k, p in procs.items()
+        for k, (p, port) in procs.items()
     }
 
 
-def hangs(proc: subprocess.Popen[bytes]) -> int:
+def hangs(port: int) -> int:
     """Hang records the daemon holds (a healthy job must raise none)."""
-    port = proc.port  # type: ignore[attr-defined]
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/hangs", timeout=10) as r:
             return int(json.loads(r.read()).get("count", 0))
@@ -148,9 +103,8 @@ def hangs(proc: subprocess.Popen[bytes]) -> int:
         return -1
 
 
-def job_seen(proc: subprocess.Popen[bytes]) -> bool:
+def job_seen(port: int) -> bool:
     """Whether the daemon groups the ranks into the torch job (its /status names it)."""
-    port = proc.port  # type: ignore[attr-defined]
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=10) as r:
             return b"torch:127.0.0.1:" in r.read()
@@ -158,16 +112,19 @@ def job_seen(proc: subprocess.Popen[bytes]) -> bool:
         return False
 
 
+def phase(trees: dict[str, Path], capture: Path, seconds: float) -> dict[str, Any]:
+    """Every tree's daemon on `capture` at once, measured side by side."""
+    with contextlib.ExitStack() as stack:
+        procs = {
+            k: stack.enter_context(running_daemon(str(capture), src=s)) for k, s in trees.items()
+        }
+        return measure(procs, 15.0, seconds)
+
+
 def run(trees: dict[str, Path], ranks: int, threads: int, seconds: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-job-cpu-") as tmp_name:
         tmp = Path(tmp_name)
-        idle_cap = capture_with([], tmp / "idle.json")
-        with contextlib.ExitStack() as stack:
-            procs = {
-                k: stack.enter_context(daemon(s, idle_cap, tmp / f"idle-{k}"))
-                for k, s in trees.items()
-            }
-            idle = measure(procs, 15.0, seconds)
+        idle = phase(trees, capture_with([], tmp / "idle.json"), seconds)
         jobs: list[subprocess.Popen[bytes]] = []
         master = free_port()
         try:
@@ -177,13 +134,7 @@ def run(trees: dict[str, Path], ranks: int, threads: int, seconds: float) -> dic
                 env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master))
                 cmd = [sys.executable, "-c", RANK, str(threads), str(tmp / f"rank{r}.out")]
                 jobs.append(subprocess.Popen(cmd, env=env))
-            job_cap = capture_with([p.pid for p in jobs], tmp / "job.json")
-            with contextlib.ExitStack() as stack:
-                procs = {
-                    k: stack.enter_context(daemon(s, job_cap, tmp / f"job-{k}"))
-                    for k, s in trees.items()
-                }
-                job = measure(procs, 15.0, seconds)
+            job = phase(trees, capture_with([p.pid for p in jobs], tmp / "job.json"), seconds)
         finally:
             for p in jobs:
                 p.kill()

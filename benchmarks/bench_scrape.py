@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -62,9 +63,11 @@ def scrape(port: int) -> tuple[float, int]:
 
 @contextmanager
 def running_daemon(
-    replay: str | None, config: str = ""
+    replay: str | None, config: str = "", src: Path = ROOT
 ) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
-    """`gpuwatchd run` on a free loopback port, up and answering; stopped on exit."""
+    """`gpuwatchd run` on a free loopback port, up and answering; stopped on exit. `src`:
+    the tree whose gpuwatchd runs (an earlier revision unpacked for a baseline), its
+    bytecode cached as an installed package has it."""
     port = free_port()
     state = tempfile.mkdtemp(prefix="gpuwatchd-bench-")
     cmd = [
@@ -82,7 +85,11 @@ def running_daemon(
     if config:
         (Path(state) / "config.yaml").write_text(config)
         cmd += ["--config", str(Path(state) / "config.yaml")]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.DEVNULL)
+    env = None
+    if src != ROOT:  # `python -m` puts the working directory first on sys.path
+        env = {**os.environ, "PYTHONPATH": str(src)}
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+    proc = subprocess.Popen(cmd, cwd=src, env=env, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
         while True:
