@@ -5,25 +5,36 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def _dry_run(script: str, out: Path, *args: str) -> dict[str, Any]:
+    """tests/gpu/SCRIPT OUT --dry-run ARGS: its last line, which must say ok and be what
+    it wrote to OUT/summary.json."""
+    done = subprocess.run(
+        ["bash", str(ROOT / "tests" / "gpu" / script), str(out), "--dry-run", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    assert done.returncode == 0 and result["ok"], done.stdout + done.stderr
+    assert result == json.loads((out / "summary.json").read_text())
+    return result
 
 
 def test_the_slowdown_run_keeps_steps_metrics_and_status_per_phase(tmp_path: Path) -> None:
     """slowdown_run.sh --dry-run: the daemon (replayed NVML) beside the job's fake steps;
     each phase has step times and scrapes of the GPU's series, summary.json says so."""
     out = tmp_path / "out"
-    done = subprocess.run(
-        ["bash", str(ROOT / "tests" / "gpu" / "slowdown_run.sh"), str(out), "--dry-run"]
-        + ["--phases", "base:0:2,plus30:0.3:2", "--scrape", "0.5", "--interval", "0.5"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
+    result = _dry_run(
+        "slowdown_run.sh",
+        out,
+        *("--phases", "base:0:2,plus30:0.3:2", "--scrape", "0.5", "--interval", "0.5"),
     )
-    result = json.loads(done.stdout.splitlines()[-1])
-    assert done.returncode == 0 and result["ok"], done.stdout + done.stderr
-    assert result == json.loads((out / "summary.json").read_text())
     assert result["daemon_exit"] == 0 and result["job_exit"] == 0
     base, slow = result["phases"]["base"], result["phases"]["plus30"]
     assert base["steps"] and base["scrapes"] and slow["steps"] and slow["scrapes"]
@@ -39,16 +50,7 @@ def test_the_multi_gpu_slowdown_run_dry_run_writes_its_summary(tmp_path: Path) -
     phase's step rate, the alert timing, false alerts and the cost, and the ranks' own step
     times show the slowed phase (a replay does not follow the job: no alert is expected)."""
     out = tmp_path / "out"
-    done = subprocess.run(
-        ["bash", str(ROOT / "tests" / "gpu" / "slowdown_multi.sh"), str(out), "--dry-run"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
-    result = json.loads(done.stdout.splitlines()[-1])
-    assert done.returncode == 0 and result["ok"], done.stdout + done.stderr
-    assert result == json.loads((out / "summary.json").read_text())
+    result = _dry_run("slowdown_multi.sh", out)
     assert set(result) >= {
         "phases",
         "slowed",
