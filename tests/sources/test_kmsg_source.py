@@ -234,21 +234,28 @@ def test_reports_from_a_file_backend(tmp_path: Path) -> None:
     assert "sequence" not in dict(evs[0].attrs)
 
 
+class _IdleReader:
+    """A kernel log reader with nothing lost, no cursor and nothing to close."""
+
+    name = "kmsg"
+
+    def interrupt(self) -> None:
+        pass
+
+    def cursor(self) -> str:
+        return ""
+
+    def take_lost(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
 def test_a_reader_bug_backs_off_instead_of_spinning(tmp_path: Path) -> None:
-    class Broken:
-        name = "kmsg"
-
-        def read(self, timeout: float) -> list:
+    class Broken(_IdleReader):
+        def read(self, timeout: float) -> list[object]:
             raise ValueError("bug in a reader")
-
-        def cursor(self) -> str:
-            return ""
-
-        def take_lost(self) -> int:
-            return 0
-
-        def close(self) -> None:
-            pass
 
     cfg = kmsg_config(tmp_path, tmp_path / "kmsg")
     clock = FakeClock()
@@ -272,27 +279,13 @@ def test_the_first_read_never_waits_so_a_restart_caught_up_starts_at_once(tmp_pa
     waited the blocking reader's 10 s: the daemon's start-up (which waits for every first
     poll) took 10 s longer on a used state dir. The first read says "caught up" at once."""
 
-    class Caught:  # a /dev/kmsg reader at the end of the log: each read waits its timeout
-        name = "kmsg"
-
+    class Caught(_IdleReader):  # a /dev/kmsg reader at the end of the log
         def __init__(self) -> None:
             self.waits: list[float] = []
 
         def read(self, timeout: float) -> list[object]:
-            self.waits.append(timeout)
+            self.waits.append(timeout)  # each read waits its timeout
             return []
-
-        def interrupt(self) -> None:
-            pass
-
-        def cursor(self) -> str:
-            return ""
-
-        def take_lost(self) -> int:
-            return 0
-
-        def close(self) -> None:
-            pass
 
     reader = Caught()
     cfg = kmsg_config(tmp_path, tmp_path / "kmsg")
